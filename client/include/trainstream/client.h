@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: Apache-2.0
+// The trainstream client library: a session with trainstreamd, its shared host buffers, the
+// doorbell, and inspection. No gRPC or protobuf type appears here.
+#ifndef TRAINSTREAM_CLIENT_H_
+#define TRAINSTREAM_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace trainstream::client {
+
+struct SessionOptions {
+  std::string socket_path;  // empty: ipc::DefaultSocketPath()
+  std::string job_id;       // empty: "default"
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // Register every mapped segment with CUDA (pinned, DMA-capable) when a GPU is present.
+  bool register_with_cuda = true;
+};
+
+struct BufferInfo {
+  uint64_t buffer_id = 0;
+  std::string name;
+  uint64_t segment_id = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::string tag;
+  bool read_only = false;
+  std::string owner_session_id;
+};
+
+struct AllocateOptions {
+  std::string tag;
+  uint64_t alignment = 0;  // 0: 4096
+  bool sealable = false;   // may later be sealed read-only and shared
+};
+
+// A doorbell message (see ipc::DoorbellMessage for the kinds).
+struct Notice {
+  uint32_t kind = 0;
+  uint64_t id = 0;
+  uint64_t step = 0;
+  uint64_t value = 0;
+};
+
+class MappedSegment;
+
+// A buffer mapped into this process. Keeps its segment mapped (and CUDA-registered) while any
+// HostBuffer of it lives. Immutable; the bytes may be used from any thread.
+class HostBuffer {
+ public:
+  HostBuffer(BufferInfo info, std::shared_ptr<MappedSegment> segment);
+  const BufferInfo& info() const { return info_; }
+  uint8_t* data() const;
+  uint64_t size() const { return info_.bytes; }
+  bool writable() const;
+  // True when the segment is registered with CUDA (copies are DMA at full PCIe speed).
+  bool cuda_registered() const;
+  const std::shared_ptr<MappedSegment>& segment() const { return segment_; }
+
+ private:
+  BufferInfo info_;
+  std::shared_ptr<MappedSegment> segment_;
+};
+
+// One session: opens on Create(), attaches its data connection, renews its lease in a
+// background thread, and closes on destruction. Every method is thread-safe. When the daemon
+// goes away, calls fail with UNAVAILABLE naming the socket, within the RPC timeout.
+class Session {
+ public:
+  static absl::StatusOr<std::unique_ptr<Session>> Create(const SessionOptions& options);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const std::string& id() const;
+  const std::string& socket_path() const;
+  // Closes the session; the daemon frees every buffer it owns. Idempotent.
+  absl::Status Close();
+
+  absl::StatusOr<std::shared_ptr<HostBuffer>> Allocate(const std::string& name, uint64_t bytes,
+                                                       const AllocateOptions& options = {});
+  // A buffer of this session's job by name (another session of the job may own it).
+  absl::StatusOr<std::shared_ptr<HostBuffer>> Lookup(const std::string& name);
+  absl::Status Free(const HostBuffer& buffer);
+  // Seals a sealable buffer read-only for every process. This process must hold no other
+  // HostBuffer of it (its writable mapping would block the seal); returns the read-only view.
+  absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(std::shared_ptr<HostBuffer> buffer);
+
+  // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it.
+  absl::Status Ring(const Notice& notice);
+  absl::StatusOr<Notice> Wait(int timeout_ms);
+  // One doorbell round trip (ping, pong); returns its duration.
+  absl::StatusOr<absl::Duration> Ping();
+
+  // Inspection, as the canonical JSON of the API's messages.
+  absl::StatusOr<std::string> StatusJson();
+  absl::StatusOr<std::string> SessionsJson();
+  absl::StatusOr<std::string> MemoryJson();
+  // Events after `since_seq`, as a JSON array.
+  absl::StatusOr<std::string> EventsJson(uint64_t since_seq);
+
+ private:
+  class Impl;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Control-plane round trip (GetStatus) against a daemon, without a session. For probes.
+absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path);
+
+}  // namespace trainstream::client
+
+#endif  // TRAINSTREAM_CLIENT_H_

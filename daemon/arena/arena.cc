@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "arena/arena.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+namespace {
+
+std::string Mib(uint64_t bytes) {
+  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+uint64_t RoundUp(uint64_t value, uint64_t unit) { return (value + unit - 1) / unit * unit; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
+  if (options.budget_bytes == 0) {
+    return absl::InvalidArgumentError("the host memory budget must be above zero");
+  }
+  if (options.segment_bytes == 0 || options.segment_granularity == 0 ||
+      options.segment_bytes % options.segment_granularity != 0) {
+    return absl::InvalidArgumentError("segment size must be a multiple of its granularity");
+  }
+  return std::unique_ptr<Arena>(new Arena(options));
+}
+
+absl::StatusOr<Arena::SegmentEntry*> Arena::NewSegmentLocked(const JobKey& job, uint64_t bytes,
+                                                             bool dedicated,
+                                                             const std::string& for_name) {
+  if (reserved_ + bytes > options_.budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "host memory budget exhausted: buffer '%s' needs a %s segment, but %s of the "
+        "daemon's %s budget is already reserved; free buffers or raise --memory_budget",
+        for_name, Mib(bytes), Mib(reserved_), Mib(options_.budget_bytes)));
+  }
+  uint64_t uid_reserved = reserved_by_uid_.contains(job.uid) ? reserved_by_uid_[job.uid] : 0;
+  if (options_.uid_quota_bytes != 0 && uid_reserved + bytes > options_.uid_quota_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "per-user quota exhausted: buffer '%s' needs a %s segment, but uid %d already holds "
+        "%s of its %s quota; free buffers or raise --uid_quota",
+        for_name, Mib(bytes), job.uid, Mib(uid_reserved), Mib(options_.uid_quota_bytes)));
+  }
+  uint64_t id = next_segment_id_++;
+  ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment, Segment::Create(id, bytes));
+  reserved_ += bytes;
+  reserved_by_uid_[job.uid] += bytes;
+  auto [it, inserted] = segments_.emplace(
+      id, SegmentEntry{std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
+  return &it->second;
+}
+
+absl::StatusOr<BufferRecord> Arena::Allocate(const AllocationRequest& request) {
+  const uint64_t alignment = request.alignment == 0 ? 4096 : request.alignment;
+  if ((alignment & (alignment - 1)) != 0 || alignment > options_.segment_granularity) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "alignment %d is not a power of two between 1 and %d", alignment,
+        options_.segment_granularity));
+  }
+  if (request.bytes == 0) return absl::InvalidArgumentError("a buffer needs at least one byte");
+  if (request.bytes > options_.budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "buffer '%s' asks for %s, more than the daemon's whole %s budget", request.name,
+        Mib(request.bytes), Mib(options_.budget_bytes)));
+  }
+  absl::MutexLock lock(&mu_);
+  auto& names = names_[request.job];
+  if (names.contains(request.name)) {
+    return absl::AlreadyExistsError(
+        absl::StrFormat("job already has a buffer named '%s'", request.name));
+  }
+  const bool dedicated = request.sealable || request.bytes >= options_.segment_bytes / 2;
+  SegmentEntry* entry = nullptr;
+  std::optional<uint64_t> offset;
+  if (!dedicated) {
+    for (auto& [id, candidate] : segments_) {
+      if (candidate.dedicated || !(candidate.job == request.job)) continue;
+      offset = candidate.allocator.Allocate(request.bytes, alignment);
+      if (offset) {
+        entry = &candidate;
+        break;
+      }
+    }
+  }
+  if (entry == nullptr) {
+    uint64_t bytes = dedicated ? RoundUp(request.bytes, options_.segment_granularity)
+                               : options_.segment_bytes;
+    ASSIGN_OR_RETURN(entry, NewSegmentLocked(request.job, bytes, dedicated, request.name));
+    offset = entry->allocator.Allocate(request.bytes, alignment);
+  }
+  ++entry->buffers;
+  BufferRecord record;
+  record.buffer_id = next_buffer_id_++;
+  record.name = request.name;
+  record.session_id = request.session_id;
+  record.segment_id = entry->segment->id();
+  record.offset = *offset;
+  record.bytes = request.bytes;
+  record.tag = request.tag.empty() ? "untagged" : request.tag;
+  record.sealable = dedicated && request.sealable;
+  names[request.name] = record.buffer_id;
+  buffer_jobs_[record.buffer_id] = request.job;
+  buffers_[record.buffer_id] = record;
+  return record;
+}
+
+absl::StatusOr<BufferRecord> Arena::Lookup(const JobKey& job, const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto job_names = names_.find(job);
+  if (job_names == names_.end() || !job_names->second.contains(name)) {
+    return absl::NotFoundError(absl::StrFormat("no buffer named '%s' in this job", name));
+  }
+  return buffers_.at(job_names->second.at(name));
+}
+
+absl::StatusOr<const BufferRecord*> Arena::FindOwnedLocked(const JobKey& job,
+                                                           const std::string& session_id,
+                                                           uint64_t buffer_id) const {
+  auto job_it = buffer_jobs_.find(buffer_id);
+  if (job_it == buffer_jobs_.end() || !(job_it->second == job)) {
+    return absl::NotFoundError(absl::StrFormat("no buffer %d in this job", buffer_id));
+  }
+  const BufferRecord& record = buffers_.at(buffer_id);
+  if (record.session_id != session_id) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "buffer '%s' belongs to another session of the job; only its owner may change it",
+        record.name));
+  }
+  return &record;
+}
+
+void Arena::ReleaseBufferLocked(uint64_t buffer_id) {
+  BufferRecord record = buffers_.at(buffer_id);
+  JobKey job = buffer_jobs_.at(buffer_id);
+  buffers_.erase(buffer_id);
+  buffer_jobs_.erase(buffer_id);
+  auto names = names_.find(job);
+  names->second.erase(record.name);
+  if (names->second.empty()) names_.erase(names);
+  SegmentEntry& entry = segments_.at(record.segment_id);
+  entry.allocator.Release(record.offset, record.bytes);
+  if (--entry.buffers == 0) {
+    // Empty segments go back to the machine at once: other jobs may be waiting for the memory.
+    uint64_t bytes = entry.segment->bytes();
+    reserved_ -= bytes;
+    if ((reserved_by_uid_[job.uid] -= bytes) == 0) reserved_by_uid_.erase(job.uid);
+    segments_.erase(record.segment_id);
+  }
+}
+
+absl::Status Arena::Free(const JobKey& job, const std::string& session_id, uint64_t buffer_id) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(FindOwnedLocked(job, session_id, buffer_id).status());
+  ReleaseBufferLocked(buffer_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BufferRecord> Arena::Seal(const JobKey& job, const std::string& session_id,
+                                         uint64_t buffer_id) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const BufferRecord* record, FindOwnedLocked(job, session_id, buffer_id));
+  if (!record->sealable) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "buffer '%s' was not allocated sealable; allocate it with sealable=true to share it "
+        "read-only",
+        record->name));
+  }
+  RETURN_IF_ERROR(segments_.at(record->segment_id).segment->Seal());
+  BufferRecord& mutable_record = buffers_.at(buffer_id);
+  mutable_record.read_only = true;
+  return mutable_record;
+}
+
+uint64_t Arena::ReleaseSession(const JobKey& job, const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> owned;
+  for (const auto& [id, record] : buffers_) {
+    if (record.session_id == session_id && buffer_jobs_.at(id) == job) owned.push_back(id);
+  }
+  uint64_t released = 0;
+  for (uint64_t id : owned) {
+    released += buffers_.at(id).bytes;
+    ReleaseBufferLocked(id);
+  }
+  return released;
+}
+
+absl::StatusOr<SegmentGrant> Arena::GrantSegment(const JobKey& job, uint64_t segment_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = segments_.find(segment_id);
+  if (it == segments_.end() || !(it->second.job == job)) {
+    return absl::NotFoundError(absl::StrFormat("no segment %d in this job", segment_id));
+  }
+  SegmentGrant grant;
+  grant.fd.Reset(::fcntl(it->second.segment->fd(), F_DUPFD_CLOEXEC, 0));
+  if (!grant.fd.valid()) return ErrnoStatus(errno, "duplicating a segment descriptor");
+  grant.bytes = it->second.segment->bytes();
+  grant.read_only = it->second.segment->sealed();
+  return grant;
+}
+
+absl::StatusOr<uint8_t*> Arena::BufferData(const JobKey& job, uint64_t buffer_id) const {
+  absl::MutexLock lock(&mu_);
+  auto job_it = buffer_jobs_.find(buffer_id);
+  if (job_it == buffer_jobs_.end() || !(job_it->second == job)) {
+    return absl::NotFoundError(absl::StrFormat("no buffer %d in this job", buffer_id));
+  }
+  const BufferRecord& record = buffers_.at(buffer_id);
+  return segments_.at(record.segment_id).segment->data() + record.offset;
+}
+
+uint64_t Arena::reserved_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return reserved_;
+}
+
+ArenaUsage Arena::Usage() const {
+  absl::MutexLock lock(&mu_);
+  ArenaUsage usage;
+  usage.budget_bytes = options_.budget_bytes;
+  usage.uid_quota_bytes = options_.uid_quota_bytes;
+  usage.reserved_bytes = reserved_;
+  usage.segments = segments_.size();
+  std::map<std::string, UsageRow> by_uid, by_session, by_tag;
+  for (const auto& [uid, bytes] : reserved_by_uid_) {
+    by_uid[std::to_string(uid)] = UsageRow{std::to_string(uid), bytes, 0};
+  }
+  for (const auto& [id, record] : buffers_) {
+    std::string uid = std::to_string(buffer_jobs_.at(id).uid);
+    by_uid[uid].key = uid;
+    ++by_uid[uid].buffers;
+    for (auto* rows : {&by_session, &by_tag}) {
+      const std::string& key = rows == &by_session ? record.session_id : record.tag;
+      UsageRow& row = (*rows)[key];
+      row.key = key;
+      row.bytes += record.bytes;
+      ++row.buffers;
+    }
+  }
+  for (auto& [key, row] : by_uid) usage.by_uid.push_back(row);
+  for (auto& [key, row] : by_session) usage.by_session.push_back(row);
+  for (auto& [key, row] : by_tag) usage.by_tag.push_back(row);
+  return usage;
+}
+
+}  // namespace trainstream::daemon

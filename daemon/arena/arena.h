@@ -1,0 +1,146 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_ARENA_ARENA_H_
+#define TRAINSTREAM_DAEMON_ARENA_ARENA_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "arena/offset_allocator.h"
+#include "arena/segment.h"
+#include "ipc/unique_fd.h"
+
+namespace trainstream::daemon {
+
+// The jobs a buffer's name and segments belong to: one uid's sessions with one job id.
+struct JobKey {
+  uid_t uid = 0;
+  std::string job_id;
+  friend bool operator==(const JobKey&, const JobKey&) = default;
+  template <typename H>
+  friend H AbslHashValue(H h, const JobKey& k) {
+    return H::combine(std::move(h), k.uid, k.job_id);
+  }
+};
+
+struct AllocationRequest {
+  JobKey job;
+  std::string session_id;  // the owner: freed with it
+  std::string name;
+  uint64_t bytes = 0;
+  uint64_t alignment = 4096;
+  std::string tag;
+  bool sealable = false;
+};
+
+struct BufferRecord {
+  uint64_t buffer_id = 0;
+  std::string name;
+  std::string session_id;
+  uint64_t segment_id = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::string tag;
+  bool read_only = false;
+  bool sealable = false;
+};
+
+// A segment handed to a client: a duplicate of its fd (the caller owns it) and its size.
+struct SegmentGrant {
+  ipc::UniqueFd fd;
+  uint64_t bytes = 0;
+  bool read_only = false;
+};
+
+struct UsageRow {
+  std::string key;
+  uint64_t bytes = 0;
+  uint32_t buffers = 0;
+};
+
+struct ArenaUsage {
+  uint64_t budget_bytes = 0;
+  uint64_t uid_quota_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t segments = 0;
+  std::vector<UsageRow> by_uid;      // reserved segment bytes per uid
+  std::vector<UsageRow> by_session;  // buffer bytes per owning session
+  std::vector<UsageRow> by_tag;      // buffer bytes per tag
+};
+
+// The daemon's host memory: segments (see Segment) carved into named, aligned buffers.
+// Small buffers of one job share segments; a buffer of half a segment or more, or one that may
+// be sealed, gets a segment of its own. A segment never holds two jobs' buffers, since mapping
+// it exposes all of it. Reservations are checked against the machine budget and the per-uid
+// quota before any memory is touched. Thread-safe.
+class Arena {
+ public:
+  struct Options {
+    uint64_t budget_bytes = uint64_t{8} << 30;
+    uint64_t uid_quota_bytes = 0;                 // 0: none
+    uint64_t segment_bytes = uint64_t{64} << 20;  // shared-segment size for small buffers
+    uint64_t segment_granularity = uint64_t{2} << 20;
+  };
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(const Options& options);
+
+  // ALREADY_EXISTS for a name the job already uses; RESOURCE_EXHAUSTED past the budget or
+  // quota, with the numbers; INVALID_ARGUMENT for a bad alignment or size.
+  absl::StatusOr<BufferRecord> Allocate(const AllocationRequest& request);
+  // NOT_FOUND unless the job has a buffer of that name.
+  absl::StatusOr<BufferRecord> Lookup(const JobKey& job, const std::string& name) const;
+  // Only the owning session may free or seal; another session of the job gets
+  // PERMISSION_DENIED, anyone else NOT_FOUND.
+  absl::Status Free(const JobKey& job, const std::string& session_id, uint64_t buffer_id);
+  absl::StatusOr<BufferRecord> Seal(const JobKey& job, const std::string& session_id,
+                                    uint64_t buffer_id);
+  // Frees everything `session_id` owns; returns the buffer bytes released.
+  uint64_t ReleaseSession(const JobKey& job, const std::string& session_id);
+  // A duplicate fd of one of the job's segments. NOT_FOUND for any other segment.
+  absl::StatusOr<SegmentGrant> GrantSegment(const JobKey& job, uint64_t segment_id) const;
+  // The daemon's own view of a buffer's bytes (read-only once sealed). Valid until freed.
+  absl::StatusOr<uint8_t*> BufferData(const JobKey& job, uint64_t buffer_id) const;
+
+  ArenaUsage Usage() const;
+  uint64_t reserved_bytes() const;
+
+ private:
+  struct SegmentEntry {
+    std::unique_ptr<Segment> segment;
+    OffsetAllocator allocator;
+    JobKey job;
+    bool dedicated = false;
+    uint32_t buffers = 0;
+  };
+  explicit Arena(const Options& options) : options_(options) {}
+  absl::StatusOr<SegmentEntry*> NewSegmentLocked(const JobKey& job, uint64_t bytes,
+                                                 bool dedicated, const std::string& for_name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseBufferLocked(uint64_t buffer_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<const BufferRecord*> FindOwnedLocked(const JobKey& job,
+                                                      const std::string& session_id,
+                                                      uint64_t buffer_id) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  uint64_t next_segment_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_buffer_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uid_t, uint64_t> reserved_by_uid_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, SegmentEntry> segments_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, BufferRecord> buffers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, JobKey> buffer_jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<JobKey, std::map<std::string, uint64_t>> names_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_ARENA_ARENA_H_

@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "arena/arena.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "ipc/shared_mapping.h"
+
+namespace trainstream::daemon {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+std::unique_ptr<Arena> MakeArena(uint64_t budget = 64 * kMiB, uint64_t quota = 0) {
+  Arena::Options options;
+  options.budget_bytes = budget;
+  options.uid_quota_bytes = quota;
+  options.segment_bytes = 4 * kMiB;
+  auto arena = Arena::Create(options);
+  EXPECT_TRUE(arena.ok()) << arena.status();
+  return std::move(*arena);
+}
+
+AllocationRequest Request(std::string name, uint64_t bytes, uid_t uid = 1000,
+                          std::string session = "s1") {
+  AllocationRequest r;
+  r.job = {uid, "job"};
+  r.session_id = std::move(session);
+  r.name = std::move(name);
+  r.bytes = bytes;
+  return r;
+}
+
+TEST(ArenaTest, OffsetsHonourAlignment) {
+  auto arena = MakeArena();
+  for (uint64_t alignment : {1u, 64u, 4096u, 65536u}) {
+    AllocationRequest r = Request("a" + std::to_string(alignment), 100);
+    r.alignment = alignment;
+    auto record = arena->Allocate(r);
+    ASSERT_TRUE(record.ok()) << record.status();
+    EXPECT_EQ(record->offset % alignment, 0u) << alignment;
+  }
+  AllocationRequest odd = Request("odd", 100);
+  odd.alignment = 48;
+  EXPECT_EQ(arena->Allocate(odd).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ArenaTest, SmallBuffersShareASegmentAndFreedRangesAreReused) {
+  auto arena = MakeArena();
+  auto a = *arena->Allocate(Request("a", 8192));
+  auto b = *arena->Allocate(Request("b", 8192));
+  EXPECT_EQ(a.segment_id, b.segment_id);
+  EXPECT_NE(a.offset, b.offset);
+  ASSERT_TRUE(arena->Free({1000, "job"}, "s1", a.buffer_id).ok());
+  auto c = *arena->Allocate(Request("c", 8192));
+  EXPECT_EQ(c.segment_id, a.segment_id);
+  EXPECT_EQ(c.offset, a.offset);
+  EXPECT_EQ(arena->Usage().segments, 1u);
+}
+
+TEST(ArenaTest, EmptySegmentsAreReturned) {
+  auto arena = MakeArena();
+  auto big = *arena->Allocate(Request("big", 3 * kMiB));  // dedicated: over half a segment
+  EXPECT_EQ(arena->reserved_bytes(), 4 * kMiB);
+  ASSERT_TRUE(arena->Free({1000, "job"}, "s1", big.buffer_id).ok());
+  EXPECT_EQ(arena->reserved_bytes(), 0u);
+}
+
+TEST(ArenaTest, BudgetIsEnforcedWithTheNumbers) {
+  auto arena = MakeArena(/*budget=*/8 * kMiB);
+  ASSERT_TRUE(arena->Allocate(Request("a", 6 * kMiB)).ok());
+  absl::Status refused = arena->Allocate(Request("b", 4 * kMiB)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("budget"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("'b'"), std::string::npos) << refused;
+  EXPECT_EQ(arena->Allocate(Request("huge", 1ull << 50)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(ArenaTest, QuotaIsPerUid) {
+  auto arena = MakeArena(/*budget=*/64 * kMiB, /*quota=*/8 * kMiB);
+  ASSERT_TRUE(arena->Allocate(Request("a", 6 * kMiB, 1000)).ok());
+  absl::Status refused = arena->Allocate(Request("b", 4 * kMiB, 1000)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("quota"), std::string::npos) << refused;
+  EXPECT_TRUE(arena->Allocate(Request("b", 4 * kMiB, 1001)).ok());
+}
+
+TEST(ArenaTest, NamesAreUniquePerJobAndJobsAreIsolated) {
+  auto arena = MakeArena();
+  auto mine = *arena->Allocate(Request("x", 100, 1000));
+  EXPECT_EQ(arena->Allocate(Request("x", 100, 1000)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto theirs = *arena->Allocate(Request("x", 100, 1001));
+  EXPECT_NE(mine.segment_id, theirs.segment_id);  // never two jobs in one segment
+  EXPECT_EQ(arena->Lookup({1001, "job"}, "nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(arena->GrantSegment({1001, "job"}, mine.segment_id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(arena->Free({1001, "job"}, "s1", mine.buffer_id).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ArenaTest, OnlyTheOwningSessionFrees) {
+  auto arena = MakeArena();
+  auto record = *arena->Allocate(Request("x", 100));
+  EXPECT_EQ(arena->Free({1000, "job"}, "s2", record.buffer_id).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(arena->ReleaseSession({1000, "job"}, "s1"), 100u);
+  EXPECT_EQ(arena->Lookup({1000, "job"}, "x").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(arena->reserved_bytes(), 0u);
+}
+
+TEST(ArenaTest, GrantedSegmentSharesBytesWithTheDaemon) {
+  auto arena = MakeArena();
+  auto record = *arena->Allocate(Request("x", 4096));
+  auto grant = arena->GrantSegment({1000, "job"}, record.segment_id);
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  auto mapping = ipc::SharedMapping::Map(grant->fd.get(), grant->bytes, true);
+  ASSERT_TRUE(mapping.ok());
+  std::memcpy(mapping->data() + record.offset, "shared", 6);
+  uint8_t* daemon_view = *arena->BufferData({1000, "job"}, record.buffer_id);
+  EXPECT_EQ(std::memcmp(daemon_view, "shared", 6), 0);
+  // The size is sealed: a client cannot shrink the segment under the daemon's mapping.
+  EXPECT_NE(::ftruncate(grant->fd.get(), 0), 0);
+}
+
+TEST(ArenaTest, SealedSegmentsRefuseWrites) {
+  auto arena = MakeArena();
+  AllocationRequest r = Request("base", 4096);
+  r.sealable = true;
+  auto record = *arena->Allocate(r);
+  {
+    auto grant = *arena->GrantSegment({1000, "job"}, record.segment_id);
+    auto writable = *ipc::SharedMapping::Map(grant.fd.get(), grant.bytes, true);
+    std::memcpy(writable.data(), "frozen", 6);
+    // Sealing must wait until nobody can write any more.
+    EXPECT_EQ(arena->Seal({1000, "job"}, "s1", record.buffer_id).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  auto sealed = arena->Seal({1000, "job"}, "s1", record.buffer_id);
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
+  EXPECT_TRUE(sealed->read_only);
+  auto grant = *arena->GrantSegment({1000, "job"}, record.segment_id);
+  EXPECT_TRUE(grant.read_only);
+  EXPECT_EQ(ipc::SharedMapping::Map(grant.fd.get(), grant.bytes, true).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_LT(::pwrite(grant.fd.get(), "x", 1, 0), 0);
+  auto readable = *ipc::SharedMapping::Map(grant.fd.get(), grant.bytes, false);
+  EXPECT_EQ(std::memcmp(readable.data(), "frozen", 6), 0);
+  auto unsealable = *arena->Allocate(Request("plain", 64));
+  EXPECT_EQ(arena->Seal({1000, "job"}, "s1", unsealable.buffer_id).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ArenaTest, UsageIsAccountedBySessionTagAndUid) {
+  auto arena = MakeArena();
+  AllocationRequest a = Request("a", 1000, 1000, "s1");
+  a.tag = "grad";
+  AllocationRequest b = Request("b", 3000, 1000, "s2");
+  b.tag = "grad";
+  AllocationRequest c = Request("c", 500, 1001, "s3");
+  ASSERT_TRUE(arena->Allocate(a).ok());
+  ASSERT_TRUE(arena->Allocate(b).ok());
+  ASSERT_TRUE(arena->Allocate(c).ok());
+  ArenaUsage usage = arena->Usage();
+  ASSERT_EQ(usage.by_tag.size(), 2u);
+  EXPECT_EQ(usage.by_tag[0].key, "grad");
+  EXPECT_EQ(usage.by_tag[0].bytes, 4000u);
+  EXPECT_EQ(usage.by_tag[1].key, "untagged");
+  ASSERT_EQ(usage.by_session.size(), 3u);
+  EXPECT_EQ(usage.by_session[1].bytes, 3000u);
+  ASSERT_EQ(usage.by_uid.size(), 2u);
+  EXPECT_EQ(usage.by_uid[0].bytes, 4 * kMiB);
+  EXPECT_EQ(usage.reserved_bytes, 8 * kMiB);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon

@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_CONFIG_DAEMON_OPTIONS_H_
+#define TRAINSTREAM_DAEMON_CONFIG_DAEMON_OPTIONS_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace trainstream::daemon {
+
+// Everything trainstreamd is told, after the config file and the flags are merged.
+struct DaemonOptions {
+  std::string socket_path;
+  std::string data_socket_path;
+  mode_t socket_mode = 0600;
+  uint64_t budget_bytes = 0;
+  uint64_t uid_quota_bytes = 0;  // 0: none
+  uint32_t threads = 0;          // resolved: never 0
+  std::string log_level = "info";
+  std::string admin_group;
+  absl::Duration lease = absl::Seconds(10);
+  absl::Duration drain_timeout = absl::Seconds(30);
+  uint32_t event_ring_size = 4096;
+};
+
+// Command-line values; unset ones fall back to the config file, then to defaults.
+struct DaemonFlags {
+  std::string config_path;
+  std::optional<std::string> socket_path;
+  std::optional<std::string> memory_budget;
+  std::optional<std::string> uid_quota;
+  std::optional<uint32_t> threads;
+  std::optional<std::string> log_level;
+  std::optional<uint32_t> lease_ms;
+};
+
+// Reads the config file (protobuf text format of trainstream.daemon.DaemonConfig) if one is
+// named and merges the flags over it. Errors name the file, line and field.
+absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags);
+
+// "123", "64K", "512M", "8G", "1T" (powers of 1024), or "N%" of `total_bytes`.
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& text, uint64_t total_bytes);
+
+// MemTotal of /proc/meminfo in bytes.
+absl::StatusOr<uint64_t> MachineMemoryBytes();
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_CONFIG_DAEMON_OPTIONS_H_

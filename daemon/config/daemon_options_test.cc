@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "config/daemon_options.h"
+
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace trainstream::daemon {
+namespace {
+
+TEST(ParseByteSizeTest, SuffixesAndPercentages) {
+  EXPECT_EQ(*ParseByteSize("4096", 0), 4096u);
+  EXPECT_EQ(*ParseByteSize("64K", 0), 64u << 10);
+  EXPECT_EQ(*ParseByteSize("512M", 0), 512u << 20);
+  EXPECT_EQ(*ParseByteSize("8G", 0), uint64_t{8} << 30);
+  EXPECT_EQ(*ParseByteSize("1.5GiB", 0), uint64_t{3} << 29);
+  EXPECT_EQ(*ParseByteSize("25%", 1000), 250u);
+  for (const char* bad : {"", "lots", "-1G", "150%", "12Q"}) {
+    EXPECT_EQ(ParseByteSize(bad, 1000).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+std::string WriteFile(const std::string& text) {
+  std::string path = ::testing::TempDir() + "/trainstreamd_test.conf";
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(LoadDaemonOptionsTest, FlagsOverrideTheFile) {
+  DaemonFlags flags;
+  flags.config_path = WriteFile(
+      "# comment\nsocket_path: \"/tmp/ts-test/d.sock\"\nmemory_budget: \"1G\"\n"
+      "socket_mode: \"0660\"\nlease_ms: 500\n");
+  flags.memory_budget = "2G";
+  absl::StatusOr<DaemonOptions> options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->socket_path, "/tmp/ts-test/d.sock");
+  EXPECT_EQ(options->data_socket_path, "/tmp/ts-test/d.sock.data");
+  EXPECT_EQ(options->budget_bytes, uint64_t{2} << 30);
+  EXPECT_EQ(options->socket_mode, 0660u);
+  EXPECT_EQ(options->lease, absl::Milliseconds(500));
+  EXPECT_GT(options->threads, 0u);
+}
+
+TEST(LoadDaemonOptionsTest, ErrorsNameTheProblem) {
+  DaemonFlags flags;
+  flags.config_path = WriteFile("memory_budjet: \"1G\"\n");
+  absl::Status status = LoadDaemonOptions(flags).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("line 1"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("memory_budjet"), std::string::npos) << status;
+
+  flags.config_path = "/nonexistent/trainstreamd.conf";
+  EXPECT_EQ(LoadDaemonOptions(flags).status().code(), absl::StatusCode::kNotFound);
+
+  DaemonFlags long_path;
+  long_path.socket_path = "/tmp/" + std::string(110, 'x');
+  EXPECT_EQ(LoadDaemonOptions(long_path).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon

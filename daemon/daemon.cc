@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "daemon.h"
+
+#include <mutex>
+
+#include "absl/strings/str_format.h"
+#include "arena/arena.h"
+#include "dataplane/data_channel_server.h"
+#include "doorbell/doorbell_dispatcher.h"
+#include "events/event_log.h"
+#include "events/logger.h"
+#include "gpu/gpu_probe.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "rpc/connection_credentials.h"
+#include "rpc/control_listener.h"
+#include "rpc/trainstream_service.h"
+#include "sessions/session_registry.h"
+#include "trainstream/status_macros.h"
+#include "trainstream/version.h"
+
+namespace trainstream::daemon {
+namespace {
+constexpr char kHealthServiceName[] = "trainstream.v1.TrainStream";
+}
+
+Daemon::Daemon(const DaemonOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& options) {
+  auto daemon = std::unique_ptr<Daemon>(new Daemon(options));
+  RETURN_IF_ERROR(daemon->Start());
+  return daemon;
+}
+
+absl::Status Daemon::Start() {
+  ASSIGN_OR_RETURN(LogLevel level, ParseLogLevel(options_.log_level));
+  SetLogLevel(level);
+  events_ = std::make_unique<EventLog>(options_.event_ring_size);
+  Arena::Options arena_options;
+  arena_options.budget_bytes = options_.budget_bytes;
+  arena_options.uid_quota_bytes = options_.uid_quota_bytes;
+  ASSIGN_OR_RETURN(arena_, Arena::Create(arena_options));
+  credentials_ = std::make_unique<ConnectionCredentials>();
+
+  // Everything a session held goes when it ends, whatever ended it.
+  sessions_ = std::make_unique<SessionRegistry>(
+      SessionRegistry::Options{options_.lease, 256}, [this](const Session& s, SessionEnd why) {
+        if (doorbells_) doorbells_->Remove(s.id);
+        if (data_server_) data_server_->Disconnect(s.id);
+        uint64_t released = arena_->ReleaseSession(s.job, s.id);
+        events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
+                      absl::StrFormat("session of pid %d ended (%s); released %d buffer bytes",
+                                      s.owner.pid, SessionEndName(why), released),
+                      {{"released_bytes", static_cast<double>(released)},
+                       {"age_s", absl::ToDoubleSeconds(absl::Now() - s.opened)}},
+                      s.id, s.owner.uid);
+      });
+  ASSIGN_OR_RETURN(doorbells_,
+                   DoorbellDispatcher::Create([this](const std::string& id, const std::string& why) {
+                     events_->Emit("doorbell.protocol_error", why, {}, id);
+                     sessions_->End(id, SessionEnd::kProtocolError).IgnoreError();
+                   }));
+  ASSIGN_OR_RETURN(data_server_,
+                   DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
+                                              options_.admin_group},
+                                             sessions_.get(), arena_.get(), doorbells_.get(),
+                                             events_.get()));
+
+  DaemonFacts facts;
+  facts.version = kTrainStreamVersion;
+  facts.socket_path = options_.socket_path;
+  facts.data_socket_path = options_.data_socket_path;
+  facts.threads = options_.threads;
+  facts.started = absl::Now();
+  facts.gpus = ProbeInstalledGpus();
+  if (facts.gpus.gpus.empty()) {
+    events_->Emit("gpu.none", facts.gpus.note);
+  } else {
+    for (const GpuDescription& gpu : facts.gpus.gpus) {
+      events_->Emit("gpu.found", absl::StrFormat("GPU %d: %s (%s)", gpu.index, gpu.name, gpu.uuid),
+                    {{"index", gpu.index}, {"total_bytes", static_cast<double>(gpu.total_bytes)}});
+    }
+  }
+  service_ = std::make_unique<TrainStreamService>(std::move(facts), sessions_.get(), arena_.get(),
+                                                  events_.get(), credentials_.get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_) return absl::InternalError("the gRPC server did not start");
+  server_->GetHealthCheckService()->SetServingStatus(kHealthServiceName, true);
+  ASSIGN_OR_RETURN(listener_,
+                   ControlListener::Create(options_.socket_path, options_.socket_mode,
+                                           options_.admin_group, server_.get(),
+                                           credentials_.get()));
+  housekeeping_ = std::thread([this] { Housekeeping(); });
+  events_->Emit("daemon.start",
+                absl::StrFormat("trainstreamd %s serving %s", kTrainStreamVersion,
+                                options_.socket_path),
+                {{"budget_bytes", static_cast<double>(options_.budget_bytes)},
+                 {"uid_quota_bytes", static_cast<double>(options_.uid_quota_bytes)},
+                 {"threads", options_.threads},
+                 {"lease_ms", static_cast<double>(absl::ToInt64Milliseconds(options_.lease))}});
+  return absl::OkStatus();
+}
+
+void Daemon::Housekeeping() {
+  while (!stopping_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+    sessions_->ExpireLeases(absl::Now());
+  }
+}
+
+void Daemon::Shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    sessions_->StartDraining();
+    server_->GetHealthCheckService()->SetServingStatus(kHealthServiceName, false);
+    const size_t open = sessions_->size();
+    events_->Emit("daemon.draining",
+                  absl::StrFormat("refusing new sessions; waiting up to %s for %d open ones",
+                                  absl::FormatDuration(options_.drain_timeout), open),
+                  {{"sessions", static_cast<double>(open)}});
+    const absl::Time deadline = absl::Now() + options_.drain_timeout;
+    while (sessions_->size() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+    const size_t left = sessions_->size();
+    sessions_->EndAll(SessionEnd::kShutdown);
+    stopping_.Notify();
+    housekeeping_.join();
+    listener_->Stop();
+    service_->Shutdown();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    data_server_->Stop();
+    doorbells_->Stop();
+    events_->Emit("daemon.stop", "stopped", {{"sessions_ended_at_deadline", static_cast<double>(left)}});
+    stopped_.Notify();
+  });
+}
+
+void Daemon::Wait() { stopped_.WaitForNotification(); }
+
+Daemon::~Daemon() {
+  if (server_ != nullptr) Shutdown();
+}
+
+}  // namespace trainstream::daemon

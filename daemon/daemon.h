@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_DAEMON_H_
+#define TRAINSTREAM_DAEMON_DAEMON_H_
+
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "config/daemon_options.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace trainstream::daemon {
+
+class Arena;
+class ControlListener;
+class ConnectionCredentials;
+class DataChannelServer;
+class DoorbellDispatcher;
+class EventLog;
+class SessionRegistry;
+class TrainStreamService;
+
+// trainstreamd: wires the parts together and runs them until Shutdown(). Create() binds both
+// sockets and starts serving; Shutdown() drains (no new sessions, waits for the current ones up
+// to the drain timeout) and stops. Thread-safe.
+class Daemon {
+ public:
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonOptions& options);
+  ~Daemon();
+
+  // Blocks until Shutdown() has finished.
+  void Wait();
+  // Drains and stops; the second call returns at once.
+  void Shutdown();
+
+ private:
+  explicit Daemon(const DaemonOptions& options);
+  absl::Status Start();
+  void Housekeeping();
+
+  const DaemonOptions options_;
+  std::unique_ptr<EventLog> events_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<ConnectionCredentials> credentials_;
+  std::unique_ptr<SessionRegistry> sessions_;
+  std::unique_ptr<DoorbellDispatcher> doorbells_;
+  std::unique_ptr<DataChannelServer> data_server_;
+  std::unique_ptr<TrainStreamService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ControlListener> listener_;
+  absl::Notification stopping_;
+  absl::Notification stopped_;
+  std::thread housekeeping_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_DAEMON_H_

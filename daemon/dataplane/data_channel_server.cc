@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "dataplane/data_channel_server.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "ipc/fd_passing.h"
+#include "ipc/unix_socket.h"
+#include "trainstream/status_macros.h"
+#include "trainstream/v1/trainstream.pb.h"
+
+namespace trainstream::daemon {
+namespace {
+
+constexpr uint64_t kListenerKey = ~uint64_t{0};
+constexpr uint64_t kStopKey = ~uint64_t{0} - 1;
+
+absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool read_only = false,
+                   std::span<const int> fds = {}) {
+  v1::DataReply reply;
+  reply.set_code(static_cast<int>(status.code()));
+  reply.set_message(std::string(status.message()));
+  reply.set_bytes(bytes);
+  reply.set_read_only(read_only);
+  return ipc::SendMessage(fd, reply.SerializeAsString(), fds);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
+    const Options& options, SessionRegistry* registry, Arena* arena,
+    DoorbellDispatcher* doorbells, EventLog* events) {
+  ASSIGN_OR_RETURN(ipc::UniqueFd listener,
+                   ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
+  ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
+  ipc::UniqueFd stop(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!epoll.valid() || !stop.valid()) return ErrnoStatus(errno, "epoll/eventfd");
+  for (auto [fd, key] : {std::pair{listener.get(), kListenerKey}, {stop.get(), kStopKey}}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = key;
+    if (::epoll_ctl(epoll.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return ErrnoStatus(errno, "epoll_ctl");
+  }
+  return std::unique_ptr<DataChannelServer>(
+      new DataChannelServer(options, std::move(listener), std::move(epoll), std::move(stop),
+                            registry, arena, doorbells, events));
+}
+
+DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd listener,
+                                     ipc::UniqueFd epoll, ipc::UniqueFd stop,
+                                     SessionRegistry* registry, Arena* arena,
+                                     DoorbellDispatcher* doorbells, EventLog* events)
+    : options_(options),
+      listener_(std::move(listener)),
+      epoll_(std::move(epoll)),
+      stop_(std::move(stop)),
+      registry_(registry),
+      arena_(arena),
+      doorbells_(doorbells),
+      events_(events) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+DataChannelServer::~DataChannelServer() { Stop(); }
+
+void DataChannelServer::Stop() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    (void)::write(stop_.get(), &one, sizeof(one));
+    thread_.join();
+  }
+  absl::MutexLock lock(&mu_);
+  connections_.clear();
+  if (listener_.valid()) {
+    listener_.Reset();
+    ::unlink(options_.socket_path.c_str());
+  }
+}
+
+void DataChannelServer::Disconnect(const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [fd, connection] : connections_) {
+    // shutdown() rather than close(): the loop sees the hang-up and cleans up on its thread.
+    if (connection.session && connection.session->id == session_id) ::shutdown(fd, SHUT_RDWR);
+  }
+}
+
+void DataChannelServer::Loop() {
+  epoll_event events[64];
+  while (true) {
+    int n = ::epoll_wait(epoll_.get(), events, 64, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint64_t key = events[i].data.u64;
+      if (key == kStopKey) return;
+      if (key == kListenerKey) {
+        Accept();
+        continue;
+      }
+      const int fd = static_cast<int>(key);
+      bool keep = false;
+      if (events[i].events & EPOLLIN) {
+        absl::MutexLock lock(&mu_);
+        auto it = connections_.find(fd);
+        if (it != connections_.end()) keep = Serve(it->second);
+      }
+      if (!keep) Close(fd);
+    }
+  }
+}
+
+void DataChannelServer::Accept() {
+  ipc::UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (!fd.valid()) return;
+  absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd.get(), options_.admin_group);
+  if (!peer.ok()) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = static_cast<uint64_t>(fd.get());
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd.get(), &ev) != 0) return;
+  absl::MutexLock lock(&mu_);
+  int raw = fd.get();
+  connections_[raw] = Connection{std::move(fd), *peer, nullptr};
+}
+
+void DataChannelServer::Close(int fd) {
+  std::shared_ptr<const Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = connections_.find(fd);
+    if (it == connections_.end()) return;
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+    session = it->second.session;
+    connections_.erase(it);
+  }
+  // The session may already have ended (closed by RPC); then there is nothing left to do.
+  if (session) registry_->End(session->id, SessionEnd::kDisconnected).IgnoreError();
+}
+
+bool DataChannelServer::Serve(Connection& connection) {
+  const int fd = connection.fd.get();
+  absl::StatusOr<ipc::ReceivedMessage> message = ipc::ReceiveMessage(fd, 0, 0);
+  if (!message.ok()) {
+    if (message.status().code() == absl::StatusCode::kDeadlineExceeded) return true;  // spurious
+    return false;
+  }
+  v1::DataRequest request;
+  if (!request.ParseFromString(message->payload)) {
+    return Reply(fd, absl::InvalidArgumentError("data-socket message is not a DataRequest")).ok();
+  }
+  switch (request.request_case()) {
+    case v1::DataRequest::kAttach: {
+      if (connection.session) {
+        return Reply(fd, absl::FailedPreconditionError("this connection is already attached"))
+            .ok();
+      }
+      absl::StatusOr<std::shared_ptr<const Session>> session = registry_->Attach(
+          connection.peer, request.attach().session_id(), request.attach().attach_token());
+      if (!session.ok()) {
+        events_->Emit("session.attach_refused", std::string(session.status().message()), {},
+                      "", connection.peer.uid);
+        return Reply(fd, session.status()).ok();
+      }
+      absl::StatusOr<DoorbellGrant> grant = doorbells_->Add(*session);
+      if (!grant.ok()) return Reply(fd, grant.status()).ok();
+      connection.session = *session;
+      int fds[] = {grant->segment.get(), grant->to_daemon.get(), grant->to_client.get()};
+      return Reply(fd, absl::OkStatus(), grant->bytes, false, fds).ok();
+    }
+    case v1::DataRequest::kGetSegment: {
+      if (!connection.session) {
+        return Reply(fd, absl::FailedPreconditionError(
+                             "attach a session on this connection before asking for segments"))
+            .ok();
+      }
+      absl::StatusOr<SegmentGrant> grant =
+          arena_->GrantSegment(connection.session->job, request.get_segment().segment_id());
+      if (!grant.ok()) return Reply(fd, grant.status()).ok();
+      int fds[] = {grant->fd.get()};
+      return Reply(fd, absl::OkStatus(), grant->bytes, grant->read_only, fds).ok();
+    }
+    default:
+      return Reply(fd, absl::InvalidArgumentError("empty or unknown data-socket request")).ok();
+  }
+}
+
+}  // namespace trainstream::daemon

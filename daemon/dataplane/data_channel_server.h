@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_DATAPLANE_DATA_CHANNEL_SERVER_H_
+#define TRAINSTREAM_DAEMON_DATAPLANE_DATA_CHANNEL_SERVER_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "arena/arena.h"
+#include "doorbell/doorbell_dispatcher.h"
+#include "events/event_log.h"
+#include "ipc/unique_fd.h"
+#include "sessions/session_registry.h"
+
+namespace trainstream::daemon {
+
+// The data socket (SOCK_SEQPACKET): where a client attaches its session and receives segment
+// descriptors (SCM_RIGHTS). Each session keeps exactly one connection open for its whole life;
+// the daemon ends the session the moment that connection closes (a crashed or killed client
+// included), so its memory is reclaimed without waiting for the lease. Requests and replies
+// are trainstream.v1.DataRequest / DataReply. One thread, epoll. Thread-safe.
+class DataChannelServer {
+ public:
+  struct Options {
+    std::string socket_path;
+    mode_t socket_mode = 0600;
+    std::string admin_group;
+  };
+  static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
+      const Options& options, SessionRegistry* registry, Arena* arena,
+      DoorbellDispatcher* doorbells, EventLog* events);
+  ~DataChannelServer();
+
+  // Closes the session's data connection if it has one (after the session ended elsewhere).
+  void Disconnect(const std::string& session_id);
+  void Stop();
+
+ private:
+  struct Connection {
+    ipc::UniqueFd fd;
+    PeerCredentials peer;
+    std::shared_ptr<const Session> session;  // set once attached
+  };
+  DataChannelServer(const Options& options, ipc::UniqueFd listener, ipc::UniqueFd epoll,
+                    ipc::UniqueFd stop, SessionRegistry* registry, Arena* arena,
+                    DoorbellDispatcher* doorbells, EventLog* events);
+  void Loop();
+  void Accept();
+  // Returns false when the connection must close.
+  bool Serve(Connection& connection);
+  void Close(int fd);
+
+  const Options options_;
+  ipc::UniqueFd listener_;
+  ipc::UniqueFd epoll_;
+  ipc::UniqueFd stop_;
+  SessionRegistry* const registry_;
+  Arena* const arena_;
+  DoorbellDispatcher* const doorbells_;
+  EventLog* const events_;
+  absl::Mutex mu_;
+  std::map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_DATAPLANE_DATA_CHANNEL_SERVER_H_

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "events/event_log.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "events/logger.h"
+
+namespace trainstream::daemon {
+
+EventLog::EventLog(size_t capacity) : capacity_(capacity == 0 ? 1 : capacity) {}
+
+uint64_t EventLog::Emit(std::string kind, std::string message,
+                        std::vector<std::pair<std::string, double>> numbers,
+                        std::string session_id, std::optional<uid_t> uid) {
+  Event event;
+  event.time_unix_s = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  event.session_id = std::move(session_id);
+  event.uid = uid;
+  event.kind = std::move(kind);
+  event.message = std::move(message);
+  event.numbers = std::move(numbers);
+  std::string line = absl::StrCat(event.kind, " ", event.session_id.empty() ? "-" : event.session_id,
+                                  ": ", event.message);
+  for (const auto& [key, value] : event.numbers) absl::StrAppend(&line, " ", key, "=", value);
+  const bool refusal = event.kind.find("refused") != std::string::npos;
+  {
+    absl::MutexLock lock(&mu_);
+    event.seq = next_seq_++;
+    ring_.push_back(std::move(event));
+    while (ring_.size() > capacity_) ring_.pop_front();
+  }
+  Log(refusal ? LogLevel::kWarning : LogLevel::kInfo, line);
+  absl::MutexLock lock(&mu_);
+  return next_seq_ - 1;
+}
+
+std::vector<Event> EventLog::Since(uint64_t after,
+                                   const std::function<bool(const Event&)>& visible) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<Event> out;
+  for (const Event& event : ring_) {
+    if (event.seq > after && visible(event)) out.push_back(event);
+  }
+  return out;
+}
+
+bool EventLog::WaitForNewer(uint64_t after, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto newer = [this, after]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return next_seq_ - 1 > after; };
+  return mu_.AwaitWithTimeout(absl::Condition(&newer), timeout);
+}
+
+uint64_t EventLog::last_seq() const {
+  absl::MutexLock lock(&mu_);
+  return next_seq_ - 1;
+}
+
+}  // namespace trainstream::daemon

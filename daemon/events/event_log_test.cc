@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "events/event_log.h"
+
+#include <thread>
+
+#include "gtest/gtest.h"
+
+namespace trainstream::daemon {
+namespace {
+
+auto All = [](const Event&) { return true; };
+
+TEST(EventLogTest, KeepsTheNewestWithinCapacity) {
+  EventLog log(3);
+  for (int i = 0; i < 5; ++i) log.Emit("test.kind", "event " + std::to_string(i), {{"i", i}});
+  std::vector<Event> events = log.Since(0, All);
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events.front().seq, 3u);
+  EXPECT_EQ(events.back().message, "event 4");
+  EXPECT_EQ(events.back().numbers.at(0).second, 4);
+  EXPECT_EQ(log.Since(4, All).size(), 1u);
+}
+
+TEST(EventLogTest, FilterHidesOtherUsersEvents) {
+  EventLog log(10);
+  log.Emit("session.open", "mine", {}, "s1", 1000);
+  log.Emit("session.open", "theirs", {}, "s2", 1001);
+  log.Emit("gpu.none", "machine-wide");
+  auto visible = [](const Event& e) { return !e.uid.has_value() || *e.uid == 1000; };
+  std::vector<Event> events = log.Since(0, visible);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].message, "mine");
+  EXPECT_EQ(events[1].message, "machine-wide");
+}
+
+TEST(EventLogTest, WaiterWakesOnNewEvent) {
+  EventLog log(10);
+  EXPECT_FALSE(log.WaitForNewer(0, absl::Milliseconds(10)));
+  std::thread writer([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    log.Emit("test.kind", "late");
+  });
+  EXPECT_TRUE(log.WaitForNewer(0, absl::Seconds(5)));
+  writer.join();
+}
+
+}  // namespace
+}  // namespace trainstream::daemon

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: Apache-2.0
+// trainstreamd: flags into DaemonOptions, a signal thread, and the Daemon. Nothing else.
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "config/daemon_options.h"
+#include "daemon.h"
+#include "trainstream/version.h"
+
+ABSL_FLAG(std::string, config, "", "config file (protobuf text format of DaemonConfig)");
+ABSL_FLAG(std::optional<std::string>, socket, std::nullopt, "control socket path");
+ABSL_FLAG(std::optional<std::string>, memory_budget, std::nullopt,
+          "host memory all segments may reserve: 64G, 512M or 50%");
+ABSL_FLAG(std::optional<std::string>, uid_quota, std::nullopt,
+          "host memory one uid may reserve (0: no quota)");
+ABSL_FLAG(std::optional<uint32_t>, threads, std::nullopt, "optimizer threads (0: one per core)");
+ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt, "debug, info, warning or error");
+ABSL_FLAG(std::optional<uint32_t>, lease_ms, std::nullopt,
+          "reclaim a session whose client is silent this long");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("trainstreamd: the trainstream host-memory and optimizer daemon");
+  absl::ParseCommandLine(argc, argv);
+
+  trainstream::daemon::DaemonFlags flags;
+  flags.config_path = absl::GetFlag(FLAGS_config);
+  flags.socket_path = absl::GetFlag(FLAGS_socket);
+  flags.memory_budget = absl::GetFlag(FLAGS_memory_budget);
+  flags.uid_quota = absl::GetFlag(FLAGS_uid_quota);
+  flags.threads = absl::GetFlag(FLAGS_threads);
+  flags.log_level = absl::GetFlag(FLAGS_log_level);
+  flags.lease_ms = absl::GetFlag(FLAGS_lease_ms);
+  auto options = trainstream::daemon::LoadDaemonOptions(flags);
+  if (!options.ok()) {
+    std::fprintf(stderr, "trainstreamd: %s\n", std::string(options.status().message()).c_str());
+    return 2;
+  }
+
+  // Block the stop signals before any thread starts, so only the waiter below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto daemon = trainstream::daemon::Daemon::Create(*options);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "trainstreamd: %s\n", std::string(daemon.status().message()).c_str());
+    return 1;
+  }
+  std::thread signal_waiter([&] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    (*daemon)->Shutdown();
+  });
+  (*daemon)->Wait();
+  signal_waiter.detach();  // may still be in sigwait if the daemon stopped on its own
+  daemon->reset();
+  return 0;
+}

@@ -1,0 +1,314 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "rpc/trainstream_service.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_format.h"
+#include "rpc/request_validation.h"
+#include "status_conversion.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+namespace {
+
+void FillBuffer(const BufferRecord& record, v1::Buffer* out) {
+  out->set_buffer_id(record.buffer_id);
+  out->set_name(record.name);
+  out->set_segment_id(record.segment_id);
+  out->set_offset(record.offset);
+  out->set_bytes(record.bytes);
+  out->set_tag(record.tag);
+  out->set_read_only(record.read_only);
+  out->set_owner_session_id(record.session_id);
+}
+
+void FillRows(const std::vector<UsageRow>& rows,
+              google::protobuf::RepeatedPtrField<v1::UsageRow>* out) {
+  for (const UsageRow& row : rows) {
+    v1::UsageRow* r = out->Add();
+    r->set_key(row.key);
+    r->set_bytes(row.bytes);
+    r->set_buffers(row.buffers);
+  }
+}
+
+}  // namespace
+
+TrainStreamService::TrainStreamService(DaemonFacts facts, SessionRegistry* sessions, Arena* arena,
+                                       EventLog* events, const ConnectionCredentials* credentials)
+    : facts_(std::move(facts)),
+      sessions_(sessions),
+      arena_(arena),
+      events_(events),
+      credentials_(credentials) {}
+
+absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
+  std::optional<PeerCredentials> peer = credentials_->Find(context->peer());
+  if (!peer) {
+    return absl::UnauthenticatedError(
+        "this connection carries no kernel credentials; connect through the daemon's Unix socket");
+  }
+  return *peer;
+}
+
+absl::StatusOr<std::shared_ptr<const Session>> TrainStreamService::CallersSession(
+    grpc::ServerContext* context, const std::string& session_id) {
+  RETURN_IF_ERROR(ValidateSessionId(session_id));
+  ASSIGN_OR_RETURN(PeerCredentials caller, Caller(context));
+  return sessions_->Get(caller, session_id);
+}
+
+grpc::Status TrainStreamService::OpenSession(grpc::ServerContext* context,
+                                             const v1::OpenSessionRequest* request,
+                                             v1::OpenSessionReply* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::Status valid = ValidateJobId(request->job_id());
+  if (valid.ok()) valid = ValidateRank(request->rank(), request->world_size());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  OpenSessionParams params;
+  params.job_id = request->job_id().empty() ? "default" : request->job_id();
+  params.rank = request->rank();
+  params.world_size = request->world_size();
+  params.claimed_pid = static_cast<pid_t>(request->pid());
+  absl::StatusOr<std::shared_ptr<const Session>> session = sessions_->Open(*caller, params);
+  if (!session.ok()) {
+    events_->Emit("session.refused", std::string(session.status().message()),
+                  {{"pid", caller->pid}}, "", caller->uid);
+    return ToGrpcStatus(session.status());
+  }
+  const Session& s = **session;
+  events_->Emit("session.open",
+                absl::StrFormat("pid %d opened rank %d/%d of job '%s'", s.owner.pid, s.rank,
+                                s.world_size, s.job.job_id),
+                {{"pid", s.owner.pid}, {"rank", s.rank}, {"world_size", s.world_size}}, s.id,
+                s.owner.uid);
+  reply->set_session_id(s.id);
+  reply->set_attach_token(s.attach_token);
+  reply->set_data_socket_path(facts_.data_socket_path);
+  reply->set_lease_ms(static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(sessions_->Heartbeat(*caller, s.id).value_or(absl::ZeroDuration()))));
+  reply->set_daemon_version(facts_.version);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::Heartbeat(grpc::ServerContext* context,
+                                           const v1::HeartbeatRequest* request,
+                                           v1::HeartbeatReply* reply) {
+  absl::Status valid = ValidateSessionId(request->session_id());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<absl::Duration> lease = sessions_->Heartbeat(*caller, request->session_id());
+  if (!lease.ok()) return ToGrpcStatus(lease.status());
+  reply->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*lease)));
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::CloseSession(grpc::ServerContext* context,
+                                              const v1::CloseSessionRequest* request,
+                                              v1::CloseSessionReply* reply) {
+  absl::Status valid = ValidateSessionId(request->session_id());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(sessions_->Close(*caller, request->session_id()));
+}
+
+grpc::Status TrainStreamService::AllocateBuffer(grpc::ServerContext* context,
+                                                const v1::AllocateBufferRequest* request,
+                                                v1::Buffer* reply) {
+  for (absl::Status valid :
+       {ValidateBufferName(request->name()), ValidateBufferSize(request->bytes()),
+        ValidateAlignment(request->alignment()), ValidateTag(request->tag())}) {
+    if (!valid.ok()) return ToGrpcStatus(valid);
+  }
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  AllocationRequest allocation;
+  allocation.job = (*session)->job;
+  allocation.session_id = (*session)->id;
+  allocation.name = request->name();
+  allocation.bytes = request->bytes();
+  allocation.alignment = request->alignment() == 0 ? 4096 : request->alignment();
+  allocation.tag = request->tag();
+  allocation.sealable = request->sealable();
+  absl::StatusOr<BufferRecord> record = arena_->Allocate(allocation);
+  if (!record.ok()) {
+    if (record.status().code() == absl::StatusCode::kResourceExhausted) {
+      events_->Emit("arena.refused", std::string(record.status().message()),
+                    {{"bytes", static_cast<double>(request->bytes())},
+                     {"reserved_bytes", static_cast<double>(arena_->reserved_bytes())}},
+                    (*session)->id, (*session)->owner.uid);
+    }
+    return ToGrpcStatus(record.status());
+  }
+  FillBuffer(*record, reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::LookupBuffer(grpc::ServerContext* context,
+                                              const v1::LookupBufferRequest* request,
+                                              v1::Buffer* reply) {
+  absl::Status valid = ValidateBufferName(request->name());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::StatusOr<BufferRecord> record = arena_->Lookup((*session)->job, request->name());
+  if (!record.ok()) return ToGrpcStatus(record.status());
+  FillBuffer(*record, reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::FreeBuffer(grpc::ServerContext* context,
+                                            const v1::FreeBufferRequest* request,
+                                            v1::FreeBufferReply* reply) {
+  absl::Status valid = ValidateBufferId(request->buffer_id());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  return ToGrpcStatus(arena_->Free((*session)->job, (*session)->id, request->buffer_id()));
+}
+
+grpc::Status TrainStreamService::SealBuffer(grpc::ServerContext* context,
+                                            const v1::SealBufferRequest* request,
+                                            v1::Buffer* reply) {
+  absl::Status valid = ValidateBufferId(request->buffer_id());
+  if (!valid.ok()) return ToGrpcStatus(valid);
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::StatusOr<BufferRecord> record =
+      arena_->Seal((*session)->job, (*session)->id, request->buffer_id());
+  if (!record.ok()) return ToGrpcStatus(record.status());
+  events_->Emit("arena.sealed", absl::StrFormat("buffer '%s' is now read-only", record->name),
+                {{"bytes", static_cast<double>(record->bytes)}}, (*session)->id,
+                (*session)->owner.uid);
+  FillBuffer(*record, reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::GetStatus(grpc::ServerContext* context,
+                                           const v1::GetStatusRequest* request,
+                                           v1::Status* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  reply->set_version(facts_.version);
+  reply->set_pid(static_cast<uint32_t>(::getpid()));
+  reply->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - facts_.started));
+  reply->set_socket_path(facts_.socket_path);
+  reply->set_draining(sessions_->draining());
+  reply->set_sessions(static_cast<uint32_t>(sessions_->List(*caller).size()));
+  ArenaUsage usage = arena_->Usage();
+  reply->set_budget_bytes(usage.budget_bytes);
+  reply->set_reserved_bytes(usage.reserved_bytes);
+  reply->set_threads(facts_.threads);
+  for (const GpuDescription& gpu : facts_.gpus.gpus) {
+    v1::GpuInfo* info = reply->add_gpus();
+    info->set_index(static_cast<uint32_t>(gpu.index));
+    info->set_uuid(gpu.uuid);
+    info->set_name(gpu.name);
+    info->set_total_bytes(gpu.total_bytes);
+  }
+  reply->set_gpu_note(facts_.gpus.note);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::ListSessions(grpc::ServerContext* context,
+                                              const v1::ListSessionsRequest* request,
+                                              v1::ListSessionsReply* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  ArenaUsage usage = arena_->Usage();
+  const absl::Time now = absl::Now();
+  for (const SessionSnapshot& snapshot : sessions_->List(*caller)) {
+    const Session& s = *snapshot.session;
+    v1::SessionInfo* info = reply->add_sessions();
+    info->set_session_id(s.id);
+    info->set_uid(s.owner.uid);
+    info->set_pid(static_cast<uint32_t>(s.owner.pid));
+    info->set_job_id(s.job.job_id);
+    info->set_rank(s.rank);
+    info->set_world_size(s.world_size);
+    for (const UsageRow& row : usage.by_session) {
+      if (row.key == s.id) {
+        info->set_buffer_bytes(row.bytes);
+        info->set_buffers(row.buffers);
+      }
+    }
+    info->set_age_s(absl::ToDoubleSeconds(now - s.opened));
+    info->set_lease_left_s(absl::ToDoubleSeconds(snapshot.lease_left));
+    info->set_attached(snapshot.attached);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::GetMemory(grpc::ServerContext* context,
+                                           const v1::GetMemoryRequest* request,
+                                           v1::MemoryReport* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  ArenaUsage usage = arena_->Usage();
+  reply->set_budget_bytes(usage.budget_bytes);
+  reply->set_reserved_bytes(usage.reserved_bytes);
+  reply->set_uid_quota_bytes(usage.uid_quota_bytes);
+  reply->set_segments(usage.segments);
+  if (!caller->admin) {
+    // Others' figures stay private: keep only the caller's uid and sessions.
+    std::vector<UsageRow> mine;
+    for (const UsageRow& row : usage.by_uid) {
+      if (row.key == std::to_string(caller->uid)) mine.push_back(row);
+    }
+    usage.by_uid = mine;
+    std::vector<UsageRow> sessions;
+    for (const SessionSnapshot& s : sessions_->List(*caller)) {
+      for (const UsageRow& row : usage.by_session) {
+        if (row.key == s.session->id) sessions.push_back(row);
+      }
+    }
+    usage.by_session = sessions;
+    usage.by_tag.clear();  // tags are not attributed per uid; only admins see the totals
+  }
+  FillRows(usage.by_uid, reply->mutable_by_uid());
+  FillRows(usage.by_session, reply->mutable_by_session());
+  FillRows(usage.by_tag, reply->mutable_by_tag());
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::StreamEvents(grpc::ServerContext* context,
+                                              const v1::StreamEventsRequest* request,
+                                              grpc::ServerWriter<v1::Event>* writer) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  const PeerCredentials viewer = *caller;
+  auto visible = [viewer](const Event& e) {
+    return viewer.admin || !e.uid.has_value() || *e.uid == viewer.uid;
+  };
+  uint64_t last = request->since_seq();
+  while (true) {
+    // Everything up to `examined` has been looked at, written or not visible to this caller.
+    const uint64_t examined = events_->last_seq();
+    for (const Event& e : events_->Since(last, visible)) {
+      v1::Event out;
+      out.set_seq(e.seq);
+      out.set_time_unix_s(e.time_unix_s);
+      out.set_session_id(e.session_id);
+      out.set_kind(e.kind);
+      out.set_message(e.message);
+      out.set_uid(e.uid.value_or(0));
+      for (const auto& [key, value] : e.numbers) (*out.mutable_numbers())[key] = value;
+      if (!writer->Write(out)) return grpc::Status::OK;
+      last = e.seq;
+    }
+    last = std::max(last, examined);
+    if (!request->follow()) return grpc::Status::OK;
+    while (!events_->WaitForNewer(last, absl::Milliseconds(200))) {
+      if (context->IsCancelled() || shutting_down_) return grpc::Status::OK;
+    }
+  }
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_RPC_TRAINSTREAM_SERVICE_H_
+#define TRAINSTREAM_DAEMON_RPC_TRAINSTREAM_SERVICE_H_
+
+#include <atomic>
+#include <string>
+
+#include "absl/time/time.h"
+#include "arena/arena.h"
+#include "events/event_log.h"
+#include "gpu/gpu_probe.h"
+#include "rpc/connection_credentials.h"
+#include "sessions/session_registry.h"
+#include "trainstream/v1/trainstream.grpc.pb.h"
+
+namespace trainstream::daemon {
+
+// Facts about the daemon that GetStatus reports.
+struct DaemonFacts {
+  std::string version;
+  std::string socket_path;
+  std::string data_socket_path;
+  uint32_t threads = 0;
+  absl::Time started;
+  GpuInventory gpus;
+};
+
+// The control plane: validates every request, identifies the caller by the kernel credentials
+// of its connection, and acts on the registry, arena and event log. Thread-safe (gRPC calls it
+// from its pool). Refusals of memory are events.
+class TrainStreamService final : public v1::TrainStream::Service {
+ public:
+  TrainStreamService(DaemonFacts facts, SessionRegistry* sessions, Arena* arena, EventLog* events,
+                     const ConnectionCredentials* credentials);
+
+  // Ends open event streams promptly at shutdown.
+  void Shutdown() { shutting_down_ = true; }
+
+  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
+                           v1::OpenSessionReply*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
+                         v1::HeartbeatReply*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
+                            v1::CloseSessionReply*) override;
+  grpc::Status AllocateBuffer(grpc::ServerContext*, const v1::AllocateBufferRequest*,
+                              v1::Buffer*) override;
+  grpc::Status LookupBuffer(grpc::ServerContext*, const v1::LookupBufferRequest*,
+                            v1::Buffer*) override;
+  grpc::Status FreeBuffer(grpc::ServerContext*, const v1::FreeBufferRequest*,
+                          v1::FreeBufferReply*) override;
+  grpc::Status SealBuffer(grpc::ServerContext*, const v1::SealBufferRequest*,
+                          v1::Buffer*) override;
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                         v1::Status*) override;
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                            v1::ListSessionsReply*) override;
+  grpc::Status GetMemory(grpc::ServerContext*, const v1::GetMemoryRequest*,
+                         v1::MemoryReport*) override;
+  grpc::Status StreamEvents(grpc::ServerContext*, const v1::StreamEventsRequest*,
+                            grpc::ServerWriter<v1::Event>*) override;
+
+ private:
+  absl::StatusOr<PeerCredentials> Caller(grpc::ServerContext* context) const;
+  // The caller's session, checked and owned by the caller.
+  absl::StatusOr<std::shared_ptr<const Session>> CallersSession(grpc::ServerContext* context,
+                                                                const std::string& session_id);
+
+  const DaemonFacts facts_;
+  SessionRegistry* const sessions_;
+  Arena* const arena_;
+  EventLog* const events_;
+  const ConnectionCredentials* const credentials_;
+  std::atomic<bool> shutting_down_{false};
+};
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_RPC_TRAINSTREAM_SERVICE_H_

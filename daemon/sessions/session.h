@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_SESSIONS_SESSION_H_
+#define TRAINSTREAM_DAEMON_SESSIONS_SESSION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/time/time.h"
+#include "arena/arena.h"
+#include "sessions/credentials.h"
+
+namespace trainstream::daemon {
+
+// One client process's session. Its identity fields are fixed at open; the lease and attach
+// state are kept by the SessionRegistry. Shared (std::shared_ptr) between the registry and the
+// request in flight; every field here is immutable after construction.
+struct Session {
+  std::string id;           // "s-" and 16 random hex digits
+  std::string attach_token; // 32 random bytes, proves ownership on the data socket
+  PeerCredentials owner;    // uid and pid as the kernel saw them at OpenSession
+  JobKey job;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  absl::Time opened;
+};
+
+// Why a session ended, for events and for tests.
+enum class SessionEnd { kClosed, kDisconnected, kLeaseExpired, kProtocolError, kShutdown };
+const char* SessionEndName(SessionEnd reason);
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_SESSIONS_SESSION_H_

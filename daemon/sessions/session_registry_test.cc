@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "sessions/session_registry.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace trainstream::daemon {
+namespace {
+
+struct Ended {
+  std::string id;
+  SessionEnd reason;
+};
+
+class SessionRegistryTest : public ::testing::Test {
+ protected:
+  SessionRegistryTest()
+      : registry_({absl::Milliseconds(200), 3},
+                  [this](const Session& s, SessionEnd r) { ended_.push_back({s.id, r}); }) {}
+
+  PeerCredentials alice_{100, 1000, 1000, false};
+  PeerCredentials bob_{200, 1001, 1001, false};
+  PeerCredentials root_{300, 0, 0, true};
+  std::vector<Ended> ended_;
+  SessionRegistry registry_;
+};
+
+TEST_F(SessionRegistryTest, OpenAttachCloseRunsTheEndCallbackOnce) {
+  auto session = registry_.Open(alice_, {"job", 0, 1, 100});
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->id.substr(0, 2), "s-");
+  EXPECT_EQ((*session)->job.uid, 1000u);
+  ASSERT_TRUE(registry_.Attach(alice_, (*session)->id, (*session)->attach_token).ok());
+  EXPECT_EQ(registry_.Attach(alice_, (*session)->id, (*session)->attach_token).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(registry_.Close(alice_, (*session)->id).ok());
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_EQ(ended_[0].reason, SessionEnd::kClosed);
+  EXPECT_EQ(registry_.Close(alice_, (*session)->id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ended_.size(), 1u);
+}
+
+TEST_F(SessionRegistryTest, ClaimedPidMustBeTheKernelsPid) {
+  absl::Status lie = registry_.Open(alice_, {"job", 0, 1, 4242}).status();
+  EXPECT_EQ(lie.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(lie.message().find("4242"), std::string::npos);
+}
+
+TEST_F(SessionRegistryTest, AnotherUidCanNeitherTouchNorSee) {
+  auto session = *registry_.Open(alice_, {"job", 0, 1, 0});
+  EXPECT_EQ(registry_.Get(bob_, session->id).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.Heartbeat(bob_, session->id).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.Close(bob_, session->id).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.Attach(bob_, session->id, session->attach_token).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(registry_.List(bob_).empty());
+  EXPECT_EQ(registry_.List(alice_).size(), 1u);
+  EXPECT_EQ(registry_.List(root_).size(), 1u);
+  EXPECT_TRUE(ended_.empty());
+}
+
+TEST_F(SessionRegistryTest, WrongTokenIsRefused) {
+  auto session = *registry_.Open(alice_, {"job", 0, 1, 0});
+  std::string forged = session->attach_token;
+  forged[0] ^= 1;
+  EXPECT_EQ(registry_.Attach(alice_, session->id, forged).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry_.Attach(alice_, session->id, "short").status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(SessionRegistryTest, LeasesExpireUnlessRenewed) {
+  auto kept = *registry_.Open(alice_, {"job", 0, 1, 0});
+  auto lost = *registry_.Open(alice_, {"job", 1, 2, 0});
+  absl::SleepFor(absl::Milliseconds(120));
+  ASSERT_TRUE(registry_.Heartbeat(alice_, kept->id).ok());
+  absl::SleepFor(absl::Milliseconds(120));
+  EXPECT_EQ(registry_.ExpireLeases(absl::Now()), 1);
+  ASSERT_EQ(ended_.size(), 1u);
+  EXPECT_EQ(ended_[0].id, lost->id);
+  EXPECT_EQ(ended_[0].reason, SessionEnd::kLeaseExpired);
+  EXPECT_TRUE(registry_.Get(alice_, kept->id).ok());
+}
+
+TEST_F(SessionRegistryTest, PerUidLimitAndDraining) {
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(registry_.Open(alice_, {"job", 0, 1, 0}).ok());
+  EXPECT_EQ(registry_.Open(alice_, {"job", 0, 1, 0}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(registry_.Open(bob_, {"job", 0, 1, 0}).ok());
+  registry_.StartDraining();
+  EXPECT_EQ(registry_.Open(bob_, {"job", 0, 1, 0}).status().code(),
+            absl::StatusCode::kUnavailable);
+  registry_.EndAll(SessionEnd::kShutdown);
+  EXPECT_EQ(registry_.size(), 0u);
+  EXPECT_EQ(ended_.size(), 4u);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon

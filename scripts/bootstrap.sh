@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Installs what building and testing trainstream needs on Debian 12 (run as root), and a Python
+# virtual environment that later runs reuse. Idempotent: a second run only checks.
+set -euo pipefail
+
+VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
+TORCH_SPEC=${TRAINSTREAM_TORCH:-torch}
+
+apt_packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libboost-dev libgtest-dev libgmock-dev
+  python3 python3-dev python3-venv
+  systemd passwd util-linux
+)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "bootstrap: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "bootstrap: creating the virtual environment $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  /usr/bin/python3 -m venv "$VENV"
+fi
+py="$VENV/bin/python"
+need_pip=()
+"$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
+for mod in pytest grpc_tools scikit_build_core pybind11 numpy; do
+  "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
+done
+if ((${#need_pip[@]})); then
+  pkgs=()
+  for m in "${need_pip[@]}"; do
+    case "$m" in
+      grpc_tools) pkgs+=(grpcio grpcio-tools "protobuf>=4.21") ;;
+      scikit_build_core) pkgs+=(scikit-build-core) ;;
+      *) pkgs+=("$m") ;;
+    esac
+  done
+  echo "bootstrap: pip installing ${pkgs[*]} into $VENV (torch is a large download the first time)"
+  "$py" -m pip install -q --upgrade pip
+  "$py" -m pip install -q "${pkgs[@]}"
+fi
+echo "bootstrap: ready ($("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")'))"

@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checks the files in deploy/: the systemd unit passes `systemd-analyze verify` without a warning
+about it, and the example config parses as a DaemonConfig and agrees with the unit."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = REPO / "deploy" / "trainstreamd.service"
+CONFIG = REPO / "deploy" / "trainstreamd.conf"
+PROTO = REPO / "daemon" / "config" / "daemon_config.proto"
+
+UNIT_NAME = UNIT.name
+EXEC_START = "/usr/bin/trainstreamd --config=/etc/trainstream/trainstreamd.conf"
+# sockaddr_un.sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH = 107
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+def _daemon_binary() -> str:
+    """The binary ExecStart names during the check: verify requires that it exists."""
+    built = os.environ.get("TRAINSTREAMD")
+    if built:
+        assert os.path.isfile(built) and os.access(built, os.X_OK), (
+            f"TRAINSTREAMD={built!r} is not an executable file"
+        )
+        return os.path.abspath(built)
+    return "/bin/true"
+
+
+def _unit_value(text: str, key: str) -> str:
+    values = re.findall(rf"^{key}=(.*)$", text, flags=re.MULTILINE)
+    assert len(values) == 1, f"{UNIT_NAME}: expected one {key}=, found {values}"
+    return values[0].strip()
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # Skipped here rather than for the whole module: the config test below needs no systemd.
+    if SYSTEMD_ANALYZE is None:
+        pytest.skip("systemd-analyze not found (Debian package `systemd`); cannot verify the unit")
+
+    text = UNIT.read_text()
+    assert _unit_value(text, "ExecStart") == EXEC_START
+    binary = _daemon_binary()
+    quoted = f'"{binary}"' if re.search(r"\s", binary) else binary
+    text = text.replace(f"ExecStart={EXEC_START.split()[0]}", f"ExecStart={quoted}", 1)
+    copy = tmp_path / UNIT_NAME
+    copy.write_text(text)
+
+    # --recursive-errors=one: the exit status is about our unit, not about the host's units.
+    # --man=no: don't depend on man pages being installed.
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--recursive-errors=one", "--man=no", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if UNIT_NAME in line]
+    assert result.returncode == 0, f"systemd-analyze verify exited {result.returncode}:\n{output}"
+    assert not ours, "systemd-analyze verify warned about the unit:\n" + "\n".join(ours)
+
+
+@pytest.fixture(scope="module")
+def daemon_config_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """daemon_config.proto compiled with grpc_tools.protoc and imported."""
+    pytest.importorskip(
+        "grpc_tools.protoc",
+        reason="grpcio-tools is not installed (scripts/bootstrap.sh puts it in /opt/trainstream/venv)",
+    )
+    out = tmp_path_factory.mktemp("daemon_config_pb2")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"--proto_path={PROTO.parent}",
+            f"--python_out={out}",
+            str(PROTO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, f"protoc failed:\n{result.stdout}{result.stderr}"
+    spec = importlib.util.spec_from_file_location("daemon_config_pb2", out / "daemon_config_pb2.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_config_parses(daemon_config_pb2: ModuleType) -> None:
+    from google.protobuf import text_format
+
+    # Parse rejects unknown fields, so a misspelt key in the example fails here.
+    config = text_format.Parse(CONFIG.read_text(), daemon_config_pb2.DaemonConfig())
+
+    assert config.socket_mode == "0660"
+    assert config.lease_ms > 0
+    assert config.socket_path == "/run/trainstream/trainstreamd.sock"
+    assert len((config.socket_path + ".data").encode()) <= MAX_SOCKET_PATH
+    assert config.admin_group == "trainstream-admin"
+    assert config.drain_timeout_s > 0
+
+    # The unit must give the drain time to finish before systemd escalates to SIGKILL,
+    # and must create the directory the sockets live in.
+    unit = UNIT.read_text()
+    stop = re.fullmatch(r"(\d+)s?", _unit_value(unit, "TimeoutStopSec"))
+    assert stop is not None, "TimeoutStopSec should be plain seconds"
+    assert int(stop.group(1)) > config.drain_timeout_s
+    runtime_dir = "/run/" + _unit_value(unit, "RuntimeDirectory")
+    assert os.path.dirname(config.socket_path) == runtime_dir
