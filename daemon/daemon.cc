@@ -137,6 +137,10 @@ void Daemon::Shutdown() {
 
 void Daemon::Wait() { stopped_.WaitForNotification(); }
 
+bool Daemon::WaitFor(absl::Duration timeout) {
+  return stopped_.WaitForNotificationWithTimeout(timeout);
+}
+
 Daemon::~Daemon() {
   if (server_ != nullptr) Shutdown();
 }

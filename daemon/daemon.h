@@ -35,6 +35,8 @@ class Daemon {
 
   // Blocks until Shutdown() has finished.
   void Wait();
+  // As Wait(), for at most `timeout`; true when the daemon has stopped.
+  bool WaitFor(absl::Duration timeout);
   // Drains and stops; the second call returns at once.
   void Shutdown();
 

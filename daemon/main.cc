@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <thread>
 
+#include <unistd.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -21,6 +23,8 @@ ABSL_FLAG(std::optional<uint32_t>, threads, std::nullopt, "optimizer threads (0:
 ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt, "debug, info, warning or error");
 ABSL_FLAG(std::optional<uint32_t>, lease_ms, std::nullopt,
           "reclaim a session whose client is silent this long");
+ABSL_FLAG(int, parent_pid, 0,
+          "embedded mode: shut down when this process (the one that started us) is gone");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("trainstreamd: the trainstream host-memory and optimizer daemon");
@@ -58,7 +62,20 @@ int main(int argc, char** argv) {
     sigwait(&stop_signals, &signal);
     (*daemon)->Shutdown();
   });
+  // An embedded daemon must not outlive the training process that started it, even when that
+  // process is SIGKILLed and runs no exit handler.
+  const int parent_pid = absl::GetFlag(FLAGS_parent_pid);
+  std::thread parent_watch;
+  if (parent_pid > 0) {
+    parent_watch = std::thread([&] {
+      while (getppid() == parent_pid) {
+        if ((*daemon)->WaitFor(absl::Milliseconds(250))) return;
+      }
+      (*daemon)->Shutdown();
+    });
+  }
   (*daemon)->Wait();
+  if (parent_watch.joinable()) parent_watch.join();
   signal_waiter.detach();  // may still be in sigwait if the daemon stopped on its own
   daemon->reset();
   return 0;

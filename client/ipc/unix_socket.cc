@@ -55,7 +55,8 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, int type, mode_t mo
       return absl::PermissionDeniedError(
           absl::StrCat("cannot create the socket directory ", dir.string(), ": ", ec.message()));
     }
-    ::chmod(dir.c_str(), (mode & 0070) ? 0750 : 0700);
+    // The directory lets through whoever the socket's mode lets in.
+    ::chmod(dir.c_str(), 0700 | ((mode & 0070) ? 0050 : 0) | ((mode & 0007) ? 0005 : 0));
   }
   if (::access(path.c_str(), F_OK) == 0) {
     absl::StatusOr<UniqueFd> probe = ConnectUnix(path, type);

@@ -139,15 +139,16 @@ class Session::Impl {
         [&](grpc::ClientContext* c) { return channel_.stub().FreeBuffer(c, request, &reply); });
   }
 
-  absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(std::shared_ptr<HostBuffer> buffer) {
+  absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(const BufferInfo& info) {
     RETURN_IF_ERROR(CheckUsable());
-    const BufferInfo info = buffer->info();
-    std::weak_ptr<MappedSegment> segment = buffer->segment();
-    buffer.reset();
-    if (!segment.expired()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "buffer '", info.name, "' is still in use in this process; drop other references "
-          "(tensors, views) before sealing"));
+    {
+      absl::MutexLock lock(&segments_mu_);
+      auto it = segments_.find(info.segment_id);
+      if (it != segments_.end() && !it->second.expired()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "buffer '", info.name, "' is still mapped in this process; drop every reference "
+            "to it (tensors, views) before sealing"));
+      }
     }
     v1::SealBufferRequest request;
     request.set_session_id(id_);
@@ -343,8 +344,8 @@ absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Lookup(const std::string& n
   return impl_->Lookup(name);
 }
 absl::Status Session::Free(const HostBuffer& buffer) { return impl_->Free(buffer); }
-absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Seal(std::shared_ptr<HostBuffer> buffer) {
-  return impl_->Seal(std::move(buffer));
+absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Seal(const BufferInfo& buffer) {
+  return impl_->Seal(buffer);
 }
 absl::Status Session::Ring(const Notice& notice) { return impl_->Ring(notice); }
 absl::StatusOr<Notice> Session::Wait(int timeout_ms) { return impl_->Wait(timeout_ms); }
@@ -362,6 +363,8 @@ absl::StatusOr<std::string> Session::MemoryJson() {
 absl::StatusOr<std::string> Session::EventsJson(uint64_t since_seq) {
   return impl_->EventsJson(since_seq);
 }
+
+std::string DefaultSocketPath() { return ipc::DefaultSocketPath(); }
 
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path) {
   ControlChannel channel(socket_path, absl::Seconds(5));

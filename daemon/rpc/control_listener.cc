@@ -55,7 +55,8 @@ void ControlListener::Loop() {
       return;
     }
     if (fds[1].revents) return;
-    int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    // gRPC drives the connection from its event engine, which expects a non-blocking socket.
+    int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) continue;
     absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd, admin_group_);
     if (!peer.ok()) {

@@ -88,9 +88,10 @@ class Session {
   // A buffer of this session's job by name (another session of the job may own it).
   absl::StatusOr<std::shared_ptr<HostBuffer>> Lookup(const std::string& name);
   absl::Status Free(const HostBuffer& buffer);
-  // Seals a sealable buffer read-only for every process. This process must hold no other
-  // HostBuffer of it (its writable mapping would block the seal); returns the read-only view.
-  absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(std::shared_ptr<HostBuffer> buffer);
+  // Seals a sealable buffer read-only for every process and returns the read-only view. This
+  // process must hold no HostBuffer of it any more (its writable mapping would block the seal):
+  // drop them and pass the buffer's info.
+  absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(const BufferInfo& buffer);
 
   // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it.
   absl::Status Ring(const Notice& notice);
@@ -110,6 +111,10 @@ class Session {
   explicit Session(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// The control socket tried when none is named: $TRAINSTREAM_SOCKET, else the system socket for
+// root, else the per-user one under $XDG_RUNTIME_DIR (or /tmp/trainstream-<uid>).
+std::string DefaultSocketPath();
 
 // Control-plane round trip (GetStatus) against a daemon, without a session. For probes.
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path);

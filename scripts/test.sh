@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# README command 2: set up (Debian packages, the Python environment), build, and run every test:
+# GoogleTest through ctest, then pytest. GPU tests skip with a reason where no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+echo "== build (pip install . drives CMake; build tree: build/py)"
+"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps .
+echo "== ctest"
+ctest --test-dir build/py --output-on-failure -j2
+echo "== pytest"
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -ra tests "$@"

@@ -1,0 +1,144 @@
+// SPDX-License-Identifier: Apache-2.0
+// trainstream._trainstream: the client library for Python. Blocking calls release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "status_exceptions.h"
+#include "trainstream/client.h"
+#include "trainstream/cuda_transfer.h"
+#include "trainstream/version.h"
+
+namespace py = pybind11;
+using trainstream::client::HostBuffer;
+using trainstream::client::Session;
+using trainstream::python::OkOrThrow;
+using trainstream::python::ValueOrThrow;
+
+namespace {
+
+std::unique_ptr<Session> OpenSession(const std::string& socket_path, const std::string& job_id,
+                                     uint32_t rank, uint32_t world_size, double rpc_timeout_s,
+                                     bool register_with_cuda) {
+  trainstream::client::SessionOptions options;
+  options.socket_path = socket_path;
+  options.job_id = job_id;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.rpc_timeout = absl::Seconds(rpc_timeout_s);
+  options.register_with_cuda = register_with_cuda;
+  absl::StatusOr<std::unique_ptr<Session>> session;
+  {
+    py::gil_scoped_release release;
+    session = Session::Create(options);
+  }
+  return ValueOrThrow(std::move(session));
+}
+
+// Runs `fn` without the GIL and raises its status as a Python exception.
+template <typename Fn>
+auto Released(Fn&& fn) {
+  using Result = decltype(fn());
+  std::optional<Result> result;
+  {
+    py::gil_scoped_release release;
+    result.emplace(fn());
+  }
+  if constexpr (std::is_same_v<Result, absl::Status>) {
+    OkOrThrow(*result);
+  } else {
+    return ValueOrThrow(std::move(*result));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_trainstream, m) {
+  m.doc() = "trainstream client library (C++), used by the trainstream package";
+  m.attr("__version__") = trainstream::kTrainStreamVersion;
+  m.def("default_socket_path", &trainstream::client::DefaultSocketPath);
+  m.def("cuda_available", [] {
+    std::string why;
+    bool ok = trainstream::client::CudaAvailable(&why);
+    return py::make_tuple(ok, why);
+  });
+  m.def("ping_daemon", [](const std::string& path) {
+    return absl::ToDoubleSeconds(Released([&] { return trainstream::client::PingDaemon(path); }));
+  });
+
+  py::class_<HostBuffer, std::shared_ptr<HostBuffer>>(m, "HostBuffer", py::buffer_protocol())
+      .def_property_readonly("buffer_id", [](const HostBuffer& b) { return b.info().buffer_id; })
+      .def_property_readonly("name", [](const HostBuffer& b) { return b.info().name; })
+      .def_property_readonly("nbytes", [](const HostBuffer& b) { return b.size(); })
+      .def_property_readonly("tag", [](const HostBuffer& b) { return b.info().tag; })
+      .def_property_readonly("segment_id", [](const HostBuffer& b) { return b.info().segment_id; })
+      .def_property_readonly("offset", [](const HostBuffer& b) { return b.info().offset; })
+      .def_property_readonly("read_only", [](const HostBuffer& b) { return !b.writable(); })
+      .def_property_readonly("owner_session_id",
+                             [](const HostBuffer& b) { return b.info().owner_session_id; })
+      .def_property_readonly("cuda_registered", &HostBuffer::cuda_registered)
+      .def_property_readonly("address",
+                             [](const HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_buffer([](HostBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {1}, !b.writable());
+      })
+      .def("copy_to_device",
+           [](const HostBuffer& b, uint64_t offset, uintptr_t device_ptr, uint64_t nbytes,
+              uintptr_t stream) {
+             Released([&] {
+               return trainstream::client::CopyToDevice(b, offset,
+                                                        reinterpret_cast<void*>(device_ptr),
+                                                        nbytes, reinterpret_cast<void*>(stream));
+             });
+           })
+      .def("copy_to_host", [](const HostBuffer& b, uint64_t offset, uintptr_t device_ptr,
+                              uint64_t nbytes, uintptr_t stream) {
+        Released([&] {
+          return trainstream::client::CopyToHost(b, offset,
+                                                 reinterpret_cast<const void*>(device_ptr), nbytes,
+                                                 reinterpret_cast<void*>(stream));
+        });
+      });
+
+  py::class_<Session>(m, "Session")
+      .def(py::init(&OpenSession), py::arg("socket_path"), py::arg("job_id"), py::arg("rank"),
+           py::arg("world_size"), py::arg("rpc_timeout_s"), py::arg("register_with_cuda"))
+      .def_property_readonly("id", &Session::id)
+      .def_property_readonly("socket_path", &Session::socket_path)
+      .def("close", [](Session& s) { Released([&] { return s.Close(); }); })
+      .def("allocate",
+           [](Session& s, const std::string& name, uint64_t nbytes, const std::string& tag,
+              uint64_t alignment, bool sealable) {
+             return Released([&] {
+               return s.Allocate(name, nbytes, {tag, alignment, sealable});
+             });
+           })
+      .def("lookup", [](Session& s, const std::string& name) {
+        return Released([&] { return s.Lookup(name); });
+      })
+      .def("free", [](Session& s, const HostBuffer& b) { Released([&] { return s.Free(b); }); })
+      .def("seal",
+           [](Session& s, uint64_t buffer_id, uint64_t segment_id, const std::string& name) {
+             trainstream::client::BufferInfo info;
+             info.buffer_id = buffer_id;
+             info.segment_id = segment_id;
+             info.name = name;
+             return Released([&] { return s.Seal(info); });
+           })
+      .def("ring", [](Session& s, uint32_t kind, uint64_t id, uint64_t step, uint64_t value) {
+        Released([&] { return s.Ring({kind, id, step, value}); });
+      })
+      .def("wait", [](Session& s, int timeout_ms) {
+        auto n = Released([&] { return s.Wait(timeout_ms); });
+        return py::make_tuple(n.kind, n.id, n.step, n.value);
+      })
+      .def("ping", [](Session& s) {
+        return absl::ToDoubleSeconds(Released([&] { return s.Ping(); }));
+      })
+      .def("status_json", [](Session& s) { return Released([&] { return s.StatusJson(); }); })
+      .def("sessions_json", [](Session& s) { return Released([&] { return s.SessionsJson(); }); })
+      .def("memory_json", [](Session& s) { return Released([&] { return s.MemoryJson(); }); })
+      .def("events_json", [](Session& s, uint64_t since) {
+        return Released([&] { return s.EventsJson(since); });
+      });
+}

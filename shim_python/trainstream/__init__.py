@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""trainstream: train models larger than GPU memory through a per-machine daemon.
+
+``trainstream.connect()`` opens a session with ``trainstreamd`` (starting a private one when
+none answers); buffers in the daemon's shared memory appear as torch tensors with no copy.
+"""
+
+from . import _trainstream
+from .client import Buffer, Client, Notice, connect
+from .errors import (
+    AlreadyExistsError,
+    DaemonUnavailableError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    TrainStreamError,
+)
+
+__version__ = _trainstream.__version__
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether the client library can use a GPU, and why not when it cannot."""
+    return _trainstream.cuda_available()
+
+
+__all__ = [
+    "AlreadyExistsError", "Buffer", "Client", "DaemonUnavailableError", "DeadlineExceededError",
+    "FailedPreconditionError", "InternalError", "InvalidArgumentError", "Notice", "NotFoundError",
+    "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
+    "cuda_available",
+]

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python face of a daemon session: buffers as tensors, the doorbell, inspection."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import _trainstream
+from ._embedded import EmbeddedDaemon
+from .errors import DaemonUnavailableError, InvalidArgumentError
+
+# Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
+_INT64_FIELDS = frozenset({
+    "budget_bytes", "reserved_bytes", "uid_quota_bytes", "segments", "bytes", "buffer_bytes",
+    "total_bytes", "seq", "buffer_id", "segment_id", "offset",
+})
+
+
+def _int64_fields(obj: dict) -> dict:
+    for key in _INT64_FIELDS.intersection(obj):
+        if isinstance(obj[key], str):
+            obj[key] = int(obj[key])
+    return obj
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, object_hook=_int64_fields)
+
+
+# Doorbell kinds (client/ipc/doorbell_ring.h).
+PING, PONG, GRADIENT_READY, UPDATE_DONE, ERROR = 1, 2, 10, 11, 255
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One doorbell message from the daemon."""
+
+    kind: int
+    id: int
+    step: int
+    value: int
+
+
+class Buffer:
+    """A named buffer in the daemon's shared memory, mapped into this process.
+
+    ``tensor()`` views its bytes as a torch tensor without copying; copies to and from CUDA
+    tensors run on the current stream and are DMA when the buffer is registered with CUDA.
+    """
+
+    def __init__(self, native: Any):
+        self._native = native
+
+    name = property(lambda self: self._native.name)
+    nbytes = property(lambda self: self._native.nbytes)
+    buffer_id = property(lambda self: self._native.buffer_id)
+    tag = property(lambda self: self._native.tag)
+    read_only = property(lambda self: self._native.read_only)
+    owner_session_id = property(lambda self: self._native.owner_session_id)
+    cuda_registered = property(lambda self: self._native.cuda_registered)
+
+    def memoryview(self) -> memoryview:
+        """The bytes, shared with the daemon and every process that maps the buffer."""
+        return memoryview(self._native)
+
+    def tensor(self, dtype: Any = None, shape: Any = None) -> Any:
+        """A zero-copy CPU tensor over the buffer (``torch.uint8`` by default)."""
+        import torch
+        import warnings
+
+        dtype = dtype or torch.uint8
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = self.nbytes // itemsize
+        with warnings.catch_warnings():
+            # Sealed buffers are read-only: torch warns that it cannot enforce that.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(self._native, dtype=dtype, count=count)
+        return t.view(shape) if shape is not None else t
+
+    def _check_cuda_tensor(self, t: Any, offset: int) -> int:
+        if not t.is_cuda or not t.is_contiguous():
+            raise InvalidArgumentError("expected a contiguous CUDA tensor")
+        nbytes = t.numel() * t.element_size()
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise InvalidArgumentError(
+                f"{nbytes} bytes at offset {offset} run past the end of buffer "
+                f"'{self.name}' ({self.nbytes} bytes)"
+            )
+        return nbytes
+
+    def copy_to_device(self, dst: Any, offset: int = 0, stream: Any = None) -> None:
+        """Copies ``dst.nbytes`` bytes from ``offset`` into the CUDA tensor ``dst`` (async)."""
+        import torch
+
+        nbytes = self._check_cuda_tensor(dst, offset)
+        stream = stream or torch.cuda.current_stream(dst.device)
+        self._native.copy_to_device(offset, dst.data_ptr(), nbytes, stream.cuda_stream)
+
+    def copy_from_device(self, src: Any, offset: int = 0, stream: Any = None) -> None:
+        """Copies the CUDA tensor ``src`` into the buffer at ``offset`` (async)."""
+        import torch
+
+        nbytes = self._check_cuda_tensor(src, offset)
+        stream = stream or torch.cuda.current_stream(src.device)
+        self._native.copy_to_host(offset, src.data_ptr(), nbytes, stream.cuda_stream)
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else "read-write"
+        return f"<trainstream.Buffer '{self.name}' {self.nbytes} bytes {mode}>"
+
+
+class Client:
+    """A session with trainstreamd. Use :func:`trainstream.connect` to make one."""
+
+    def __init__(self, native: Any, embedded: EmbeddedDaemon | None):
+        self._native = native
+        self._embedded = embedded
+
+    session_id = property(lambda self: self._native.id)
+    socket_path = property(lambda self: self._native.socket_path)
+    embedded = property(lambda self: self._embedded is not None)
+
+    def allocate(self, name: str, nbytes: int, tag: str = "", alignment: int = 0,
+                 sealable: bool = False) -> Buffer:
+        """A new buffer of ``nbytes``, named uniquely within the job."""
+        if nbytes < 0:
+            raise InvalidArgumentError(f"nbytes must be positive, got {nbytes}")
+        return Buffer(self._native.allocate(name, nbytes, tag, alignment, sealable))
+
+    def lookup(self, name: str) -> Buffer:
+        """A buffer of this session's job, by name (possibly another process's)."""
+        return Buffer(self._native.lookup(name))
+
+    def free(self, buffer: Buffer) -> None:
+        self._native.free(buffer._native)
+
+    def seal(self, buffer: Buffer) -> Buffer:
+        """Makes a sealable buffer read-only for everyone; drop other views of it first."""
+        import gc
+
+        key = (buffer.buffer_id, buffer._native.segment_id, buffer.name)
+        buffer._native = None
+        gc.collect()  # views in reference cycles would keep the writable mapping alive
+        return Buffer(self._native.seal(*key))
+
+    def ring(self, kind: int, id: int = 0, step: int = 0, value: int = 0) -> None:
+        """Posts a doorbell message to the daemon."""
+        self._native.ring(kind, id, step, value)
+
+    def wait(self, timeout_ms: int = -1) -> Notice:
+        """The next doorbell message from the daemon."""
+        return Notice(*self._native.wait(timeout_ms))
+
+    def ping(self) -> float:
+        """One doorbell round trip through the daemon, in seconds."""
+        return self._native.ping()
+
+    def status(self) -> dict:
+        return _loads(self._native.status_json())
+
+    def sessions(self) -> list:
+        return _loads(self._native.sessions_json()).get("sessions", [])
+
+    def memory(self) -> dict:
+        return _loads(self._native.memory_json())
+
+    def events(self, since: int = 0) -> list:
+        return _loads(self._native.events_json(since))
+
+    def close(self) -> None:
+        """Closes the session; the daemon frees what it owned."""
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_embedded_daemon: EmbeddedDaemon | None = None
+
+
+def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_size: int = 1,
+            embedded: bool = True, rpc_timeout_s: float = 10.0,
+            register_with_cuda: bool = True) -> Client:
+    """Opens a session with trainstreamd.
+
+    Tries ``socket`` (default: ``$TRAINSTREAM_SOCKET`` or the per-user default). If no daemon
+    answers and ``embedded`` is true, starts a private daemon for this process (once) and uses
+    it exactly as it would a shared one; it stops when the process exits.
+    """
+    global _embedded_daemon
+    path = socket or _trainstream.default_socket_path()
+    daemon = None
+    try:
+        _trainstream.ping_daemon(path)
+    except DaemonUnavailableError:
+        if not embedded or socket is not None:
+            raise
+        if _embedded_daemon is None or _embedded_daemon.process.poll() is not None:
+            _embedded_daemon = EmbeddedDaemon()
+        daemon = _embedded_daemon
+        path = daemon.socket_path
+    native = _trainstream.Session(path, job_id, rank, world_size, rpc_timeout_s,
+                                  register_with_cuda)
+    return Client(native, daemon)

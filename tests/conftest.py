@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fixtures: a real trainstreamd on a temporary socket, and a raw gRPC stub for it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _binary(name: str) -> str:
+    env = os.environ.get(name.upper())
+    candidates = [env] if env else []
+    candidates += [os.path.join(os.path.dirname(sys.executable), name), shutil.which(name)]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise RuntimeError(f"{name} not found: pip install the package or set ${name.upper()}")
+
+
+@pytest.fixture(scope="session")
+def trainstreamd_binary() -> str:
+    return _binary("trainstreamd")
+
+
+@pytest.fixture(scope="session")
+def tsctl_binary() -> str:
+    return _binary("tsctl")
+
+
+@pytest.fixture(scope="session")
+def proto_modules():
+    """trainstream.v1 Python stubs generated from proto/, in a world-readable folder (tests
+    run code as another user too)."""
+    from grpc_tools import protoc
+
+    # Generated under the module name `tsapi` so it cannot shadow the trainstream package.
+    out = tempfile.mkdtemp(prefix="ts-proto-")
+    os.chmod(out, 0o755)
+    src = os.path.join(out, "src", "tsapi")
+    os.makedirs(src)
+    shutil.copy(REPO / "proto/trainstream/v1/trainstream.proto", src)
+    rc = protoc.main(["protoc", f"-I{os.path.join(out, 'src')}", f"--python_out={out}",
+                      f"--grpc_python_out={out}", os.path.join(src, "trainstream.proto")])
+    assert rc == 0
+    shutil.rmtree(os.path.join(out, "src"))
+    for root, dirs, files in os.walk(out):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+    sys.path.insert(0, out)
+    from tsapi import trainstream_pb2, trainstream_pb2_grpc  # noqa: F401
+
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+class Daemon:
+    """A trainstreamd process on a private socket."""
+
+    def __init__(self, binary: str, args: list[str], socket_mode: str = "0600"):
+        self.directory = tempfile.mkdtemp(prefix="tsd-")
+        os.chmod(self.directory, 0o755)
+        self.socket = os.path.join(self.directory, "d.sock")
+        self.config = os.path.join(self.directory, "d.conf")
+        with open(self.config, "w") as f:
+            f.write(f'socket_mode: "{socket_mode}"\ndrain_timeout_s: 5\n')
+        self.log_path = os.path.join(self.directory, "d.log")
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [binary, f"--socket={self.socket}", f"--config={self.config}", *args],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while not os.path.exists(self.socket + ".data") or not os.path.exists(self.socket):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"trainstreamd did not start: {self.log()}")
+            time.sleep(0.02)
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        import trainstream
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                trainstream._trainstream.ping_daemon(self.socket)
+                return
+            except trainstream.DaemonUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(trainstreamd_binary):
+    started: list[Daemon] = []
+
+    def start(*args: str, socket_mode: str = "0600") -> Daemon:
+        d = Daemon(trainstreamd_binary, list(args), socket_mode)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(start_daemon) -> Daemon:
+    return start_daemon("--memory_budget=256M", "--lease_ms=1500")
+
+
+@pytest.fixture
+def stub(daemon, proto_modules):
+    import grpc
+    from tsapi import trainstream_pb2_grpc
+
+    channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+    yield trainstream_pb2_grpc.TrainStreamStub(channel)
+    channel.close()
+
+
+@pytest.fixture
+def pb(proto_modules):
+    from tsapi import trainstream_pb2
+
+    return trainstream_pb2
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02):
+    """Polls `predicate` until it is truthy; returns its value or the last falsy one."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sessions and shared buffers through a real daemon."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+import trainstream
+from conftest import wait_until
+
+
+def test_connect_reports_status_and_session(daemon):
+    with trainstream.connect(daemon.socket, job_id="j1") as client:
+        status = client.status()
+        assert status["version"] == trainstream.__version__
+        assert status["sessions"] == 1
+        assert status["budget_bytes"] == 256 << 20
+        sessions = client.sessions()
+        assert [s["session_id"] for s in sessions] == [client.session_id]
+        assert sessions[0]["pid"] == os.getpid()
+        assert sessions[0]["attached"] is True
+
+
+def test_buffer_is_a_zero_copy_tensor_shared_with_the_job(daemon):
+    import torch
+
+    with trainstream.connect(daemon.socket, job_id="j1") as a, \
+            trainstream.connect(daemon.socket, job_id="j1") as b:
+        buf = a.allocate("weights", 4096 * 4, tag="master")
+        t = buf.tensor(torch.float32)
+        assert t.numel() == 4096
+        t.copy_(torch.arange(4096, dtype=torch.float32))
+        seen = b.lookup("weights").tensor(torch.float32)
+        assert torch.equal(seen, torch.arange(4096, dtype=torch.float32))
+        seen[0] = -1.0  # writes land in the one shared copy
+        assert t[0].item() == -1.0
+        assert t.data_ptr() == buf._native.address  # no copy was made
+
+
+def test_other_jobs_do_not_see_the_buffer(daemon):
+    with trainstream.connect(daemon.socket, job_id="j1") as a, \
+            trainstream.connect(daemon.socket, job_id="j2") as b:
+        a.allocate("secret", 64)
+        with pytest.raises(trainstream.NotFoundError, match="no buffer named 'secret'"):
+            b.lookup("secret")
+
+
+def _writer(socket, ready, done):
+    import torch
+
+    with trainstream.connect(socket, job_id="exchange") as client:
+        buf = client.allocate("payload", 1 << 20, tag="test")
+        buf.tensor(torch.int32).copy_(torch.arange(1 << 18, dtype=torch.int32) * 3)
+        ready.set()
+        done.wait(30)
+
+
+def test_two_processes_exchange_a_buffer(daemon):
+    import torch
+
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    writer = ctx.Process(target=_writer, args=(daemon.socket, ready, done))
+    writer.start()
+    try:
+        assert ready.wait(30), "writer process did not get ready"
+        with trainstream.connect(daemon.socket, job_id="exchange") as reader:
+            buf = reader.lookup("payload")
+            assert buf.owner_session_id != reader.session_id
+            got = buf.tensor(torch.int32)
+            assert torch.equal(got, torch.arange(1 << 18, dtype=torch.int32) * 3)
+    finally:
+        done.set()
+        writer.join(30)
+    assert writer.exitcode == 0
+
+
+def test_free_and_reuse(daemon):
+    with trainstream.connect(daemon.socket) as client:
+        a = client.allocate("a", 8192)
+        client.free(a)
+        with pytest.raises(trainstream.NotFoundError):
+            client.lookup("a")
+        b = client.allocate("a", 8192)  # the name is free again
+        assert b.nbytes == 8192
+
+
+def test_sealed_buffer_is_read_only_everywhere(daemon):
+    with trainstream.connect(daemon.socket, job_id="base") as owner, \
+            trainstream.connect(daemon.socket, job_id="base") as other:
+        buf = owner.allocate("frozen", 4096, sealable=True)
+        buf.memoryview()[:5] = b"hello"
+        sealed = owner.seal(buf)
+        assert sealed.read_only
+        view = other.lookup("frozen")
+        assert view.read_only
+        assert bytes(view.memoryview()[:5]) == b"hello"
+        with pytest.raises(TypeError):
+            view.memoryview()[0] = 1
+        plain = owner.allocate("plain", 64)
+        with pytest.raises(trainstream.FailedPreconditionError, match="sealable"):
+            owner.seal(plain)
+
+
+def test_budget_refusal_is_clear_and_an_event(daemon):
+    with trainstream.connect(daemon.socket) as client:
+        with pytest.raises(trainstream.ResourceExhaustedError, match="budget") as e:
+            client.allocate("too-big", 300 << 20)
+        assert "'too-big'" in str(e.value)
+        assert isinstance(e.value, MemoryError)
+        events = client.events()
+        assert any(ev["kind"] == "arena.refused" for ev in events)
+        client.allocate("fits", 1 << 20)  # and the daemon keeps serving
+
+
+def test_memory_report_by_session_and_tag(daemon):
+    with trainstream.connect(daemon.socket) as client:
+        client.allocate("g", 1000, tag="grad")
+        client.allocate("m", 3000, tag="master")
+        report = client.memory()
+        assert report["reserved_bytes"] >= 4000
+        mine = [r for r in report["by_session"] if r["key"] == client.session_id]
+        assert mine and mine[0]["bytes"] == 4000 and mine[0]["buffers"] == 2
+        if os.getuid() == 0:  # admins see the tags
+            tags = {r["key"]: r["bytes"] for r in report["by_tag"]}
+            assert tags["grad"] == 1000 and tags["master"] == 3000
+
+
+def test_closing_frees_everything(daemon):
+    client = trainstream.connect(daemon.socket)
+    client.allocate("x", 1 << 20)
+    client.close()
+    with trainstream.connect(daemon.socket) as observer:
+        assert wait_until(lambda: observer.status()["reserved_bytes"] == 0, 2)
+        assert any(e["kind"] == "session.closed" for e in observer.events())
+
+
+def test_doorbell_round_trip(daemon):
+    with trainstream.connect(daemon.socket) as client:
+        for _ in range(100):
+            assert client.ping() < 1.0
+        client.ring(77, id=5)  # nobody handles kind 77: the daemon answers with an error
+        notice = client.wait(2000)
+        assert notice.kind == trainstream.client.ERROR and notice.id == 5 and notice.value == 3

@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Malformed requests over raw gRPC: each gets the right code and a readable message, and the
+daemon keeps serving the next request."""
+
+import os
+
+import grpc
+import pytest
+
+
+@pytest.fixture
+def session_id(stub, pb):
+    return stub.OpenSession(pb.OpenSessionRequest(job_id="v", pid=os.getpid())).session_id
+
+
+def expect(call, code, *words):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code, e.value.details()
+    for w in words:
+        assert w in e.value.details(), e.value.details()
+
+
+def test_malformed_requests(stub, pb, session_id):
+    I, N, P, R = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                  grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    A = pb.AllocateBufferRequest
+    cases = [
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="", bytes=8)), I, "name is empty"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="a b", bytes=8)), I, "letters"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="x" * 500, bytes=8)), I, "500"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="z", bytes=0)), I, "at least one byte"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="z", bytes=2**63)), I, "16 TiB"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="z", bytes=2**40)), R, "budget"),
+        (lambda: stub.AllocateBuffer(A(session_id=session_id, name="z", bytes=8, alignment=3)), I,
+         "power of two"),
+        (lambda: stub.AllocateBuffer(A(session_id="", name="z", bytes=8)), I, "session_id is empty"),
+        (lambda: stub.AllocateBuffer(A(session_id="s-nothex", name="z", bytes=8)), I, "malformed"),
+        (lambda: stub.AllocateBuffer(A(session_id="s-0000000000000000", name="z", bytes=8)), N,
+         "no session"),
+        (lambda: stub.FreeBuffer(pb.FreeBufferRequest(session_id=session_id, buffer_id=0)), I,
+         "buffer_id"),
+        (lambda: stub.FreeBuffer(pb.FreeBufferRequest(session_id=session_id, buffer_id=999)), N,
+         "no buffer 999"),
+        (lambda: stub.LookupBuffer(pb.LookupBufferRequest(session_id=session_id, name="nope")), N,
+         "no buffer named 'nope'"),
+        (lambda: stub.SealBuffer(pb.SealBufferRequest(session_id=session_id, buffer_id=12345)), N),
+        (lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id="s-0000000000000001")), N),
+        (lambda: stub.OpenSession(pb.OpenSessionRequest(job_id="v", pid=1)), I, "not the caller's pid"),
+        (lambda: stub.OpenSession(pb.OpenSessionRequest(job_id="v", rank=4, world_size=4)), I,
+         "rank 4"),
+        (lambda: stub.OpenSession(pb.OpenSessionRequest(job_id="bad job")), I, "job_id"),
+    ]
+    for call, code, *words in cases:
+        expect(call, code, *words)
+        # the daemon keeps serving
+        assert stub.GetStatus(pb.GetStatusRequest()).version
+
+
+def test_wrong_session_cannot_free_anothers_buffer(stub, pb, session_id):
+    other = stub.OpenSession(pb.OpenSessionRequest(job_id="v", pid=os.getpid())).session_id
+    buf = stub.AllocateBuffer(pb.AllocateBufferRequest(session_id=session_id, name="mine", bytes=64))
+    expect(lambda: stub.FreeBuffer(pb.FreeBufferRequest(session_id=other, buffer_id=buf.buffer_id)),
+           grpc.StatusCode.PERMISSION_DENIED, "belongs to another session")
+    expect(lambda: stub.AllocateBuffer(pb.AllocateBufferRequest(session_id=other, name="mine",
+                                                                bytes=64)),
+           grpc.StatusCode.ALREADY_EXISTS, "'mine'")
+
+
+def test_data_socket_rejects_garbage_and_unattached_requests(daemon, pb):
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(daemon.socket + ".data")
+    s.send(b"\xff\xfe not a protobuf")
+    reply = pb.DataReply.FromString(s.recv(65536))
+    assert reply.code == 3 and "DataRequest" in reply.message
+    req = pb.DataRequest(get_segment=pb.DataRequest.GetSegment(segment_id=1))
+    s.send(req.SerializeToString())
+    reply = pb.DataReply.FromString(s.recv(65536))
+    assert reply.code == 9 and "attach" in reply.message
+    bad = pb.DataRequest(attach=pb.DataRequest.Attach(session_id="s-0000000000000000",
+                                                      attach_token=b"x"))
+    s.send(bad.SerializeToString())
+    reply = pb.DataReply.FromString(s.recv(65536))
+    assert reply.code == 5
+    s.close()

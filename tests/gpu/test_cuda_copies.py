@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Daemon segments registered with CUDA: 1 GiB each way through them, every byte checked."""
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine"),
+]
+
+GIB = 1 << 30
+
+
+def test_segments_are_registered_and_copy_1gib_each_way(start_daemon):
+    d = start_daemon("--memory_budget=8G")
+    ok, why = trainstream.cuda_available()
+    assert ok, why
+    with trainstream.connect(d.socket, job_id="gpu") as client:
+        up = client.allocate("up", GIB, tag="test")
+        down = client.allocate("down", GIB, tag="test")
+        assert up.cuda_registered and down.cuda_registered
+        host_up = up.tensor(torch.int32)
+        gen = torch.Generator().manual_seed(1234)
+        host_up.copy_(torch.randint(-2**31, 2**31 - 1, host_up.shape, dtype=torch.int32,
+                                    generator=gen))
+        assert host_up.is_pinned(), "registered daemon memory should read as pinned to torch"
+        device = torch.empty(GIB // 4, dtype=torch.int32, device="cuda")
+        up.copy_to_device(device)
+        torch.cuda.synchronize()
+        assert torch.equal(device.cpu(), host_up)
+
+        device.mul_(3).add_(7)
+        expected = device.cpu()
+        host_down = down.tensor(torch.int32)
+        host_down.fill_(0)
+        down.copy_from_device(device)
+        torch.cuda.synchronize()
+        assert torch.equal(host_down, expected)
+        # The bytes are in the daemon's segment: another session of the job sees them.
+        with trainstream.connect(d.socket, job_id="gpu") as other:
+            assert torch.equal(other.lookup("down").tensor(torch.int32)[:1024], expected[:1024])
+
+
+def test_copy_range_is_checked(start_daemon):
+    d = start_daemon("--memory_budget=1G")
+    with trainstream.connect(d.socket) as client:
+        buf = client.allocate("small", 4096)
+        dst = torch.empty(2048, dtype=torch.int32, device="cuda")
+        with pytest.raises(trainstream.InvalidArgumentError, match="past the end"):
+            buf.copy_to_device(dst)
+        with pytest.raises(trainstream.InvalidArgumentError, match="past the end"):
+            buf._native.copy_to_device(4000, dst.data_ptr(), 200, 0)
+
+
+def test_torch_uses_registered_memory_for_async_copies(start_daemon):
+    d = start_daemon("--memory_budget=2G")
+    with trainstream.connect(d.socket) as client:
+        buf = client.allocate("t", 256 << 20)
+        host = buf.tensor(torch.float32)
+        host.uniform_()
+        dev = host.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), host)
