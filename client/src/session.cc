@@ -159,6 +159,15 @@ class Session::Impl {
     return MapBuffer(FromProto(reply));
   }
 
+  absl::Status Heartbeat() {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::HeartbeatRequest request;
+    request.set_session_id(id_);
+    v1::HeartbeatReply reply;
+    return channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().Heartbeat(c, request, &reply); });
+  }
+
   absl::Status Ring(const Notice& notice) {
     RETURN_IF_ERROR(CheckUsable());
     absl::MutexLock lock(&ring_mu_);
@@ -347,6 +356,7 @@ absl::Status Session::Free(const HostBuffer& buffer) { return impl_->Free(buffer
 absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Seal(const BufferInfo& buffer) {
   return impl_->Seal(buffer);
 }
+absl::Status Session::Heartbeat() { return impl_->Heartbeat(); }
 absl::Status Session::Ring(const Notice& notice) { return impl_->Ring(notice); }
 absl::StatusOr<Notice> Session::Wait(int timeout_ms) { return impl_->Wait(timeout_ms); }
 absl::StatusOr<absl::Duration> Session::Ping() { return impl_->Ping(); }

@@ -93,6 +93,9 @@ class Session {
   // drop them and pass the buffer's info.
   absl::StatusOr<std::shared_ptr<HostBuffer>> Seal(const BufferInfo& buffer);
 
+  // Renews the lease now (the background thread also does). One control-plane round trip.
+  absl::Status Heartbeat();
+
   // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it.
   absl::Status Ring(const Notice& notice);
   absl::StatusOr<Notice> Wait(int timeout_ms);
