@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "ipc/fd_passing.h"
 #include "ipc/unix_socket.h"
+#include "ipc/event_signal.h"
 #include "trainstream/status_macros.h"
 #include "trainstream/v1/trainstream.pb.h"
 
@@ -72,8 +73,7 @@ DataChannelServer::~DataChannelServer() { Stop(); }
 
 void DataChannelServer::Stop() {
   if (thread_.joinable()) {
-    uint64_t one = 1;
-    (void)::write(stop_.get(), &one, sizeof(one));
+    ipc::SignalEventFd(stop_.get());
     thread_.join();
   }
   absl::MutexLock lock(&mu_);

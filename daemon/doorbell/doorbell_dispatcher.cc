@@ -7,6 +7,7 @@
 
 #include <cerrno>
 
+#include "ipc/event_signal.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
@@ -44,8 +45,7 @@ DoorbellDispatcher::~DoorbellDispatcher() { Stop(); }
 
 void DoorbellDispatcher::Stop() {
   if (!thread_.joinable()) return;
-  uint64_t one = 1;
-  (void)::write(stop_.get(), &one, sizeof(one));
+  ipc::SignalEventFd(stop_.get());
   thread_.join();
 }
 
@@ -140,8 +140,7 @@ void DoorbellDispatcher::Serve(const Entry& entry) {
     }
   }
   // More may be waiting: re-arm by waking ourselves so the other sessions get a turn first.
-  uint64_t one = 1;
-  (void)::write(entry.channel->wake_fd(), &one, sizeof(one));
+  ipc::SignalEventFd(entry.channel->wake_fd());
 }
 
 }  // namespace trainstream::daemon

@@ -10,6 +10,7 @@
 
 #include "grpcpp/server_posix.h"
 #include "ipc/unix_socket.h"
+#include "ipc/event_signal.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
@@ -40,8 +41,7 @@ ControlListener::~ControlListener() { Stop(); }
 
 void ControlListener::Stop() {
   if (!thread_.joinable()) return;
-  uint64_t one = 1;
-  (void)::write(stop_.get(), &one, sizeof(one));
+  ipc::SignalEventFd(stop_.get());
   thread_.join();
   listener_.Reset();
   ::unlink(socket_path_.c_str());
