@@ -41,7 +41,8 @@ def tsctl_binary() -> str:
 def proto_modules():
     """trainstream.v1 Python stubs generated from proto/, in a world-readable folder (tests
     run code as another user too)."""
-    from grpc_tools import protoc
+    protoc = pytest.importorskip(
+        "grpc_tools.protoc", reason="grpcio-tools is not installed (scripts/bootstrap.sh installs it)")
 
     # Generated under the module name `tsapi` so it cannot shadow the trainstream package.
     out = tempfile.mkdtemp(prefix="ts-proto-")

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sessions and shared buffers through a real daemon."""
 
-import multiprocessing as mp
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -46,34 +48,32 @@ def test_other_jobs_do_not_see_the_buffer(daemon):
             b.lookup("secret")
 
 
-def _writer(socket, ready, done):
-    import torch
-
-    with trainstream.connect(socket, job_id="exchange") as client:
+WRITER = textwrap.dedent("""
+    import sys, torch, trainstream
+    with trainstream.connect(sys.argv[1], job_id="exchange") as client:
         buf = client.allocate("payload", 1 << 20, tag="test")
         buf.tensor(torch.int32).copy_(torch.arange(1 << 18, dtype=torch.int32) * 3)
-        ready.set()
-        done.wait(30)
+        print("ready", flush=True)
+        sys.stdin.readline()  # hold the session until told to go
+""")
 
 
 def test_two_processes_exchange_a_buffer(daemon):
     import torch
 
-    ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    writer = ctx.Process(target=_writer, args=(daemon.socket, ready, done))
-    writer.start()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, daemon.socket], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert ready.wait(30), "writer process did not get ready"
+        line = writer.stdout.readline()
+        assert line.strip() == "ready", writer.stderr.read() if writer.poll() is not None else line
         with trainstream.connect(daemon.socket, job_id="exchange") as reader:
             buf = reader.lookup("payload")
             assert buf.owner_session_id != reader.session_id
             got = buf.tensor(torch.int32)
             assert torch.equal(got, torch.arange(1 << 18, dtype=torch.int32) * 3)
     finally:
-        done.set()
-        writer.join(30)
-    assert writer.exitcode == 0
+        writer.communicate("go\n", timeout=30)
+    assert writer.returncode == 0
 
 
 def test_free_and_reuse(daemon):
