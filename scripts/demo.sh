@@ -15,10 +15,19 @@ trainstreamd --memory_budget=2G >"$run_dir/trainstreamd.log" 2>&1 &
 daemon_pid=$!
 trap 'kill -TERM $daemon_pid 2>/dev/null; wait $daemon_pid 2>/dev/null; rm -rf "$run_dir"' EXIT
 for _ in $(seq 100); do tsctl status >/dev/null 2>&1 && break; sleep 0.1; done
-python examples/train_tiny_mlp.py --hold-seconds 0 &
+# Train, keeping the session open a few seconds afterwards so tsctl can show it.
+python examples/train_tiny_mlp.py --hold-seconds 4 | tee "$run_dir/train.log" &
 train_pid=$!
-wait $train_pid
+until grep -q "steps in" "$run_dir/train.log" 2>/dev/null; do
+  kill -0 $train_pid 2>/dev/null || break
+  sleep 0.2
+done
 echo
 tsctl status
 echo
-tsctl events | tail -n 8
+tsctl sessions
+echo
+tsctl memory
+wait $train_pid
+echo
+tsctl events | tail -n 6

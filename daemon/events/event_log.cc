@@ -21,7 +21,12 @@ uint64_t EventLog::Emit(std::string kind, std::string message,
   event.numbers = std::move(numbers);
   std::string line = absl::StrCat(event.kind, " ", event.session_id.empty() ? "-" : event.session_id,
                                   ": ", event.message);
-  for (const auto& [key, value] : event.numbers) absl::StrAppend(&line, " ", key, "=", value);
+  for (const auto& [key, value] : event.numbers) {
+    // Byte counts are whole numbers: print them in full rather than as 1.07374e+09.
+    const bool whole = value == static_cast<double>(static_cast<int64_t>(value));
+    absl::StrAppend(&line, " ", key, "=",
+                    whole ? absl::StrCat(static_cast<int64_t>(value)) : absl::StrCat(value));
+  }
   const bool refusal = event.kind.find("refused") != std::string::npos;
   {
     absl::MutexLock lock(&mu_);
