@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tsctl against a real daemon: tables, --json, exit codes, and the no-daemon message."""
+
+import json
+import subprocess
+
+import trainstream
+
+
+def tsctl(binary, *args):
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=30)
+
+
+def test_subcommands_show_the_session(daemon, tsctl_binary):
+    with trainstream.connect(daemon.socket, job_id="cli") as client:
+        client.allocate("g", 5000, tag="grad")
+        sock = f"--socket={daemon.socket}"
+        status = tsctl(tsctl_binary, sock, "status")
+        assert status.returncode == 0, status.stderr
+        assert "0.1.0" in status.stdout and "256 MiB budget" in status.stdout
+        sessions = tsctl(tsctl_binary, sock, "sessions")
+        assert client.session_id in sessions.stdout and "cli" in sessions.stdout
+        memory = json.loads(tsctl(tsctl_binary, sock, "memory", "--json").stdout)
+        assert int(memory["budget_bytes"]) == 256 << 20
+        assert any(r["key"] == "grad" and int(r["bytes"]) == 5000 for r in memory["by_tag"])
+        events = tsctl(tsctl_binary, sock, "events", "--json")
+        kinds = [json.loads(line)["kind"] for line in events.stdout.splitlines()]
+        assert "daemon.start" in kinds and "session.open" in kinds
+
+
+def test_exit_codes(tmp_path, tsctl_binary):
+    missing = str(tmp_path / "none.sock")
+    gone = tsctl(tsctl_binary, f"--socket={missing}", "status")
+    assert gone.returncode == 3
+    assert missing in gone.stderr
+    assert tsctl(tsctl_binary).returncode == 2
+    assert tsctl(tsctl_binary, "frobnicate").returncode == 2
+    assert tsctl(tsctl_binary, "--help").returncode == 0
