@@ -10,20 +10,15 @@
 #include "events/event_log.h"
 #include "events/logger.h"
 #include "gpu/gpu_probe.h"
-#include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "rpc/connection_credentials.h"
 #include "rpc/control_listener.h"
 #include "rpc/trainstream_service.h"
+#include "rpc/user_servers.h"
 #include "sessions/session_registry.h"
 #include "trainstream/status_macros.h"
 #include "trainstream/version.h"
 
 namespace trainstream::daemon {
-namespace {
-constexpr char kHealthServiceName[] = "trainstream.v1.TrainStream";
-}
-
 Daemon::Daemon(const DaemonOptions& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& options) {
@@ -81,19 +76,15 @@ absl::Status Daemon::Start() {
                     {{"index", gpu.index}, {"total_bytes", static_cast<double>(gpu.total_bytes)}});
     }
   }
-  service_ = std::make_unique<TrainStreamService>(std::move(facts), sessions_.get(), arena_.get(),
-                                                  events_.get(), credentials_.get());
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (!server_) return absl::InternalError("the gRPC server did not start");
-  server_->GetHealthCheckService()->SetServingStatus(kHealthServiceName, true);
+  servers_ = std::make_unique<UserServers>(UserServers::Shared{
+      std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get()});
   ASSIGN_OR_RETURN(listener_,
-                   ControlListener::Create(options_.socket_path, options_.socket_mode,
-                                           options_.admin_group, server_.get(),
-                                           credentials_.get()));
+                   ControlListener::Create(
+                       options_.socket_path, options_.socket_mode, options_.admin_group,
+                       [this](const PeerCredentials& peer) { return servers_->ServerFor(peer); },
+                       credentials_.get()));
   housekeeping_ = std::thread([this] { Housekeeping(); });
+  started_ = true;
   events_->Emit("daemon.start",
                 absl::StrFormat("trainstreamd %s serving %s", kTrainStreamVersion,
                                 options_.socket_path),
@@ -113,7 +104,7 @@ void Daemon::Housekeeping() {
 void Daemon::Shutdown() {
   std::call_once(shutdown_once_, [this] {
     sessions_->StartDraining();
-    server_->GetHealthCheckService()->SetServingStatus(kHealthServiceName, false);
+    servers_->SetServing(false);
     const size_t open = sessions_->size();
     events_->Emit("daemon.draining",
                   absl::StrFormat("refusing new sessions; waiting up to %s for %d open ones",
@@ -126,8 +117,7 @@ void Daemon::Shutdown() {
     stopping_.Notify();
     housekeeping_.join();
     listener_->Stop();
-    service_->Shutdown();
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    servers_->Shutdown();
     data_server_->Stop();
     doorbells_->Stop();
     events_->Emit("daemon.stop", "stopped", {{"sessions_ended_at_deadline", static_cast<double>(left)}});
@@ -142,7 +132,8 @@ bool Daemon::WaitFor(absl::Duration timeout) {
 }
 
 Daemon::~Daemon() {
-  if (server_ != nullptr) Shutdown();
+  // A daemon that failed to start is torn down by its members' destructors alone.
+  if (started_) Shutdown();
 }
 
 }  // namespace trainstream::daemon

@@ -10,10 +10,6 @@
 #include "absl/synchronization/notification.h"
 #include "config/daemon_options.h"
 
-namespace grpc {
-class Server;
-}
-
 namespace trainstream::daemon {
 
 class Arena;
@@ -23,7 +19,7 @@ class DataChannelServer;
 class DoorbellDispatcher;
 class EventLog;
 class SessionRegistry;
-class TrainStreamService;
+class UserServers;
 
 // trainstreamd: wires the parts together and runs them until Shutdown(). Create() binds both
 // sockets and starts serving; Shutdown() drains (no new sessions, waits for the current ones up
@@ -52,13 +48,13 @@ class Daemon {
   std::unique_ptr<SessionRegistry> sessions_;
   std::unique_ptr<DoorbellDispatcher> doorbells_;
   std::unique_ptr<DataChannelServer> data_server_;
-  std::unique_ptr<TrainStreamService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UserServers> servers_;
   std::unique_ptr<ControlListener> listener_;
   absl::Notification stopping_;
   absl::Notification stopped_;
   std::thread housekeeping_;
   std::once_flag shutdown_once_;
+  bool started_ = false;
 };
 
 }  // namespace trainstream::daemon

@@ -17,22 +17,23 @@ namespace trainstream::daemon {
 
 absl::StatusOr<std::unique_ptr<ControlListener>> ControlListener::Create(
     const std::string& socket_path, mode_t mode, const std::string& admin_group,
-    grpc::Server* server, ConnectionCredentials* credentials) {
+    ServerForPeer server_for, ConnectionCredentials* credentials) {
   ASSIGN_OR_RETURN(ipc::UniqueFd listener, ipc::ListenUnix(socket_path, SOCK_STREAM, mode));
   ipc::UniqueFd stop(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!stop.valid()) return ErrnoStatus(errno, "eventfd");
   return std::unique_ptr<ControlListener>(new ControlListener(
-      socket_path, admin_group, std::move(listener), std::move(stop), server, credentials));
+      socket_path, admin_group, std::move(listener), std::move(stop), std::move(server_for),
+      credentials));
 }
 
 ControlListener::ControlListener(std::string socket_path, std::string admin_group,
-                                 ipc::UniqueFd listener, ipc::UniqueFd stop, grpc::Server* server,
-                                 ConnectionCredentials* credentials)
+                                 ipc::UniqueFd listener, ipc::UniqueFd stop,
+                                 ServerForPeer server_for, ConnectionCredentials* credentials)
     : socket_path_(std::move(socket_path)),
       admin_group_(std::move(admin_group)),
       listener_(std::move(listener)),
       stop_(std::move(stop)),
-      server_(server),
+      server_for_(std::move(server_for)),
       credentials_(credentials) {
   thread_ = std::thread([this] { Loop(); });
 }
@@ -63,8 +64,13 @@ void ControlListener::Loop() {
       ::close(fd);
       continue;
     }
+    grpc::Server* server = server_for_(*peer);
+    if (server == nullptr) {
+      ::close(fd);
+      continue;
+    }
     credentials_->Record(fd, *peer);
-    grpc::AddInsecureChannelFromFd(server_, fd);  // gRPC owns the descriptor from here on
+    grpc::AddInsecureChannelFromFd(server, fd);  // gRPC owns the descriptor from here on
   }
 }
 

@@ -34,21 +34,23 @@ void FillRows(const std::vector<UsageRow>& rows,
 
 }  // namespace
 
-TrainStreamService::TrainStreamService(DaemonFacts facts, SessionRegistry* sessions, Arena* arena,
-                                       EventLog* events, const ConnectionCredentials* credentials)
+TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identity,
+                                       SessionRegistry* sessions, Arena* arena, EventLog* events,
+                                       const ConnectionCredentials* credentials)
     : facts_(std::move(facts)),
+      identity_(identity),
       sessions_(sessions),
       arena_(arena),
       events_(events),
       credentials_(credentials) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
+  // The uid is the server's; the per-connection record only supplies the pid, and only when it
+  // agrees on the uid (a reused descriptor number could otherwise lend another process's pid).
+  PeerCredentials caller = identity_;
   std::optional<PeerCredentials> peer = credentials_->Find(context->peer());
-  if (!peer) {
-    return absl::UnauthenticatedError(
-        "this connection carries no kernel credentials; connect through the daemon's Unix socket");
-  }
-  return *peer;
+  if (peer && peer->uid == identity_.uid) caller.pid = peer->pid;
+  return caller;
 }
 
 absl::StatusOr<std::shared_ptr<const Session>> TrainStreamService::CallersSession(
@@ -71,6 +73,10 @@ grpc::Status TrainStreamService::OpenSession(grpc::ServerContext* context,
   params.rank = request->rank();
   params.world_size = request->world_size();
   params.claimed_pid = static_cast<pid_t>(request->pid());
+  if (caller->pid == 0) {
+    return ToGrpcStatus(absl::UnavailableError(
+        "the connection's credentials are not known yet; retry the call"));
+  }
   absl::StatusOr<std::shared_ptr<const Session>> session = sessions_->Open(*caller, params);
   if (!session.ok()) {
     events_->Emit("session.refused", std::string(session.status().message()),

@@ -25,13 +25,14 @@ struct DaemonFacts {
   GpuInventory gpus;
 };
 
-// The control plane: validates every request, identifies the caller by the kernel credentials
-// of its connection, and acts on the registry, arena and event log. Thread-safe (gRPC calls it
-// from its pool). Refusals of memory are events.
+// The control plane for one uid (see UserServers): validates every request and acts on the
+// registry, arena and event log as that uid. The caller's pid comes from the kernel
+// credentials recorded for its connection. Thread-safe (gRPC calls it from its pool). Refusals
+// are events.
 class TrainStreamService final : public v1::TrainStream::Service {
  public:
-  TrainStreamService(DaemonFacts facts, SessionRegistry* sessions, Arena* arena, EventLog* events,
-                     const ConnectionCredentials* credentials);
+  TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
+                     Arena* arena, EventLog* events, const ConnectionCredentials* credentials);
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -66,6 +67,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
                                                                 const std::string& session_id);
 
   const DaemonFacts facts_;
+  const PeerCredentials identity_;
   SessionRegistry* const sessions_;
   Arena* const arena_;
   EventLog* const events_;

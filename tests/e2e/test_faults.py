@@ -59,11 +59,24 @@ def test_silent_client_loses_its_lease(daemon, stub, pb):
         assert any("lease expired" in m for m in reasons)
 
 
+def health(socket: str) -> bytes:
+    """The standard grpc.health.v1 Check for our service, as raw bytes (08 01 is
+    SERVING, 08 02 NOT_SERVING), so the test needs no generated health stubs."""
+    import grpc
+
+    service = b"trainstream.v1.TrainStream"
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        return check(b"\x0a" + bytes([len(service)]) + service, timeout=5)
+
+
 def test_sigterm_drains_and_exits_zero(daemon):
     client = trainstream.connect(daemon.socket)
     client.allocate("x", 4096)
+    assert health(daemon.socket) == b"\x08\x01"
     daemon.process.send_signal(signal.SIGTERM)
     time.sleep(0.3)
+    assert health(daemon.socket) == b"\x08\x02"  # draining: not serving new work
     with pytest.raises(trainstream.DaemonUnavailableError, match="shutting down"):
         trainstream.connect(daemon.socket)
     assert daemon.process.poll() is None  # still waiting for the open session

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "rpc/user_servers.h"
+
+#include <chrono>
+
+#include "absl/strings/str_format.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace trainstream::daemon {
+namespace {
+constexpr char kHealthServiceName[] = "trainstream.v1.TrainStream";
+}
+
+grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return nullptr;
+  if (auto it = servers_.find(peer.uid); it != servers_.end()) return it->second.server.get();
+  PeerCredentials identity = peer;
+  identity.pid = 0;  // the pid is per connection; the service looks it up per request
+  Entry entry;
+  entry.service = std::make_unique<TrainStreamService>(shared_.facts, identity, shared_.sessions,
+                                                       shared_.arena, shared_.events,
+                                                       shared_.credentials);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(entry.service.get());
+  entry.server = builder.BuildAndStart();
+  if (!entry.server) {
+    shared_.events->Emit("rpc.refused",
+                         absl::StrFormat("could not start a gRPC server for uid %d", peer.uid), {},
+                         "", peer.uid);
+    return nullptr;
+  }
+  entry.server->GetHealthCheckService()->SetServingStatus(kHealthServiceName, serving_);
+  grpc::Server* server = entry.server.get();
+  servers_[peer.uid] = std::move(entry);
+  return server;
+}
+
+void UserServers::SetServing(bool serving) {
+  absl::MutexLock lock(&mu_);
+  serving_ = serving;
+  for (auto& [uid, entry] : servers_) {
+    entry.server->GetHealthCheckService()->SetServingStatus(kHealthServiceName, serving);
+  }
+}
+
+void UserServers::Shutdown() {
+  std::map<uid_t, Entry> servers;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    servers.swap(servers_);
+  }
+  for (auto& [uid, entry] : servers) entry.service->Shutdown();
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  for (auto& [uid, entry] : servers) entry.server->Shutdown(deadline);
+}
+
+}  // namespace trainstream::daemon
