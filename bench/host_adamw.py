@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Host AdamW on the full mixed-precision step, three ways, in one run:
+
+1. trainstream's pass (bench/host_adamw_bench, the daemon's kernel and thread pool): bf16
+   gradient in, fp32 master and moments (or bf16 moments), bf16 parameter out, in one pass;
+2. the memory bound: an in-place stream over the same arrays with the same threads;
+3. torch.optim.AdamW(fused=True) on the CPU doing the same job with the conversions it needs
+   (bf16 gradient -> fp32, fused step on fp32 master weights, fp32 -> bf16 parameter).
+
+GB/s counts the bytes the update must move: 28 per parameter with fp32 moments
+(grad 2 + master 4+4 + moments 8+8 + param 2) and 20 with bf16 moments.
+
+    python bench/host_adamw.py --params 10M 100M 1B [--threads N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_count(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+    return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].isalpha() else int(text)
+
+
+def torch_fused(n: int, threads: int, repeats: int) -> float:
+    """Median seconds of one torch fused CPU AdamW step on the mixed-precision job."""
+    torch.set_num_threads(threads)
+    master = torch.nn.Parameter(torch.ones(n, dtype=torch.float32))
+    grad_bf16 = torch.full((n,), 0.5, dtype=torch.bfloat16)
+    param_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([master], lr=1e-3, weight_decay=0.01, fused=True)
+
+    def step():
+        master.grad = grad_bf16.float()  # the conversion torch needs
+        opt.step()
+        param_bf16.copy_(master.detach())  # and back to the model's dtype
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    del opt, master
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", nargs="+", default=["10M", "100M"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bench", default=os.path.join(HERE, "..", "build", "py", "bench",
+                                                        "host_adamw_bench"))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    sizes = [parse_count(p) for p in args.params]
+    rows = []
+    for n in sizes:
+        out = subprocess.run([args.bench, f"--params={n}", f"--threads={args.threads}",
+                              f"--repeats={args.repeats}"], capture_output=True, text=True,
+                             check=True).stdout
+        ours = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        t = torch_fused(n, args.threads, args.repeats)
+        for r in ours:
+            r["torch_fused_s"] = round(t, 6)
+            r["torch_fused_gbps_same_bytes"] = round(n * r["bytes_per_param"] / t / 1e9, 2)
+            r["speedup_vs_torch"] = round(t / r["adamw_s"], 3)
+            r["of_stream"] = round(r["adamw_gbps"] / r["stream_gbps"], 4)
+            rows.append(r)
+    print(f"{'params':>12} {'moments':>7} {'ours GB/s':>10} {'stream GB/s':>12} {'of stream':>9} "
+          f"{'ours ms':>9} {'torch fused ms':>15} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['params']:>12} {r['moments']:>7} {r['adamw_gbps']:>10.1f} "
+              f"{r['stream_gbps']:>12.1f} {100 * r['of_stream']:>8.1f}% {1e3 * r['adamw_s']:>9.2f} "
+              f"{1e3 * r['torch_fused_s']:>15.2f} {r['speedup_vs_torch']:>7.2f}x")
+    result = {"bench": "host_adamw", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
+              "cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
+              "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

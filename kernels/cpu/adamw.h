@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host AdamW/Adam: one pass per element that reads the gradient(s), the fp32 master weight and
+// both moments once, and writes the master, the moments and the model-dtype parameter once.
+#ifndef TRAINSTREAM_KERNELS_CPU_ADAMW_H_
+#define TRAINSTREAM_KERNELS_CPU_ADAMW_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace trainstream::kernels {
+
+enum class ScalarType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+size_t ElementSize(ScalarType type);
+const char* ScalarTypeName(ScalarType type);
+
+// Instruction sets with a path of their own, best last.
+enum class Isa : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// The best path this CPU runs (AVX-512 needs F, BW, VL; AVX2 needs FMA and F16C).
+Isa BestIsa();
+bool IsaSupported(Isa isa);
+const char* IsaName(Isa isa);
+
+// One step's constants for one parameter group.
+struct AdamWStep {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool decoupled_weight_decay = true;  // AdamW; false is Adam (L2 folded into the gradient)
+  float bias_correction1 = 1.0f;       // 1 - beta1^t
+  float bias_correction2_sqrt = 1.0f;  // sqrt(1 - beta2^t)
+  float grad_scale = 1.0f;             // multiplies the summed gradient (1/ranks, clipping)
+  uint64_t rounding_seed = 0;          // stochastic rounding of bf16 moments
+};
+
+// Fills in the bias corrections of step `t` (1-based) the way torch.optim.AdamW computes them.
+void SetStepNumber(AdamWStep* step, uint64_t t);
+
+// One tensor's state. `grads` holds `num_grads` arrays (one per rank) that are summed.
+struct AdamWTensor {
+  float* master = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  ScalarType moment_type = ScalarType::kFloat32;  // kFloat32, or kBFloat16 (stochastic rounding)
+  const void* const* grads = nullptr;
+  int num_grads = 1;
+  ScalarType grad_type = ScalarType::kFloat32;
+  void* param_out = nullptr;  // optional copy of the master in the model's dtype
+  ScalarType param_type = ScalarType::kFloat32;
+  size_t numel = 0;
+};
+
+// Updates elements [begin, end). Disjoint ranges of one tensor may run on different threads.
+// Vector paths and the scalar path agree to within one rounding of each operation.
+absl::Status AdamWUpdate(const AdamWTensor& tensor, size_t begin, size_t end,
+                         const AdamWStep& step, Isa isa);
+
+// The summed gradient's sum of squares (in fp64) over [begin, end) and how many of its
+// elements are not finite. Used for global-norm clipping and non-finite checks.
+struct GradientStats {
+  double sum_squares = 0;
+  uint64_t nonfinite = 0;
+};
+GradientStats ComputeGradientStats(const void* const* grads, int num_grads, ScalarType grad_type,
+                                   size_t begin, size_t end, Isa isa);
+
+// Per-ISA entry points (adamw_scalar.cc, adamw_avx2.cc, adamw_avx512.cc); the range and types
+// are already checked.
+namespace internal {
+void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+void AdamWAvx2(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+void AdamWAvx512(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+GradientStats StatsScalar(const void* const* grads, int n, ScalarType type, size_t b, size_t e);
+GradientStats StatsAvx2(const void* const* grads, int n, ScalarType type, size_t b, size_t e);
+GradientStats StatsAvx512(const void* const* grads, int n, ScalarType type, size_t b, size_t e);
+}  // namespace internal
+
+}  // namespace trainstream::kernels
+
+#endif  // TRAINSTREAM_KERNELS_CPU_ADAMW_H_

@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "adamw.h"
+
+namespace trainstream::kernels {
+
+size_t ElementSize(ScalarType type) { return type == ScalarType::kFloat32 ? 4 : 2; }
+
+const char* ScalarTypeName(ScalarType type) {
+  switch (type) {
+    case ScalarType::kFloat32: return "float32";
+    case ScalarType::kBFloat16: return "bfloat16";
+    case ScalarType::kFloat16: return "float16";
+  }
+  return "unknown";
+}
+
+bool IsaSupported(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+Isa BestIsa() {
+  static const Isa best = IsaSupported(Isa::kAvx512) ? Isa::kAvx512
+                          : IsaSupported(Isa::kAvx2) ? Isa::kAvx2
+                                                     : Isa::kScalar;
+  return best;
+}
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+void SetStepNumber(AdamWStep* step, uint64_t t) {
+  // torch computes these in Python floats (double) and passes them on as such.
+  const double t_d = static_cast<double>(t);
+  step->bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(step->beta1), t_d));
+  step->bias_correction2_sqrt =
+      static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step->beta2), t_d)));
+}
+
+absl::Status AdamWUpdate(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& step,
+                         Isa isa) {
+  if (begin > end || end > t.numel) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("range [%d, %d) is outside a tensor of %d elements", begin, end, t.numel));
+  }
+  if (t.master == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr ||
+      t.grads == nullptr || t.num_grads < 1) {
+    return absl::InvalidArgumentError("AdamW needs master weights, both moments and a gradient");
+  }
+  if (t.moment_type == ScalarType::kFloat16) {
+    return absl::InvalidArgumentError("moments are float32 or bfloat16, not float16");
+  }
+  if (!IsaSupported(isa)) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("this CPU lacks the %s instructions", IsaName(isa)));
+  }
+  // The stochastic-rounding hash takes a 32-bit index: split where the upper bits change and
+  // fold them into the seed.
+  while (begin < end) {
+    const size_t block_end = std::min(end, ((begin >> 32) + 1) << 32);
+    AdamWStep s = step;
+    s.rounding_seed ^= (static_cast<uint64_t>(begin >> 32) * 0x9e3779b97f4a7c15ull);
+    switch (isa) {
+      case Isa::kScalar: internal::AdamWScalar(t, begin, block_end, s); break;
+      case Isa::kAvx2: internal::AdamWAvx2(t, begin, block_end, s); break;
+      case Isa::kAvx512: internal::AdamWAvx512(t, begin, block_end, s); break;
+    }
+    begin = block_end;
+  }
+  return absl::OkStatus();
+}
+
+GradientStats ComputeGradientStats(const void* const* grads, int num_grads, ScalarType type,
+                                   size_t begin, size_t end, Isa isa) {
+  if (!IsaSupported(isa)) isa = Isa::kScalar;
+  switch (isa) {
+    case Isa::kAvx2: return internal::StatsAvx2(grads, num_grads, type, begin, end);
+    case Isa::kAvx512: return internal::StatsAvx512(grads, num_grads, type, begin, end);
+    default: return internal::StatsScalar(grads, num_grads, type, begin, end);
+  }
+}
+
+}  // namespace trainstream::kernels

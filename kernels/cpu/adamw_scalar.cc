@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+// The plain path: one element at a time, in the order torch.optim.AdamW (single-tensor) applies
+// its operations. It is also the reference the vector paths are tested against.
+#include <cmath>
+
+#include "adamw.h"
+#include "numeric.h"
+
+namespace trainstream::kernels {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {
+    if (mantissa == 0) return BitsToFloat(sign);
+    // Subnormal: normalise.
+    float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  }
+  if (exponent == 31) return BitsToFloat(sign | 0x7f800000u | (mantissa << 13));
+  return BitsToFloat(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+uint16_t FloatToHalf(float f) {
+  // Round to nearest even, as F16C's _mm_cvtps_ph(_MM_FROUND_TO_NEAREST_INT).
+  const uint32_t bits = FloatToBits(f);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and up round to infinity
+  if (abs >= 0x38800000u) {                        // a normal half
+    const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+    return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+  }
+  const uint32_t exponent = abs >> 23;
+  if (exponent < 102) return sign;  // below 2^-25: rounds to zero
+  // A subnormal half counts units of 2^-24; the float is mantissa * 2^(exponent - 150).
+  const uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126 - exponent;  // 14..24
+  uint32_t half = mantissa >> shift;
+  const uint32_t remainder = mantissa & ((1u << shift) - 1);
+  const uint32_t halfway = 1u << (shift - 1);
+  if (remainder > halfway || (remainder == halfway && (half & 1u))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+namespace {
+
+inline float Load(const void* base, ScalarType type, size_t i) {
+  switch (type) {
+    case ScalarType::kFloat32: return static_cast<const float*>(base)[i];
+    case ScalarType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case ScalarType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0;
+}
+
+inline void StoreNearest(void* base, ScalarType type, size_t i, float value) {
+  switch (type) {
+    case ScalarType::kFloat32: static_cast<float*>(base)[i] = value; break;
+    case ScalarType::kBFloat16: static_cast<uint16_t*>(base)[i] = FloatToBFloat16(value); break;
+    case ScalarType::kFloat16: static_cast<uint16_t*>(base)[i] = FloatToHalf(value); break;
+  }
+}
+
+inline void StoreMoment(void* base, ScalarType type, size_t i, float value, uint32_t seed) {
+  if (type == ScalarType::kFloat32) {
+    static_cast<float*>(base)[i] = value;
+  } else {
+    static_cast<uint16_t*>(base)[i] =
+        FloatToBFloat16Stochastic(value, MixBits(seed, static_cast<uint32_t>(i)));
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  const float decay = s.decoupled_weight_decay ? 1.0f - s.lr * s.weight_decay : 1.0f;
+  const float l2 = s.decoupled_weight_decay ? 0.0f : s.weight_decay;
+  const float step_size = -(s.lr / s.bias_correction1);
+  const float one_minus_beta1 = 1.0f - s.beta1;
+  const float one_minus_beta2 = 1.0f - s.beta2;
+  const uint32_t seed_m = static_cast<uint32_t>(s.rounding_seed);
+  const uint32_t seed_v = static_cast<uint32_t>(s.rounding_seed >> 32) ^ 0x5bd1e995u;
+  for (size_t i = begin; i < end; ++i) {
+    float g = 0;
+    for (int r = 0; r < t.num_grads; ++r) g += Load(t.grads[r], t.grad_type, i);
+    g *= s.grad_scale;
+    float p = t.master[i];
+    if (l2 != 0.0f) g += l2 * p;
+    p *= decay;
+    float m = Load(t.exp_avg, t.moment_type, i);
+    float v = Load(t.exp_avg_sq, t.moment_type, i);
+    m += one_minus_beta1 * (g - m);
+    v = v * s.beta2 + one_minus_beta2 * (g * g);
+    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+    p += step_size * (m / denom);
+    t.master[i] = p;
+    StoreMoment(t.exp_avg, t.moment_type, i, m, seed_m);
+    StoreMoment(t.exp_avg_sq, t.moment_type, i, v, seed_v);
+    if (t.param_out != nullptr) StoreNearest(t.param_out, t.param_type, i, p);
+  }
+}
+
+GradientStats StatsScalar(const void* const* grads, int n, ScalarType type, size_t b, size_t e) {
+  GradientStats stats;
+  for (size_t i = b; i < e; ++i) {
+    float g = 0;
+    for (int r = 0; r < n; ++r) g += Load(grads[r], type, i);
+    if (!std::isfinite(g)) {
+      ++stats.nonfinite;
+      continue;
+    }
+    stats.sum_squares += static_cast<double>(g) * g;
+  }
+  return stats;
+}
+
+}  // namespace internal
+}  // namespace trainstream::kernels

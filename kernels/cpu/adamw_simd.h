@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: Apache-2.0
+// The vector body shared by the AVX2 and AVX-512 paths: `Lanes` supplies loads, stores and
+// arithmetic for its register width. Included only by adamw_avx2.cc and adamw_avx512.cc, each
+// compiled for its instruction set with -ffp-contract=off, so every lane rounds exactly as the
+// scalar path does (no fused multiply-adds): the paths agree bit for bit.
+#ifndef TRAINSTREAM_KERNELS_CPU_ADAMW_SIMD_H_
+#define TRAINSTREAM_KERNELS_CPU_ADAMW_SIMD_H_
+
+#include "adamw.h"
+
+namespace trainstream::kernels::internal {
+
+template <typename L>
+inline typename L::F LoadAs(const void* base, ScalarType type, size_t i) {
+  switch (type) {
+    case ScalarType::kFloat32: return L::LoadF32(static_cast<const float*>(base) + i);
+    case ScalarType::kBFloat16: return L::LoadBF16(static_cast<const uint16_t*>(base) + i);
+    case ScalarType::kFloat16: return L::LoadF16(static_cast<const uint16_t*>(base) + i);
+  }
+  return L::Zero();
+}
+
+template <typename L>
+inline void StoreNearestAs(void* base, ScalarType type, size_t i, typename L::F v) {
+  switch (type) {
+    case ScalarType::kFloat32: L::StoreF32(static_cast<float*>(base) + i, v); break;
+    case ScalarType::kBFloat16: L::StoreBF16(static_cast<uint16_t*>(base) + i, v); break;
+    case ScalarType::kFloat16: L::StoreF16(static_cast<uint16_t*>(base) + i, v); break;
+  }
+}
+
+template <typename L>
+inline void StoreMomentAs(void* base, ScalarType type, size_t i, typename L::F v, uint32_t seed) {
+  if (type == ScalarType::kFloat32) {
+    L::StoreF32(static_cast<float*>(base) + i, v);
+  } else {
+    L::StoreBF16Stochastic(static_cast<uint16_t*>(base) + i, v, L::Random(seed, static_cast<uint32_t>(i)));
+  }
+}
+
+template <typename L>
+void AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  using F = typename L::F;
+  const bool decoupled = s.decoupled_weight_decay;
+  const F decay = L::Set(decoupled ? 1.0f - s.lr * s.weight_decay : 1.0f);
+  const float l2_scalar = decoupled ? 0.0f : s.weight_decay;
+  const F l2 = L::Set(l2_scalar);
+  const F step_size = L::Set(-(s.lr / s.bias_correction1));
+  const F one_minus_beta1 = L::Set(1.0f - s.beta1);
+  const F one_minus_beta2 = L::Set(1.0f - s.beta2);
+  const F beta2 = L::Set(s.beta2);
+  const F bc2 = L::Set(s.bias_correction2_sqrt);
+  const F eps = L::Set(s.eps);
+  const F scale = L::Set(s.grad_scale);
+  const uint32_t seed_m = static_cast<uint32_t>(s.rounding_seed);
+  const uint32_t seed_v = static_cast<uint32_t>(s.rounding_seed >> 32) ^ 0x5bd1e995u;
+  size_t i = begin;
+  for (; i + L::kWidth <= end; i += L::kWidth) {
+    F g = LoadAs<L>(t.grads[0], t.grad_type, i);
+    for (int r = 1; r < t.num_grads; ++r) g = L::Add(g, LoadAs<L>(t.grads[r], t.grad_type, i));
+    g = L::Mul(g, scale);
+    F p = L::LoadF32(t.master + i);
+    if (l2_scalar != 0.0f) g = L::Add(g, L::Mul(l2, p));
+    p = L::Mul(p, decay);
+    F m = LoadAs<L>(t.exp_avg, t.moment_type, i);
+    F v = LoadAs<L>(t.exp_avg_sq, t.moment_type, i);
+    m = L::Add(m, L::Mul(one_minus_beta1, L::Sub(g, m)));
+    v = L::Add(L::Mul(v, beta2), L::Mul(one_minus_beta2, L::Mul(g, g)));
+    const F denom = L::Add(L::Div(L::Sqrt(v), bc2), eps);
+    p = L::Add(p, L::Mul(step_size, L::Div(m, denom)));
+    L::StoreF32(t.master + i, p);
+    StoreMomentAs<L>(t.exp_avg, t.moment_type, i, m, seed_m);
+    StoreMomentAs<L>(t.exp_avg_sq, t.moment_type, i, v, seed_v);
+    if (t.param_out != nullptr) StoreNearestAs<L>(t.param_out, t.param_type, i, p);
+  }
+  if (i < end) AdamWScalar(t, i, end, s);
+}
+
+template <typename L>
+GradientStats StatsVector(const void* const* grads, int n, ScalarType type, size_t begin,
+                          size_t end) {
+  GradientStats stats;
+  typename L::D sum = L::ZeroD();
+  typename L::I bad = L::ZeroI();
+  size_t i = begin;
+  for (; i + L::kWidth <= end; i += L::kWidth) {
+    typename L::F g = LoadAs<L>(grads[0], type, i);
+    for (int r = 1; r < n; ++r) g = L::Add(g, LoadAs<L>(grads[r], type, i));
+    const auto finite = L::FiniteMask(g);
+    bad = L::CountNonFinite(bad, finite);
+    sum = L::AddSquares(sum, L::KeepFinite(g, finite));
+  }
+  stats.sum_squares = L::HorizontalSum(sum);
+  stats.nonfinite = L::HorizontalCount(bad);
+  if (i < end) {
+    GradientStats tail = StatsScalar(grads, n, type, i, end);
+    stats.sum_squares += tail.sum_squares;
+    stats.nonfinite += tail.nonfinite;
+  }
+  return stats;
+}
+
+}  // namespace trainstream::kernels::internal
+
+#endif  // TRAINSTREAM_KERNELS_CPU_ADAMW_SIMD_H_

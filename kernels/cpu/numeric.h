@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// Scalar conversions and the counter-based hash that every path shares, so that the vector
+// paths can be checked element by element against the scalar one.
+#ifndef TRAINSTREAM_KERNELS_CPU_NUMERIC_H_
+#define TRAINSTREAM_KERNELS_CPU_NUMERIC_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace trainstream::kernels {
+
+inline float BitsToFloat(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+inline float BFloat16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
+inline uint16_t FloatToBFloat16(float f) {
+  uint32_t bits = FloatToBits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Stochastic rounding: adds 16 random bits below the kept ones, then truncates, so the expected
+// value equals the input. Infinities and NaN pass through unchanged.
+inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t random) {
+  uint32_t bits = FloatToBits(f);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return FloatToBFloat16(f);
+  bits += random & 0xffffu;
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+
+// murmur3's 32-bit finaliser over (seed, index): the per-element random bits for stochastic
+// rounding. Every path computes exactly this.
+inline uint32_t MixBits(uint32_t seed, uint32_t index) {
+  uint32_t x = index * 0x9e3779b9u ^ seed;
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+}  // namespace trainstream::kernels
+
+#endif  // TRAINSTREAM_KERNELS_CPU_NUMERIC_H_
