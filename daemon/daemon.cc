@@ -10,6 +10,7 @@
 #include "events/event_log.h"
 #include "events/logger.h"
 #include "gpu/gpu_probe.h"
+#include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
 #include "rpc/control_listener.h"
 #include "rpc/trainstream_service.h"
@@ -42,6 +43,7 @@ absl::Status Daemon::Start() {
       SessionRegistry::Options{options_.lease, 256}, [this](const Session& s, SessionEnd why) {
         if (doorbells_) doorbells_->Remove(s.id);
         if (data_server_) data_server_->Disconnect(s.id);
+        if (optimizers_) optimizers_->OnSessionEnded(s, why == SessionEnd::kClosed);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
                       absl::StrFormat("session of pid %d ended (%s); released %d buffer bytes",
@@ -55,6 +57,16 @@ absl::Status Daemon::Start() {
                      events_->Emit("doorbell.protocol_error", why, {}, id);
                      sessions_->End(id, SessionEnd::kProtocolError).IgnoreError();
                    }));
+  OptimizerRegistry::Options optimizer_options;
+  optimizer_options.threads = options_.threads;
+  optimizer_options.retention = options_.optimizer_retention;
+  optimizers_ = std::make_unique<OptimizerRegistry>(optimizer_options, arena_.get(),
+                                                    doorbells_.get(), events_.get());
+  doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,
+                         [this](const Session& session, const ipc::DoorbellMessage& message,
+                                DoorbellChannel&) {
+                           optimizers_->OnGradientReady(session, message);
+                         });
   ASSIGN_OR_RETURN(data_server_,
                    DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
                                               options_.admin_group},
@@ -77,7 +89,8 @@ absl::Status Daemon::Start() {
     }
   }
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
-      std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get()});
+      std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
+      optimizers_.get()});
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
@@ -98,6 +111,7 @@ absl::Status Daemon::Start() {
 void Daemon::Housekeeping() {
   while (!stopping_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
     sessions_->ExpireLeases(absl::Now());
+    optimizers_->ExpireIdle(absl::Now());
   }
 }
 

@@ -18,6 +18,7 @@ class ConnectionCredentials;
 class DataChannelServer;
 class DoorbellDispatcher;
 class EventLog;
+class OptimizerRegistry;
 class SessionRegistry;
 class UserServers;
 
@@ -47,6 +48,7 @@ class Daemon {
   std::unique_ptr<ConnectionCredentials> credentials_;
   std::unique_ptr<SessionRegistry> sessions_;
   std::unique_ptr<DoorbellDispatcher> doorbells_;
+  std::unique_ptr<OptimizerRegistry> optimizers_;  // after doorbells_: destroyed before them
   std::unique_ptr<DataChannelServer> data_server_;
   std::unique_ptr<UserServers> servers_;
   std::unique_ptr<ControlListener> listener_;

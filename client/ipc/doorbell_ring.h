@@ -25,6 +25,7 @@ enum class DoorbellKind : uint32_t {
   kPong = 2,            // daemon -> client
   kGradientReady = 10,  // client -> daemon: `id`'s gradient slot holds step `step`
   kUpdateDone = 11,     // daemon -> client: `id`'s parameter slot holds step `step`'s update
+  kGradConsumed = 12,   // daemon -> client: `id`'s gradient slot may be written again
   kError = 255,         // daemon -> client: `value` is a google.rpc code for request `id`
 };
 
@@ -39,7 +40,11 @@ static_assert(sizeof(DoorbellMessage) == 32);
 
 inline constexpr uint32_t kDoorbellMagic = 0x54534442;  // "TSDB"
 inline constexpr uint32_t kDoorbellVersion = 1;
-inline constexpr uint32_t kDoorbellCapacity = 1024;     // messages per direction
+inline constexpr uint32_t kDoorbellCapacity = 16384;    // messages per direction
+
+// Flags of a doorbell message.
+inline constexpr uint32_t kFlagNoGradient = 1;  // kGradientReady: this rank has no gradient
+inline constexpr uint32_t kFlagSkipped = 2;     // kUpdateDone: the step was skipped
 
 // One direction's shared state. Each index sits on its own cache line.
 struct alignas(64) RingControl {

@@ -26,6 +26,7 @@ struct DaemonOptions {
   absl::Duration lease = absl::Seconds(10);
   absl::Duration drain_timeout = absl::Seconds(30);
   uint32_t event_ring_size = 4096;
+  absl::Duration optimizer_retention = absl::Minutes(10);
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.

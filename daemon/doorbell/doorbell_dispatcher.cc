@@ -74,6 +74,20 @@ absl::StatusOr<DoorbellGrant> DoorbellDispatcher::Add(std::shared_ptr<const Sess
   return grant;
 }
 
+absl::Status DoorbellDispatcher::Send(const std::string& session_id,
+                                      const ipc::DoorbellMessage& message) {
+  std::shared_ptr<DoorbellChannel> channel;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = by_session_.find(session_id);
+    if (it == by_session_.end()) {
+      return absl::NotFoundError("the session has no doorbell (not attached, or ended)");
+    }
+    channel = it->second.channel;
+  }
+  return channel->Send(message);
+}
+
 void DoorbellDispatcher::Remove(const std::string& session_id) {
   absl::MutexLock lock(&mu_);
   auto it = by_session_.find(session_id);

@@ -37,6 +37,9 @@ class DoorbellDispatcher {
   void SetHandler(ipc::DoorbellKind kind, Handler handler);
   // Creates the session's doorbell and returns what its client needs to attach.
   absl::StatusOr<DoorbellGrant> Add(std::shared_ptr<const Session> session);
+  // Posts `message` to the session's client. NOT_FOUND when the session has no doorbell;
+  // RESOURCE_EXHAUSTED when its ring is full (the client stopped reading).
+  absl::Status Send(const std::string& session_id, const ipc::DoorbellMessage& message);
   // Forgets the session's doorbell (no-op if it has none).
   void Remove(const std::string& session_id);
   // Stops the thread; called by the destructor.

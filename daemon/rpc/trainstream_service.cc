@@ -4,23 +4,13 @@
 #include <unistd.h>
 
 #include "absl/strings/str_format.h"
+#include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
 #include "status_conversion.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
 namespace {
-
-void FillBuffer(const BufferRecord& record, v1::Buffer* out) {
-  out->set_buffer_id(record.buffer_id);
-  out->set_name(record.name);
-  out->set_segment_id(record.segment_id);
-  out->set_offset(record.offset);
-  out->set_bytes(record.bytes);
-  out->set_tag(record.tag);
-  out->set_read_only(record.read_only);
-  out->set_owner_session_id(record.session_id);
-}
 
 void FillRows(const std::vector<UsageRow>& rows,
               google::protobuf::RepeatedPtrField<v1::UsageRow>* out) {
@@ -36,13 +26,15 @@ void FillRows(const std::vector<UsageRow>& rows,
 
 TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identity,
                                        SessionRegistry* sessions, Arena* arena, EventLog* events,
-                                       const ConnectionCredentials* credentials)
+                                       const ConnectionCredentials* credentials,
+                                       OptimizerRegistry* optimizers)
     : facts_(std::move(facts)),
       identity_(identity),
       sessions_(sessions),
       arena_(arena),
       events_(events),
-      credentials_(credentials) {}
+      credentials_(credentials),
+      optimizers_(optimizers) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
   // The uid is the server's; the per-connection record only supplies the pid, and only when it
@@ -150,7 +142,7 @@ grpc::Status TrainStreamService::AllocateBuffer(grpc::ServerContext* context,
     }
     return ToGrpcStatus(record.status());
   }
-  FillBuffer(*record, reply);
+  ToProto(*record, reply);
   return grpc::Status::OK;
 }
 
@@ -164,7 +156,7 @@ grpc::Status TrainStreamService::LookupBuffer(grpc::ServerContext* context,
   if (!session.ok()) return ToGrpcStatus(session.status());
   absl::StatusOr<BufferRecord> record = arena_->Lookup((*session)->job, request->name());
   if (!record.ok()) return ToGrpcStatus(record.status());
-  FillBuffer(*record, reply);
+  ToProto(*record, reply);
   return grpc::Status::OK;
 }
 
@@ -193,7 +185,7 @@ grpc::Status TrainStreamService::SealBuffer(grpc::ServerContext* context,
   events_->Emit("arena.sealed", absl::StrFormat("buffer '%s' is now read-only", record->name),
                 {{"bytes", static_cast<double>(record->bytes)}}, (*session)->id,
                 (*session)->owner.uid);
-  FillBuffer(*record, reply);
+  ToProto(*record, reply);
   return grpc::Status::OK;
 }
 

@@ -9,6 +9,7 @@
 #include "arena/arena.h"
 #include "events/event_log.h"
 #include "gpu/gpu_probe.h"
+#include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
 #include "sessions/session_registry.h"
 #include "trainstream/v1/trainstream.grpc.pb.h"
@@ -32,7 +33,8 @@ struct DaemonFacts {
 class TrainStreamService final : public v1::TrainStream::Service {
  public:
   TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
-                     Arena* arena, EventLog* events, const ConnectionCredentials* credentials);
+                     Arena* arena, EventLog* events, const ConnectionCredentials* credentials,
+                     OptimizerRegistry* optimizers);
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -60,11 +62,34 @@ class TrainStreamService final : public v1::TrainStream::Service {
   grpc::Status StreamEvents(grpc::ServerContext*, const v1::StreamEventsRequest*,
                             grpc::ServerWriter<v1::Event>*) override;
 
+  // The host optimizer (optimizer_rpcs.cc).
+  grpc::Status CreateOptimizer(grpc::ServerContext*, const v1::CreateOptimizerRequest*,
+                               v1::OptimizerInfo*) override;
+  grpc::Status RegisterParameters(grpc::ServerContext*, const v1::RegisterParametersRequest*,
+                                  v1::RegisterParametersReply*) override;
+  grpc::Status SetHyperParameters(grpc::ServerContext*, const v1::SetHyperParametersRequest*,
+                                  v1::OptimizerInfo*) override;
+  grpc::Status GetOptimizer(grpc::ServerContext*, const v1::GetOptimizerRequest*,
+                            v1::OptimizerInfo*) override;
+  grpc::Status SetOptimizerStep(grpc::ServerContext*, const v1::SetOptimizerStepRequest*,
+                                v1::OptimizerInfo*) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
+                              v1::CheckpointReply*) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
+                              v1::CheckpointReply*) override;
+  grpc::Status ListOptimizers(grpc::ServerContext*, const v1::ListOptimizersRequest*,
+                              v1::ListOptimizersReply*) override;
+
  private:
   absl::StatusOr<PeerCredentials> Caller(grpc::ServerContext* context) const;
   // The caller's session, checked and owned by the caller.
   absl::StatusOr<std::shared_ptr<const Session>> CallersSession(grpc::ServerContext* context,
                                                                 const std::string& session_id);
+  // The caller's session and its job's optimizer.
+  absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
+  CallersOptimizer(grpc::ServerContext* context, const std::string& session_id);
+  // A checkpoint path this caller may have the daemon write or read.
+  absl::Status CheckCheckpointPath(const PeerCredentials& caller, const std::string& path) const;
 
   const DaemonFacts facts_;
   const PeerCredentials identity_;
@@ -72,6 +97,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   Arena* const arena_;
   EventLog* const events_;
   const ConnectionCredentials* const credentials_;
+  OptimizerRegistry* const optimizers_;
   std::atomic<bool> shutting_down_{false};
 };
 

@@ -27,6 +27,7 @@ class UserServers {
     Arena* arena = nullptr;
     EventLog* events = nullptr;
     const ConnectionCredentials* credentials = nullptr;
+    OptimizerRegistry* optimizers = nullptr;
   };
   explicit UserServers(Shared shared) : shared_(std::move(shared)) {}
   ~UserServers() { Shutdown(); }

@@ -54,9 +54,10 @@ struct AdamWTensor {
 };
 
 // Updates elements [begin, end). Disjoint ranges of one tensor may run on different threads.
-// Vector paths and the scalar path agree to within one rounding of each operation.
+// The paths agree bit for bit. When `nonfinite` is given, adds the number of summed-gradient
+// elements that were NaN or infinite (they are applied all the same, as torch does).
 absl::Status AdamWUpdate(const AdamWTensor& tensor, size_t begin, size_t end,
-                         const AdamWStep& step, Isa isa);
+                         const AdamWStep& step, Isa isa, uint64_t* nonfinite = nullptr);
 
 // The summed gradient's sum of squares (in fp64) over [begin, end) and how many of its
 // elements are not finite. Used for global-norm clipping and non-finite checks.
@@ -67,12 +68,20 @@ struct GradientStats {
 GradientStats ComputeGradientStats(const void* const* grads, int num_grads, ScalarType grad_type,
                                    size_t begin, size_t end, Isa isa);
 
+// accum[i] = (overwrite ? 0 : accum[i]) + sum over ranks of grads[r][i], for [begin, end): the
+// micro-steps of gradient accumulation, summed in fp32.
+void AccumulateGradients(float* accum, bool overwrite, const void* const* grads, int num_grads,
+                         ScalarType grad_type, size_t begin, size_t end);
+
+// dst[i] = src[i] rounded to nearest-even in `type`, for i in [0, numel).
+void ConvertFromFloat(const float* src, void* dst, ScalarType type, size_t numel);
+
 // Per-ISA entry points (adamw_scalar.cc, adamw_avx2.cc, adamw_avx512.cc); the range and types
 // are already checked.
 namespace internal {
-void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
-void AdamWAvx2(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
-void AdamWAvx512(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+uint64_t AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+uint64_t AdamWAvx2(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
+uint64_t AdamWAvx512(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s);
 GradientStats StatsScalar(const void* const* grads, int n, ScalarType type, size_t b, size_t e);
 GradientStats StatsAvx2(const void* const* grads, int n, ScalarType type, size_t b, size_t e);
 GradientStats StatsAvx512(const void* const* grads, int n, ScalarType type, size_t b, size_t e);

@@ -108,8 +108,8 @@ struct Avx2 {
 
 }  // namespace
 
-void AdamWAvx2(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
-  AdamWVector<Avx2>(t, begin, end, s);
+uint64_t AdamWAvx2(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  return AdamWVector<Avx2>(t, begin, end, s);
 }
 
 GradientStats StatsAvx2(const void* const* grads, int n, ScalarType type, size_t b, size_t e) {

@@ -100,8 +100,8 @@ struct Avx512 {
 
 }  // namespace
 
-void AdamWAvx512(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
-  AdamWVector<Avx512>(t, begin, end, s);
+uint64_t AdamWAvx512(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  return AdamWVector<Avx512>(t, begin, end, s);
 }
 
 GradientStats StatsAvx512(const void* const* grads, int n, ScalarType type, size_t b, size_t e) {

@@ -56,7 +56,7 @@ void SetStepNumber(AdamWStep* step, uint64_t t) {
 }
 
 absl::Status AdamWUpdate(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& step,
-                         Isa isa) {
+                         Isa isa, uint64_t* nonfinite) {
   if (begin > end || end > t.numel) {
     return absl::InvalidArgumentError(
         absl::StrFormat("range [%d, %d) is outside a tensor of %d elements", begin, end, t.numel));
@@ -74,17 +74,19 @@ absl::Status AdamWUpdate(const AdamWTensor& t, size_t begin, size_t end, const A
   }
   // The stochastic-rounding hash takes a 32-bit index: split where the upper bits change and
   // fold them into the seed.
+  uint64_t bad = 0;
   while (begin < end) {
     const size_t block_end = std::min(end, ((begin >> 32) + 1) << 32);
     AdamWStep s = step;
     s.rounding_seed ^= (static_cast<uint64_t>(begin >> 32) * 0x9e3779b97f4a7c15ull);
     switch (isa) {
-      case Isa::kScalar: internal::AdamWScalar(t, begin, block_end, s); break;
-      case Isa::kAvx2: internal::AdamWAvx2(t, begin, block_end, s); break;
-      case Isa::kAvx512: internal::AdamWAvx512(t, begin, block_end, s); break;
+      case Isa::kScalar: bad += internal::AdamWScalar(t, begin, block_end, s); break;
+      case Isa::kAvx2: bad += internal::AdamWAvx2(t, begin, block_end, s); break;
+      case Isa::kAvx512: bad += internal::AdamWAvx512(t, begin, block_end, s); break;
     }
     begin = block_end;
   }
+  if (nonfinite != nullptr) *nonfinite += bad;
   return absl::OkStatus();
 }
 

@@ -75,9 +75,23 @@ inline void StoreMoment(void* base, ScalarType type, size_t i, float value, uint
 
 }  // namespace
 
+void AccumulateGradients(float* accum, bool overwrite, const void* const* grads, int num_grads,
+                         ScalarType grad_type, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    float g = overwrite ? 0.0f : accum[i];
+    for (int r = 0; r < num_grads; ++r) g += Load(grads[r], grad_type, i);
+    accum[i] = g;
+  }
+}
+
+void ConvertFromFloat(const float* src, void* dst, ScalarType type, size_t numel) {
+  for (size_t i = 0; i < numel; ++i) StoreNearest(dst, type, i, src[i]);
+}
+
 namespace internal {
 
-void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+uint64_t AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  uint64_t nonfinite = 0;
   const float decay = s.decoupled_weight_decay ? 1.0f - s.lr * s.weight_decay : 1.0f;
   const float l2 = s.decoupled_weight_decay ? 0.0f : s.weight_decay;
   const float step_size = -(s.lr / s.bias_correction1);
@@ -88,6 +102,7 @@ void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep
   for (size_t i = begin; i < end; ++i) {
     float g = 0;
     for (int r = 0; r < t.num_grads; ++r) g += Load(t.grads[r], t.grad_type, i);
+    nonfinite += !std::isfinite(g);
     g *= s.grad_scale;
     float p = t.master[i];
     if (l2 != 0.0f) g += l2 * p;
@@ -103,6 +118,7 @@ void AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep
     StoreMoment(t.exp_avg_sq, t.moment_type, i, v, seed_v);
     if (t.param_out != nullptr) StoreNearest(t.param_out, t.param_type, i, p);
   }
+  return nonfinite;
 }
 
 GradientStats StatsScalar(const void* const* grads, int n, ScalarType type, size_t b, size_t e) {

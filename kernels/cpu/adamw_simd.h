@@ -39,7 +39,7 @@ inline void StoreMomentAs(void* base, ScalarType type, size_t i, typename L::F v
 }
 
 template <typename L>
-void AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+uint64_t AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
   using F = typename L::F;
   const bool decoupled = s.decoupled_weight_decay;
   const F decay = L::Set(decoupled ? 1.0f - s.lr * s.weight_decay : 1.0f);
@@ -54,10 +54,12 @@ void AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep
   const F scale = L::Set(s.grad_scale);
   const uint32_t seed_m = static_cast<uint32_t>(s.rounding_seed);
   const uint32_t seed_v = static_cast<uint32_t>(s.rounding_seed >> 32) ^ 0x5bd1e995u;
+  typename L::I bad = L::ZeroI();
   size_t i = begin;
   for (; i + L::kWidth <= end; i += L::kWidth) {
     F g = LoadAs<L>(t.grads[0], t.grad_type, i);
     for (int r = 1; r < t.num_grads; ++r) g = L::Add(g, LoadAs<L>(t.grads[r], t.grad_type, i));
+    bad = L::CountNonFinite(bad, L::FiniteMask(g));
     g = L::Mul(g, scale);
     F p = L::LoadF32(t.master + i);
     if (l2_scalar != 0.0f) g = L::Add(g, L::Mul(l2, p));
@@ -73,7 +75,9 @@ void AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep
     StoreMomentAs<L>(t.exp_avg_sq, t.moment_type, i, v, seed_v);
     if (t.param_out != nullptr) StoreNearestAs<L>(t.param_out, t.param_type, i, p);
   }
-  if (i < end) AdamWScalar(t, i, end, s);
+  uint64_t nonfinite = L::HorizontalCount(bad);
+  if (i < end) nonfinite += AdamWScalar(t, i, end, s);
+  return nonfinite;
 }
 
 template <typename L>

@@ -6,10 +6,12 @@
 #include "status_exceptions.h"
 #include "trainstream/client.h"
 #include "trainstream/cuda_transfer.h"
+#include "trainstream/host_optimizer.h"
 #include "trainstream/version.h"
 
 namespace py = pybind11;
 using trainstream::client::HostBuffer;
+using trainstream::client::HostOptimizer;
 using trainstream::client::Session;
 using trainstream::python::OkOrThrow;
 using trainstream::python::ValueOrThrow;
@@ -141,4 +143,75 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("events_json", [](Session& s, uint64_t since) {
         return Released([&] { return s.EventsJson(since); });
       });
+
+  namespace tc = trainstream::client;
+  py::class_<HostOptimizer>(m, "HostOptimizer")
+      .def(py::init([](Session& session, py::dict spec, py::list params) {
+             tc::OptimizerOptions options;
+             options.adamw = spec["kind"].cast<std::string>() == "adamw";
+             options.moment_dtype = static_cast<tc::DType>(spec["moment_dtype"].cast<int>());
+             options.max_grad_norm = spec["max_grad_norm"].cast<double>();
+             options.report_grad_norm = spec["report_grad_norm"].cast<bool>();
+             options.nonfinite = static_cast<tc::NonFinite>(spec["nonfinite"].cast<int>());
+             options.accumulation_steps = spec["accumulation_steps"].cast<uint32_t>();
+             options.groups.clear();
+             for (py::handle g : spec["groups"].cast<py::list>()) {
+               py::dict d = g.cast<py::dict>();
+               options.groups.push_back({d["lr"].cast<double>(), d["beta1"].cast<double>(),
+                                         d["beta2"].cast<double>(), d["eps"].cast<double>(),
+                                         d["weight_decay"].cast<double>()});
+             }
+             std::vector<tc::ParameterInfo> infos;
+             for (py::handle p : params) {
+               py::tuple t = p.cast<py::tuple>();
+               infos.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>(),
+                                static_cast<tc::DType>(t[2].cast<int>()),
+                                static_cast<tc::DType>(t[3].cast<int>()), t[4].cast<uint32_t>()});
+             }
+             return Released([&] { return HostOptimizer::Create(session, options, infos); });
+           }),
+           py::keep_alive<1, 2>())
+      .def_property_readonly("initialize", &HostOptimizer::initialize)
+      .def_property_readonly("attached_at_iteration", &HostOptimizer::attached_at_iteration)
+      .def("buffers",
+           [](const HostOptimizer& o, uint32_t i) {
+             const tc::ParameterBuffers& b = o.params().at(i);
+             return py::make_tuple(b.master, b.exp_avg, b.exp_avg_sq, b.param, b.grad);
+           })
+      .def("post",
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration, uint32_t micro,
+              bool no_gradient) {
+             Released([&] { return o.PostGradient(index, iteration, micro, no_gradient); });
+           })
+      .def("wait_consumed",
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
+             Released([&] { return o.WaitGradientConsumed(index, iteration, timeout_ms); });
+           })
+      .def("wait_iteration",
+           [](HostOptimizer& o, uint64_t iteration, int timeout_ms) {
+             auto r = Released([&] { return o.WaitIteration(iteration, timeout_ms); });
+             return py::make_tuple(r.skipped, r.updated);
+           })
+      .def("set_groups",
+           [](HostOptimizer& o, py::list groups, double max_grad_norm) {
+             std::vector<tc::OptimizerGroup> gs;
+             for (py::handle g : groups) {
+               py::dict d = g.cast<py::dict>();
+               gs.push_back({d["lr"].cast<double>(), d["beta1"].cast<double>(),
+                             d["beta2"].cast<double>(), d["eps"].cast<double>(),
+                             d["weight_decay"].cast<double>()});
+             }
+             Released([&] { return o.SetGroups(gs, max_grad_norm); });
+           })
+      .def("set_step",
+           [](HostOptimizer& o, uint64_t iteration, std::vector<uint64_t> steps) {
+             Released([&] { return o.SetStep(iteration, steps); });
+           })
+      .def("save", [](HostOptimizer& o, const std::string& path) {
+        return Released([&] { return o.Save(path); });
+      })
+      .def("load", [](HostOptimizer& o, const std::string& path) {
+        Released([&] { return o.Load(path); });
+      })
+      .def("info_json", [](HostOptimizer& o) { return Released([&] { return o.InfoJson(); }); });
 }

@@ -7,6 +7,7 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 
 from . import _trainstream
 from .client import Buffer, Client, Notice, connect
+from .host_optimizer import HostOptimizer, ParameterSpec
 from .errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
@@ -30,7 +31,7 @@ def cuda_available() -> tuple[bool, str]:
 
 __all__ = [
     "AlreadyExistsError", "Buffer", "Client", "DaemonUnavailableError", "DeadlineExceededError",
-    "FailedPreconditionError", "InternalError", "InvalidArgumentError", "Notice", "NotFoundError",
+    "FailedPreconditionError", "HostOptimizer", "InternalError", "ParameterSpec", "InvalidArgumentError", "Notice", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available",
 ]

@@ -15,14 +15,17 @@ from .errors import DaemonUnavailableError, InvalidArgumentError
 # Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
 _INT64_FIELDS = frozenset({
     "budget_bytes", "reserved_bytes", "uid_quota_bytes", "segments", "bytes", "buffer_bytes",
-    "total_bytes", "seq", "buffer_id", "segment_id", "offset",
+    "total_bytes", "seq", "buffer_id", "segment_id", "offset", "step", "params",
+    "state_bytes", "nonfinite", "param_steps",
 })
 
 
 def _int64_fields(obj: dict) -> dict:
     for key in _INT64_FIELDS.intersection(obj):
-        if isinstance(obj[key], str):
+        if isinstance(obj[key], str) and obj[key].lstrip("-").isdigit():
             obj[key] = int(obj[key])
+        elif isinstance(obj[key], list):
+            obj[key] = [int(x) if isinstance(x, str) else x for x in obj[key]]
     return obj
 
 

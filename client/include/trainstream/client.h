@@ -46,9 +46,11 @@ struct Notice {
   uint64_t id = 0;
   uint64_t step = 0;
   uint64_t value = 0;
+  uint32_t flags = 0;
 };
 
 class MappedSegment;
+class HostOptimizer;
 
 // A buffer mapped into this process. Keeps its segment mapped (and CUDA-registered) while any
 // HostBuffer of it lives. Immutable; the bytes may be used from any thread.
@@ -96,7 +98,8 @@ class Session {
   // Renews the lease now (the background thread also does). One control-plane round trip.
   absl::Status Heartbeat();
 
-  // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it.
+  // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it (a background
+  // thread drains the ring into a queue, so messages wait here however long the caller is busy).
   absl::Status Ring(const Notice& notice);
   absl::StatusOr<Notice> Wait(int timeout_ms);
   // One doorbell round trip (ping, pong); returns its duration.
@@ -110,6 +113,7 @@ class Session {
   absl::StatusOr<std::string> EventsJson(uint64_t since_seq);
 
  private:
+  friend class HostOptimizer;
   class Impl;
   explicit Session(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+// The daemon's host optimizer, seen from one rank: its parameters' shared buffers, posting
+// gradients on the doorbell, waiting for updates, hyper-parameters, state and checkpoints.
+#ifndef TRAINSTREAM_HOST_OPTIMIZER_H_
+#define TRAINSTREAM_HOST_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainstream/client.h"
+
+namespace trainstream::client {
+
+enum class DType { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+struct OptimizerGroup {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+enum class NonFinite { kError = 1, kSkipStep = 2, kIgnore = 3 };
+
+struct OptimizerOptions {
+  bool adamw = true;  // false: Adam (L2 weight decay)
+  DType moment_dtype = DType::kFloat32;
+  double max_grad_norm = 0;  // > 0: clip the job's global norm
+  bool report_grad_norm = false;
+  NonFinite nonfinite = NonFinite::kIgnore;
+  uint32_t accumulation_steps = 1;
+  std::vector<OptimizerGroup> groups = {OptimizerGroup{}};
+};
+
+struct ParameterInfo {
+  std::string name;
+  uint64_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  DType grad_dtype = DType::kFloat32;
+  uint32_t group = 0;
+};
+
+// One parameter's buffers, mapped into this process. `param` is null for float32 parameters,
+// whose updated value is the master itself.
+struct ParameterBuffers {
+  uint32_t index = 0;
+  std::shared_ptr<HostBuffer> master, exp_avg, exp_avg_sq, param, grad;
+};
+
+// What one iteration did, as seen by this rank.
+struct IterationResult {
+  uint64_t iteration = 0;
+  bool skipped = false;            // non-finite gradients and nonfinite=kSkipStep
+  std::vector<bool> updated;       // per parameter: false when no rank had a gradient
+};
+
+// Thread-safe except that one iteration's Post/Wait calls come from one thread at a time.
+class HostOptimizer {
+ public:
+  // Creates the job's optimizer (or joins it: every rank of a job passes the same options and
+  // parameters) and maps the parameters' buffers. When `initialize()` is true this rank must
+  // write the initial fp32 master weights (and the `param` copies) before the first step.
+  static absl::StatusOr<std::unique_ptr<HostOptimizer>> Create(Session& session,
+                                                               const OptimizerOptions& options,
+                                                               const std::vector<ParameterInfo>& params);
+
+  const std::vector<ParameterBuffers>& params() const { return params_; }
+  bool initialize() const { return initialize_; }
+  // Completed iterations of the job when this rank attached.
+  uint64_t attached_at_iteration() const { return attached_at_; }
+
+  // Announces that this rank's gradient slot for `index` holds micro-step `micro` of iteration
+  // `iteration` (1-based), or that this rank has no gradient for it.
+  absl::Status PostGradient(uint32_t index, uint64_t iteration, uint32_t micro = 0,
+                            bool no_gradient = false);
+  // Waits until `index`'s slot may be written again (after a non-final micro-step).
+  absl::Status WaitGradientConsumed(uint32_t index, uint64_t iteration, int timeout_ms);
+  // Waits until every parameter's update of `iteration` is in place. A failed job reads as
+  // FAILED_PRECONDITION with the daemon's reason; a timeout names the parameters still waiting.
+  absl::StatusOr<IterationResult> WaitIteration(uint64_t iteration, int timeout_ms);
+
+  absl::Status SetGroups(const std::vector<OptimizerGroup>& groups, double max_grad_norm);
+  absl::Status SetStep(uint64_t iteration, const std::vector<uint64_t>& param_steps);
+  // Checkpoint by the daemon (atomic rename); returns bytes written.
+  absl::StatusOr<uint64_t> Save(const std::string& path);
+  absl::Status Load(const std::string& path);
+  // The job's optimizer figures (OptimizerInfo) as JSON.
+  absl::StatusOr<std::string> InfoJson();
+
+ private:
+  explicit HostOptimizer(Session& session) : session_(session) {}
+  absl::Status ExplainFailure();
+  absl::StatusOr<Notice> NextNotice(int timeout_ms);
+
+  Session& session_;
+  std::vector<ParameterBuffers> params_;
+  bool initialize_ = false;
+  uint64_t attached_at_ = 0;
+  // Notices that arrived for a later wait than the one that read them.
+  std::vector<Notice> held_;
+};
+
+}  // namespace trainstream::client
+
+#endif  // TRAINSTREAM_HOST_OPTIMIZER_H_

@@ -1,0 +1,235 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "trainstream/host_optimizer.h"
+
+#include <set>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "session_impl.h"
+
+namespace trainstream::client {
+namespace {
+
+v1::DType ToProto(DType type) { return static_cast<v1::DType>(static_cast<int>(type)); }
+
+void ToProto(const OptimizerGroup& g, v1::ParamGroup* out) {
+  out->set_lr(g.lr);
+  out->set_beta1(g.beta1);
+  out->set_beta2(g.beta2);
+  out->set_eps(g.eps);
+  out->set_weight_decay(g.weight_decay);
+}
+
+constexpr uint32_t Kind(ipc::DoorbellKind kind) { return static_cast<uint32_t>(kind); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
+    Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params) {
+  Session::Impl& impl = *session.impl_;
+  RETURN_IF_ERROR(impl.CheckUsable());
+  v1::CreateOptimizerRequest create;
+  create.set_session_id(impl.id());
+  v1::OptimizerSpec* spec = create.mutable_spec();
+  spec->set_kind(options.adamw ? v1::ADAMW : v1::ADAM);
+  spec->set_moment_dtype(ToProto(options.moment_dtype));
+  spec->set_max_grad_norm(options.max_grad_norm);
+  spec->set_report_grad_norm(options.report_grad_norm);
+  spec->set_nonfinite(static_cast<v1::NonFinitePolicy>(static_cast<int>(options.nonfinite)));
+  spec->set_accumulation_steps(options.accumulation_steps);
+  for (const OptimizerGroup& g : options.groups) ToProto(g, spec->add_groups());
+  v1::OptimizerInfo info;
+  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().CreateOptimizer(c, create, &info);
+  }));
+
+  v1::RegisterParametersRequest reg;
+  reg.set_session_id(impl.id());
+  for (const ParameterInfo& p : params) {
+    v1::ParameterSpec* out = reg.add_params();
+    out->set_name(p.name);
+    out->set_numel(p.numel);
+    out->set_param_dtype(ToProto(p.param_dtype));
+    out->set_grad_dtype(ToProto(p.grad_dtype));
+    out->set_group(p.group);
+  }
+  v1::RegisterParametersReply reply;
+  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().RegisterParameters(c, reg, &reply);
+  }));
+  auto optimizer = std::unique_ptr<HostOptimizer>(new HostOptimizer(session));
+  optimizer->initialize_ = reply.initialize();
+  optimizer->attached_at_ = reply.step();
+  for (const v1::ParameterBuffers& b : reply.params()) {
+    ParameterBuffers mapped;
+    mapped.index = b.index();
+    ASSIGN_OR_RETURN(mapped.master, impl.MapBuffer(FromProto(b.master())));
+    ASSIGN_OR_RETURN(mapped.exp_avg, impl.MapBuffer(FromProto(b.exp_avg())));
+    ASSIGN_OR_RETURN(mapped.exp_avg_sq, impl.MapBuffer(FromProto(b.exp_avg_sq())));
+    if (b.has_param()) {
+      ASSIGN_OR_RETURN(mapped.param, impl.MapBuffer(FromProto(b.param())));
+    }
+    ASSIGN_OR_RETURN(mapped.grad, impl.MapBuffer(FromProto(b.grad())));
+    optimizer->params_.push_back(std::move(mapped));
+  }
+  return optimizer;
+}
+
+absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uint32_t micro,
+                                         bool no_gradient) {
+  if (index >= params_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parameter index %d is out of range: the optimizer has %d", index, params_.size()));
+  }
+  return session_.Ring({Kind(ipc::DoorbellKind::kGradientReady), index, iteration, micro,
+                        no_gradient ? ipc::kFlagNoGradient : 0u});
+}
+
+absl::Status HostOptimizer::ExplainFailure() {
+  absl::StatusOr<std::string> info = InfoJson();
+  std::string why = "the job's optimizer failed";
+  if (info.ok()) {
+    size_t at = info->find("\"state\":\"");
+    if (at != std::string::npos) {
+      at += 9;
+      why = info->substr(at, info->find('"', at) - at);
+    }
+  }
+  return absl::FailedPreconditionError(why);
+}
+
+absl::StatusOr<Notice> HostOptimizer::NextNotice(int timeout_ms) {
+  ASSIGN_OR_RETURN(Notice notice, session_.Wait(timeout_ms));
+  if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
+  return notice;
+}
+
+absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iteration,
+                                                 int timeout_ms) {
+  for (auto it = held_.begin(); it != held_.end(); ++it) {
+    if (it->kind == Kind(ipc::DoorbellKind::kGradConsumed) && it->id == index &&
+        it->step == iteration) {
+      held_.erase(it);
+      return absl::OkStatus();
+    }
+  }
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
+  while (true) {
+    const int left = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (left <= 0) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "the daemon did not take parameter %d's gradient in time (has every rank posted it?)",
+          index));
+    }
+    ASSIGN_OR_RETURN(Notice notice, NextNotice(left));
+    if (notice.kind == Kind(ipc::DoorbellKind::kGradConsumed) && notice.id == index &&
+        notice.step == iteration) {
+      return absl::OkStatus();
+    }
+    held_.push_back(notice);
+  }
+}
+
+absl::StatusOr<IterationResult> HostOptimizer::WaitIteration(uint64_t iteration, int timeout_ms) {
+  IterationResult result;
+  result.iteration = iteration;
+  result.updated.assign(params_.size(), false);
+  std::set<uint64_t> pending;
+  for (size_t i = 0; i < params_.size(); ++i) pending.insert(i);
+  auto take = [&](const Notice& n) {
+    if (n.kind != Kind(ipc::DoorbellKind::kUpdateDone) || n.step != iteration) return false;
+    if (!pending.erase(n.id)) return true;  // a duplicate: ignore
+    if (n.flags & ipc::kFlagSkipped) result.skipped = true;
+    result.updated[n.id] = !(n.flags & (ipc::kFlagSkipped | ipc::kFlagNoGradient));
+    return true;
+  };
+  std::vector<Notice> keep;
+  for (const Notice& n : held_) {
+    if (!take(n)) keep.push_back(n);
+  }
+  held_ = std::move(keep);
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
+  while (!pending.empty()) {
+    const int left = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (left <= 0) {
+      std::vector<std::string> names;
+      for (uint64_t i : pending) {
+        if (names.size() == 5) {
+          names.push_back("...");
+          break;
+        }
+        names.push_back(std::to_string(i));
+      }
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "iteration %d: no update yet for %d parameter(s) (indices %s); was every gradient "
+          "posted by every rank?",
+          iteration, pending.size(), absl::StrJoin(names, ", ")));
+    }
+    ASSIGN_OR_RETURN(Notice notice, NextNotice(left));
+    if (!take(notice)) held_.push_back(notice);
+  }
+  return result;
+}
+
+absl::Status HostOptimizer::SetGroups(const std::vector<OptimizerGroup>& groups,
+                                      double max_grad_norm) {
+  Session::Impl& impl = *session_.impl_;
+  v1::SetHyperParametersRequest request;
+  request.set_session_id(impl.id());
+  for (const OptimizerGroup& g : groups) ToProto(g, request.add_groups());
+  request.set_max_grad_norm(max_grad_norm);
+  v1::OptimizerInfo reply;
+  return impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().SetHyperParameters(c, request, &reply);
+  });
+}
+
+absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64_t>& steps) {
+  Session::Impl& impl = *session_.impl_;
+  v1::SetOptimizerStepRequest request;
+  request.set_session_id(impl.id());
+  request.set_step(iteration);
+  for (uint64_t s : steps) request.add_param_steps(s);
+  v1::OptimizerInfo reply;
+  held_.clear();
+  return impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().SetOptimizerStep(c, request, &reply);
+  });
+}
+
+absl::StatusOr<uint64_t> HostOptimizer::Save(const std::string& path) {
+  Session::Impl& impl = *session_.impl_;
+  v1::CheckpointRequest request;
+  request.set_session_id(impl.id());
+  request.set_path(path);
+  v1::CheckpointReply reply;
+  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().SaveCheckpoint(c, request, &reply);
+  }));
+  return reply.bytes();
+}
+
+absl::Status HostOptimizer::Load(const std::string& path) {
+  Session::Impl& impl = *session_.impl_;
+  v1::CheckpointRequest request;
+  request.set_session_id(impl.id());
+  request.set_path(path);
+  v1::CheckpointReply reply;
+  held_.clear();
+  return impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().LoadCheckpoint(c, request, &reply);
+  });
+}
+
+absl::StatusOr<std::string> HostOptimizer::InfoJson() {
+  Session::Impl& impl = *session_.impl_;
+  v1::GetOptimizerRequest request;
+  request.set_session_id(impl.id());
+  v1::OptimizerInfo reply;
+  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().GetOptimizer(c, request, &reply);
+  }));
+  return ToJson(reply);
+}
+
+}  // namespace trainstream::client

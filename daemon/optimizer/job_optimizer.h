@@ -1,0 +1,189 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_H_
+#define TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "arena/arena.h"
+#include "doorbell/doorbell_dispatcher.h"
+#include "events/event_log.h"
+#include "ipc/doorbell_ring.h"
+#include "optimizer/optimizer_settings.h"
+#include "optimizer/thread_pool.h"
+
+namespace trainstream::daemon {
+
+// The buffers a rank uses for one parameter.
+struct ParameterSlots {
+  uint32_t index = 0;
+  BufferRecord master;
+  BufferRecord exp_avg;
+  BufferRecord exp_avg_sq;
+  std::optional<BufferRecord> param;  // absent for float32 parameters: the master is the param
+  BufferRecord grad;                  // the calling rank's gradient slot
+};
+
+struct RegistrationResult {
+  std::vector<ParameterSlots> params;
+  bool initialize = false;  // the caller created the state and writes the initial master
+  uint64_t iteration = 0;
+};
+
+struct StepReport {
+  uint64_t iteration = 0;
+  double grad_norm = 0;
+  double clip_coef = 1;
+  bool skipped = false;
+  uint64_t nonfinite = 0;
+  double seconds = 0;
+  double update_seconds = 0;
+  double gbps = 0;
+};
+
+struct OptimizerReport {
+  std::string job_id;
+  OptimizerSettings settings;
+  uint64_t iteration = 0;
+  uint32_t world_size = 1;
+  uint32_t ranks_attached = 0;
+  uint64_t elements = 0;
+  uint32_t tensors = 0;
+  uint64_t state_bytes = 0;
+  StepReport last_step;
+  std::string state;
+  std::vector<uint64_t> param_steps;
+};
+
+// One job's optimizer state and its step machine. Each rank posts a gradient per parameter per
+// (micro-)step on its doorbell; when every rank's gradient for a parameter is in, the update
+// (summing the ranks' slots in the same pass) runs on the thread pool while backward goes on,
+// and every rank is told when that parameter's new value is in place. With clipping, norm
+// reporting or non-finite checks, the gradients' statistics are gathered as they land and the
+// updates start the moment the last one arrives. A rank that posts out of turn, or leaves
+// mid-job, fails the job with a message to every rank rather than leaving them waiting.
+// Thread-safe; update tasks keep the object alive (shared_from_this).
+class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
+ public:
+  struct Deps {
+    Arena* arena = nullptr;
+    ThreadPool* pool = nullptr;
+    DoorbellDispatcher* doorbells = nullptr;
+    EventLog* events = nullptr;
+  };
+  static absl::StatusOr<std::shared_ptr<JobOptimizer>> Create(const JobKey& job,
+                                                              const OptimizerSettings& settings,
+                                                              uint32_t world_size, Deps deps);
+  ~JobOptimizer();
+
+  // FAILED_PRECONDITION when `settings` differ from the job's (ranks that don't agree).
+  absl::Status CheckSame(const OptimizerSettings& settings, uint32_t world_size) const;
+
+  // A rank's parameter list: the first creates the state, the others must send the same list.
+  absl::StatusOr<RegistrationResult> Register(const std::string& session_id, uint32_t rank,
+                                              const std::vector<ParameterDescription>& params);
+
+  // Doorbell kGradientReady from `session_id`.
+  void OnGradientReady(const std::string& session_id, const ipc::DoorbellMessage& message);
+
+  // A session of the job ended: a rank that leaves mid-job fails it.
+  void OnSessionEnded(const std::string& session_id, bool clean);
+
+  absl::Status SetGroups(const std::vector<GroupHyperParameters>& groups, double max_grad_norm);
+  // After importing state: the completed iterations and each parameter's step count.
+  absl::Status SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps);
+
+  // Checkpoints (see checkpoint.h). FAILED_PRECONDITION while a step is in progress.
+  absl::StatusOr<uint64_t> Save(const std::string& path);
+  absl::Status Load(const std::string& path);
+
+  OptimizerReport Report() const;
+  bool has_sessions() const;
+  absl::Time last_activity() const;
+
+ private:
+  enum class Phase { kWaiting, kAccumulating, kStatsPending, kStatsDone, kUpdating, kDone };
+  struct Parameter {
+    ParameterDescription desc;
+    BufferRecord master, exp_avg, exp_avg_sq;
+    std::optional<BufferRecord> param, accum;
+    std::map<uint32_t, BufferRecord> grads;  // by rank
+    float* master_ptr = nullptr;
+    void* exp_avg_ptr = nullptr;
+    void* exp_avg_sq_ptr = nullptr;
+    void* param_ptr = nullptr;
+    float* accum_ptr = nullptr;
+    std::map<uint32_t, void*> grad_ptrs;
+    uint64_t param_step = 0;
+    // Progress through the current iteration.
+    Phase phase = Phase::kWaiting;
+    uint32_t micro = 0;
+    std::set<uint32_t> arrived;  // ranks
+    std::set<uint32_t> absent;   // ranks that had no gradient
+    bool any_gradient = false;   // over the micro-steps of this iteration
+    kernels::GradientStats stats;
+    size_t chunks_left = 0;
+  };
+
+  JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
+               Deps deps);
+  absl::Status AllocateParameterLocked(Parameter& p, uint32_t index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<BufferRecord> AllocateLocked(const std::string& name, uint64_t bytes,
+                                              const std::string& tag)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<uint8_t*> Data(const BufferRecord& record) const;
+  void FailLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToRank(uint32_t rank, const ipc::DoorbellMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<const void*> GradientsLocked(const Parameter& p) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartStatsLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AfterGradientsInLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const JobKey job_;
+  const std::string owner_;  // arena owner of the job's optimizer buffers
+  const uint32_t world_size_;
+  const Deps deps_;
+  mutable absl::Mutex mu_;
+  OptimizerSettings settings_ ABSL_GUARDED_BY(mu_);
+  std::vector<Parameter> params_ ABSL_GUARDED_BY(mu_);
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
+  std::string failure_ ABSL_GUARDED_BY(mu_);
+  // Progress of the iteration in flight.
+  absl::Time iteration_start_ ABSL_GUARDED_BY(mu_);
+  bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;
+  size_t params_done_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t params_with_stats_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time updates_start_ ABSL_GUARDED_BY(mu_);
+  double update_busy_s_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t update_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t update_nonfinite_ ABSL_GUARDED_BY(mu_) = 0;
+  StepReport pending_report_ ABSL_GUARDED_BY(mu_);
+  StepReport last_report_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_activity_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_H_

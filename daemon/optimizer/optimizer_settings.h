@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+#ifndef TRAINSTREAM_DAEMON_OPTIMIZER_OPTIMIZER_SETTINGS_H_
+#define TRAINSTREAM_DAEMON_OPTIMIZER_OPTIMIZER_SETTINGS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "cpu/adamw.h"
+
+namespace trainstream::daemon {
+
+struct GroupHyperParameters {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  friend bool operator==(const GroupHyperParameters&, const GroupHyperParameters&) = default;
+};
+
+enum class NonFinitePolicy { kError, kSkipStep, kIgnore };
+
+// A job's optimizer, as its first rank created it. Later ranks must ask for the same.
+struct OptimizerSettings {
+  bool decoupled_weight_decay = true;  // AdamW; false: Adam
+  kernels::ScalarType moment_type = kernels::ScalarType::kFloat32;
+  double max_grad_norm = 0;  // > 0: clip
+  bool report_grad_norm = false;
+  NonFinitePolicy nonfinite = NonFinitePolicy::kIgnore;
+  uint32_t accumulation_steps = 1;
+  std::vector<GroupHyperParameters> groups;
+  friend bool operator==(const OptimizerSettings&, const OptimizerSettings&) = default;
+
+  // Updates wait for the whole job's gradients (to clip, report the norm, or check them all
+  // before touching any state) instead of starting as each gradient lands.
+  bool deferred() const {
+    return max_grad_norm > 0 || report_grad_norm || nonfinite != NonFinitePolicy::kIgnore;
+  }
+};
+
+struct ParameterDescription {
+  std::string name;
+  uint64_t numel = 0;
+  kernels::ScalarType param_type = kernels::ScalarType::kFloat32;
+  kernels::ScalarType grad_type = kernels::ScalarType::kFloat32;
+  uint32_t group = 0;
+  friend bool operator==(const ParameterDescription&, const ParameterDescription&) = default;
+};
+
+// INVALID_ARGUMENT naming the field for hyper-parameters torch would also refuse.
+absl::Status ValidateSettings(const OptimizerSettings& settings);
+absl::Status ValidateGroups(const std::vector<GroupHyperParameters>& groups);
+
+}  // namespace trainstream::daemon
+
+#endif  // TRAINSTREAM_DAEMON_OPTIMIZER_OPTIMIZER_SETTINGS_H_

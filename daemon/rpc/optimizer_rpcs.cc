@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+// The optimizer half of TrainStreamService: validation and conversion around OptimizerRegistry.
+#include <unistd.h>
+
+#include "absl/strings/str_format.h"
+#include "rpc/optimizer_conversion.h"
+#include "rpc/request_validation.h"
+#include "rpc/trainstream_service.h"
+#include "status_conversion.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+
+absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
+TrainStreamService::CallersOptimizer(grpc::ServerContext* context, const std::string& session_id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const Session> session, CallersSession(context, session_id));
+  ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer, optimizers_->ForSession(*session));
+  return std::make_pair(std::move(session), std::move(optimizer));
+}
+
+absl::Status TrainStreamService::CheckCheckpointPath(const PeerCredentials& caller,
+                                                     const std::string& path) const {
+  if (path.empty() || path[0] != '/' || path.size() > 4096) {
+    return absl::InvalidArgumentError("checkpoint path must be an absolute path");
+  }
+  // The daemon opens the file with its own identity, so it does so only for its own user.
+  if (::geteuid() != caller.uid) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "this trainstreamd runs as uid %d and writes checkpoint files only for that user; "
+        "export the state with state_dict() instead",
+        ::geteuid()));
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status TrainStreamService::CreateOptimizer(grpc::ServerContext* context,
+                                                 const v1::CreateOptimizerRequest* request,
+                                                 v1::OptimizerInfo* reply) {
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::StatusOr<OptimizerSettings> settings = FromProto(request->spec());
+  if (!settings.ok()) return ToGrpcStatus(settings.status());
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> optimizer =
+      optimizers_->CreateOrJoin(**session, *settings);
+  if (!optimizer.ok()) {
+    events_->Emit("optimizer.refused", std::string(optimizer.status().message()), {},
+                  (*session)->id, (*session)->owner.uid);
+    return ToGrpcStatus(optimizer.status());
+  }
+  ToProto((*optimizer)->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::RegisterParameters(grpc::ServerContext* context,
+                                                    const v1::RegisterParametersRequest* request,
+                                                    v1::RegisterParametersReply* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  auto& [session, optimizer] = *found;
+  absl::StatusOr<std::vector<ParameterDescription>> params = FromProto(request->params());
+  if (!params.ok()) return ToGrpcStatus(params.status());
+  absl::StatusOr<RegistrationResult> result =
+      optimizer->Register(session->id, session->rank, *params);
+  if (!result.ok()) {
+    events_->Emit("optimizer.refused", std::string(result.status().message()), {}, session->id,
+                  session->owner.uid);
+    return ToGrpcStatus(result.status());
+  }
+  for (const ParameterSlots& slots : result->params) {
+    v1::ParameterBuffers* out = reply->add_params();
+    out->set_index(slots.index);
+    ToProto(slots.master, out->mutable_master());
+    ToProto(slots.exp_avg, out->mutable_exp_avg());
+    ToProto(slots.exp_avg_sq, out->mutable_exp_avg_sq());
+    if (slots.param) ToProto(*slots.param, out->mutable_param());
+    ToProto(slots.grad, out->mutable_grad());
+  }
+  reply->set_initialize(result->initialize);
+  reply->set_step(result->iteration);
+  OptimizerReport report = optimizer->Report();
+  events_->Emit("optimizer.registered",
+                absl::StrFormat("rank %d registered %d tensors (%d elements)", session->rank,
+                                report.tensors, report.elements),
+                {{"rank", session->rank},
+                 {"tensors", report.tensors},
+                 {"elements", static_cast<double>(report.elements)},
+                 {"state_bytes", static_cast<double>(report.state_bytes)}},
+                session->id, session->owner.uid);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::SetHyperParameters(grpc::ServerContext* context,
+                                                    const v1::SetHyperParametersRequest* request,
+                                                    v1::OptimizerInfo* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  auto& optimizer = found->second;
+  absl::Status set = optimizer->SetGroups(FromProto(request->groups()), request->max_grad_norm());
+  if (!set.ok()) return ToGrpcStatus(set);
+  ToProto(optimizer->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::GetOptimizer(grpc::ServerContext* context,
+                                              const v1::GetOptimizerRequest* request,
+                                              v1::OptimizerInfo* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  ToProto(found->second->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::SetOptimizerStep(grpc::ServerContext* context,
+                                                  const v1::SetOptimizerStepRequest* request,
+                                                  v1::OptimizerInfo* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  std::vector<uint64_t> steps(request->param_steps().begin(), request->param_steps().end());
+  absl::Status set = found->second->SetSteps(request->step(), steps);
+  if (!set.ok()) return ToGrpcStatus(set);
+  ToProto(found->second->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::SaveCheckpoint(grpc::ServerContext* context,
+                                                const v1::CheckpointRequest* request,
+                                                v1::CheckpointReply* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  auto& [session, optimizer] = *found;
+  absl::Status allowed = CheckCheckpointPath(session->owner, request->path());
+  if (!allowed.ok()) return ToGrpcStatus(allowed);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<uint64_t> bytes = optimizer->Save(request->path());
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  reply->set_bytes(*bytes);
+  reply->set_seconds(seconds);
+  reply->set_step(optimizer->Report().iteration);
+  events_->Emit("optimizer.checkpoint_saved",
+                absl::StrFormat("optimizer state written to %s", request->path()),
+                {{"bytes", static_cast<double>(*bytes)},
+                 {"seconds", seconds},
+                 {"step", static_cast<double>(reply->step())}},
+                session->id, session->owner.uid);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::LoadCheckpoint(grpc::ServerContext* context,
+                                                const v1::CheckpointRequest* request,
+                                                v1::CheckpointReply* reply) {
+  auto found = CallersOptimizer(context, request->session_id());
+  if (!found.ok()) return ToGrpcStatus(found.status());
+  auto& [session, optimizer] = *found;
+  absl::Status allowed = CheckCheckpointPath(session->owner, request->path());
+  if (!allowed.ok()) return ToGrpcStatus(allowed);
+  const absl::Time start = absl::Now();
+  absl::Status loaded = optimizer->Load(request->path());
+  if (!loaded.ok()) return ToGrpcStatus(loaded);
+  reply->set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  reply->set_step(optimizer->Report().iteration);
+  events_->Emit("optimizer.checkpoint_loaded",
+                absl::StrFormat("optimizer state restored from %s", request->path()),
+                {{"step", static_cast<double>(reply->step())}}, session->id, session->owner.uid);
+  return grpc::Status::OK;
+}
+
+grpc::Status TrainStreamService::ListOptimizers(grpc::ServerContext* context,
+                                                const v1::ListOptimizersRequest* request,
+                                                v1::ListOptimizersReply* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  for (const OptimizerReport& report : optimizers_->List(*caller)) {
+    ToProto(report, static_cast<uint32_t>(optimizers_->threads()), reply->add_optimizers());
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The daemon's host optimizer, one rank's view: AdamW/Adam run by trainstreamd over fp32 master
+weights in shared memory, fed by gradients this process writes into its slots.
+
+``trainstream.wrap()`` drives this for a model; use it directly to feed gradients yourself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .client import Client, _loads
+from .errors import InvalidArgumentError
+
+_NONFINITE = {"error": 1, "skip": 2, "ignore": 3}
+_KINDS = ("adamw", "adam")
+
+
+def _dtype_code(dtype: Any) -> int:
+    import torch
+
+    codes = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+    if dtype not in codes:
+        raise InvalidArgumentError(
+            f"dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
+    return codes[dtype]
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One tensor the optimizer updates."""
+
+    name: str
+    shape: tuple
+    dtype: Any = None        # the model parameter's dtype (default float32)
+    grad_dtype: Any = None   # the dtype gradients arrive in (default: dtype)
+    group: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 1
+
+
+def _group(g: dict) -> dict:
+    betas = g.get("betas", (0.9, 0.999))
+    return {"lr": float(g.get("lr", 1e-3)), "beta1": float(betas[0]), "beta2": float(betas[1]),
+            "eps": float(g.get("eps", 1e-8)), "weight_decay": float(g.get("weight_decay", 1e-2))}
+
+
+class HostOptimizer:
+    """A job's optimizer in the daemon, joined by this rank.
+
+    Every rank of a job passes the same ``params`` and options. The rank for which
+    ``initialize`` is true writes the starting weights with :meth:`load_weights` first.
+    """
+
+    def __init__(self, client: Client, params: Sequence[ParameterSpec],
+                 groups: Sequence[dict] = ({},), kind: str = "adamw", moment_dtype: Any = None,
+                 max_grad_norm: float = 0.0, report_grad_norm: bool = False,
+                 nonfinite: str = "ignore", accumulation_steps: int = 1,
+                 timeout_s: float = 120.0):
+        import torch
+
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {tuple(_NONFINITE)}, got {nonfinite!r}")
+        moment_dtype = moment_dtype or torch.float32
+        if moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("moment_dtype must be torch.float32 or torch.bfloat16")
+        self.params = list(params)
+        self._groups = [_group(g) for g in groups]
+        self._max_grad_norm = float(max_grad_norm or 0.0)
+        spec = {"kind": kind, "moment_dtype": _dtype_code(moment_dtype),
+                "max_grad_norm": self._max_grad_norm, "report_grad_norm": bool(report_grad_norm),
+                "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
+                "groups": self._groups}
+        natives = []
+        for p in self.params:
+            dtype = p.dtype or torch.float32
+            natives.append((p.name, p.numel, _dtype_code(dtype),
+                            _dtype_code(p.grad_dtype or dtype), p.group))
+        from . import _trainstream
+
+        self._native = _trainstream.HostOptimizer(client._native, spec, natives)
+        self.client = client
+        self.moment_dtype = moment_dtype
+        self.accumulation_steps = int(accumulation_steps)
+        self.timeout_ms = int(timeout_s * 1000)
+        self.iteration = self._native.attached_at_iteration
+        self._views = [self._make_views(i) for i in range(len(self.params))]
+
+    @property
+    def initialize(self) -> bool:
+        """True for the rank that created the state: it must write the starting weights."""
+        return self._native.initialize
+
+    def _make_views(self, i: int) -> dict:
+        import torch
+
+        p = self.params[i]
+        master, m, v, param, grad = self._native.buffers(i)
+        shape = p.shape
+        dtype = p.dtype or torch.float32
+        from .client import Buffer
+
+        views = {
+            "master": Buffer(master).tensor(torch.float32, shape),
+            "exp_avg": Buffer(m).tensor(self.moment_dtype, shape),
+            "exp_avg_sq": Buffer(v).tensor(self.moment_dtype, shape),
+            "grad": Buffer(grad).tensor(p.grad_dtype or dtype, shape),
+        }
+        views["param"] = Buffer(param).tensor(dtype, shape) if param is not None else views["master"]
+        return views
+
+    def master(self, i: int):
+        """The fp32 master weights of parameter ``i`` (a view of shared memory)."""
+        return self._views[i]["master"]
+
+    def param(self, i: int):
+        """Parameter ``i``'s updated value in its own dtype (the master for float32)."""
+        return self._views[i]["param"]
+
+    def grad(self, i: int):
+        """This rank's gradient slot for parameter ``i``."""
+        return self._views[i]["grad"]
+
+    def exp_avg(self, i: int):
+        return self._views[i]["exp_avg"]
+
+    def exp_avg_sq(self, i: int):
+        return self._views[i]["exp_avg_sq"]
+
+    def load_weights(self, tensors: Sequence[Any]) -> None:
+        """Writes starting values into the master weights (and the model-dtype copies)."""
+        for i, t in enumerate(tensors):
+            self.master(i).copy_(t.detach().reshape(self.params[i].shape))
+            if self.param(i).data_ptr() != self.master(i).data_ptr():
+                self.param(i).copy_(self.master(i))
+
+    def post(self, i: int, micro: int = 0, no_grad: bool = False) -> None:
+        """Announces that gradient slot ``i`` holds micro-step ``micro`` of the next iteration."""
+        self._native.post(i, self.iteration + 1, micro, no_grad)
+
+    def wait_consumed(self, i: int) -> None:
+        self._native.wait_consumed(i, self.iteration + 1, self.timeout_ms)
+
+    def wait(self) -> dict:
+        """Waits for every parameter's update of the next iteration; returns what happened."""
+        skipped, updated = self._native.wait_iteration(self.iteration + 1, self.timeout_ms)
+        self.iteration += 1
+        return {"iteration": self.iteration, "skipped": skipped, "updated": updated}
+
+    def step(self, grads: Sequence[Any]) -> dict:
+        """One iteration from a list of gradients (``None`` for a parameter without one); with
+        accumulation, pass a list of such lists, one per micro-step."""
+        micro_steps = grads if self.accumulation_steps > 1 else [grads]
+        if len(micro_steps) != self.accumulation_steps:
+            raise InvalidArgumentError(
+                f"{len(micro_steps)} micro-steps given; accumulation_steps is "
+                f"{self.accumulation_steps}")
+        for micro, gs in enumerate(micro_steps):
+            if len(gs) != len(self.params):
+                raise InvalidArgumentError(
+                    f"{len(gs)} gradients given for {len(self.params)} parameters")
+            for i, g in enumerate(gs):
+                if micro > 0 and g is not None:
+                    self.wait_consumed(i)
+                if g is None:
+                    self.post(i, micro, no_grad=True)
+                    continue
+                self.grad(i).copy_(g.reshape(self.params[i].shape))
+                self.post(i, micro)
+        return self.wait()
+
+    def set_groups(self, groups: Sequence[dict], max_grad_norm: float | None = None) -> None:
+        """New hyper-parameters (a scheduler's lr, ...) for the following iterations."""
+        self._groups = [_group(g) for g in groups]
+        if max_grad_norm is not None:
+            self._max_grad_norm = float(max_grad_norm)
+        self._native.set_groups(self._groups, self._max_grad_norm)
+
+    def set_step(self, iteration: int, param_steps: Sequence[int] | None = None) -> None:
+        self._native.set_step(int(iteration), list(param_steps or []))
+        self.iteration = int(iteration)
+
+    def save(self, path: str) -> int:
+        """Checkpoints the job's optimizer state to ``path`` (atomically); returns its bytes."""
+        return self._native.save(path)
+
+    def load(self, path: str) -> None:
+        """Restores a checkpoint written by :meth:`save` for the same parameters."""
+        self._native.load(path)
+        self.iteration = self.info()["step"]
+
+    def info(self) -> dict:
+        """The job's optimizer figures: step, state, last step's norm, time and GB/s."""
+        info = _loads(self._native.info_json())
+        info["step"] = int(info.get("step", 0))
+        return info
