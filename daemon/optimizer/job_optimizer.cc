@@ -498,8 +498,9 @@ void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
   step.decoupled_weight_decay = settings_.decoupled_weight_decay;
   step.grad_scale = grad_scale;
   kernels::SetStepNumber(&step, p.param_step + 1);
-  step.rounding_seed = Mix64(std::hash<std::string>{}(job_.job_id) ^ Mix64(index) ^
-                             Mix64(p.param_step + 1) * 31);
+  // A function of the tensor and its step alone, so a run restored from a checkpoint (in any
+  // job) rounds exactly as the uninterrupted run would have.
+  step.rounding_seed = Mix64(Mix64(index + 0x9e3779b97f4a7c15ull) ^ (p.param_step + 1));
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
   kernels::AdamWTensor tensor;
   tensor.master = p.master_ptr;
