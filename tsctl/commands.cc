@@ -12,6 +12,8 @@ constexpr Command kCommands[] = {
     {"status", "", "daemon version, uptime, memory budget and GPUs", &RunStatus},
     {"sessions", "", "the sessions you may see, one per line", &RunSessions},
     {"memory", "", "the memory budget and who holds what", &RunMemory},
+    {"optimizers", "", "each job's host optimizer: size, step, last step time and GB/s",
+     &RunOptimizers},
     {"events", "[-f|--follow] [--since=N]", "recent events; -f keeps streaming new ones",
      &RunEvents},
 };

@@ -50,6 +50,7 @@ absl::Status RunStatus(const Invocation& invocation);
 absl::Status RunSessions(const Invocation& invocation);
 absl::Status RunMemory(const Invocation& invocation);
 absl::Status RunEvents(const Invocation& invocation);
+absl::Status RunOptimizers(const Invocation& invocation);
 
 }  // namespace trainstream::tsctl
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import trainstream
@@ -239,3 +241,57 @@ def test_checkpoint_refuses_a_mismatched_or_broken_file(client, tmp_path):
         opt.save("relative.safetensors")
     with pytest.raises(trainstream.NotFoundError):
         opt.load(str(tmp_path / "missing.safetensors"))
+
+
+def test_daemon_killed_mid_checkpoint_leaves_the_previous_one(start_daemon, tmp_path):
+    import glob
+    import signal
+    import threading
+
+    path = str(tmp_path / "ckpt.safetensors")
+    n = 40_000_000  # ~480 MB of state to write: long enough to be killed in the middle
+    gen = torch.Generator().manual_seed(12)
+    grads = [torch.randn(n, generator=gen) for _ in range(2)]
+    first = start_daemon("--memory_budget=4G")
+    c = trainstream.connect(first.socket, job_id="big")
+    opt = HostOptimizer(c, [ParameterSpec("w", (n,))], groups=[dict(lr=1e-3)], timeout_s=60)
+    opt.load_weights([torch.zeros(n)])
+    opt.step([grads[0]])
+    opt.save(path)
+    saved = open(path, "rb").read(4096)
+    opt.step([grads[1]])
+    failure = []
+
+    def save_again():
+        try:
+            opt.save(path)
+        except trainstream.TrainStreamError as e:
+            failure.append(e)
+
+    writer = threading.Thread(target=save_again)
+    writer.start()
+    deadline = time.monotonic() + 10
+    while not glob.glob(path + ".tmp-*") and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert glob.glob(path + ".tmp-*"), "the second checkpoint never started writing"
+    first.process.send_signal(signal.SIGKILL)
+    writer.join(30)
+    assert failure and isinstance(failure[0], trainstream.DaemonUnavailableError)
+    c._native = None  # the session died with its daemon
+
+    # The previous checkpoint is whole and loads in a new daemon, at the step it was taken.
+    assert open(path, "rb").read(4096) == saved
+    second = start_daemon("--memory_budget=4G")
+    with trainstream.connect(second.socket, job_id="big") as c2:
+        restored = HostOptimizer(c2, [ParameterSpec("w", (n,))], groups=[dict(lr=1e-3)],
+                                 timeout_s=60)
+        restored.load(path)
+        assert restored.info()["step"] == 1
+        restored.step([grads[1]])
+        with trainstream.connect(second.socket, job_id="straight") as c3:
+            straight = HostOptimizer(c3, [ParameterSpec("w", (n,))], groups=[dict(lr=1e-3)],
+                                     timeout_s=60)
+            straight.load_weights([torch.zeros(n)])
+            straight.step([grads[0]])
+            straight.step([grads[1]])
+            assert torch.equal(straight.master(0), restored.master(0))

@@ -36,3 +36,22 @@ def test_exit_codes(tmp_path, tsctl_binary):
     assert tsctl(tsctl_binary).returncode == 2
     assert tsctl(tsctl_binary, "frobnicate").returncode == 2
     assert tsctl(tsctl_binary, "--help").returncode == 0
+
+
+def test_optimizers_shows_each_jobs_figures(daemon, tsctl_binary):
+    import torch
+
+    from trainstream import HostOptimizer, ParameterSpec
+
+    with trainstream.connect(daemon.socket, job_id="shown") as client:
+        opt = HostOptimizer(client, [ParameterSpec("w", (1000,))])
+        opt.load_weights([torch.zeros(1000)])
+        opt.step([torch.ones(1000)])
+        sock = f"--socket={daemon.socket}"
+        table = tsctl(tsctl_binary, sock, "optimizers")
+        assert table.returncode == 0, table.stderr
+        assert "shown" in table.stdout and "adamw/fp32" in table.stdout and "ready" in table.stdout
+        listed = json.loads(tsctl(tsctl_binary, sock, "optimizers", "--json").stdout)
+        (info,) = listed["optimizers"]
+        assert int(info["step"]) == 1 and int(info["params"]) == 1000
+        assert float(info["last_step"]["gbps"]) > 0
