@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_format.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -134,8 +135,9 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
   header += "}";
   header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
 
-  uint64_t random = 0;
-  (void)::getrandom(&random, sizeof(random), 0);
+  // Unique beside concurrent writers of the same path; the pid alone would do within one daemon.
+  uint64_t random = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  if (::getrandom(&random, sizeof(random), GRND_NONBLOCK) != sizeof(random)) random ^= ::getpid();
   const std::string temporary = absl::StrFormat("%s.tmp-%d-%016x", path, ::getpid(), random);
   ipc::UniqueFd fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", temporary));

@@ -61,6 +61,7 @@ struct Avx2 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static __m256i High16(__m256i x) { return _mm256_srli_epi32(x, 16); }
   static __m256i Random(uint32_t seed, uint32_t index) {
     __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)),
                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

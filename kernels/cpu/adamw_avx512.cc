@@ -56,6 +56,7 @@ struct Avx512 {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static __m512i High16(__m512i x) { return _mm512_srli_epi32(x, 16); }
   static __m512i Random(uint32_t seed, uint32_t index) {
     __m512i x = _mm512_add_epi32(
         _mm512_set1_epi32(static_cast<int>(index)),

@@ -20,26 +20,32 @@ inline typename L::F LoadAs(const void* base, ScalarType type, size_t i) {
   return L::Zero();
 }
 
-template <typename L>
-inline void StoreNearestAs(void* base, ScalarType type, size_t i, typename L::F v) {
-  switch (type) {
-    case ScalarType::kFloat32: L::StoreF32(static_cast<float*>(base) + i, v); break;
-    case ScalarType::kBFloat16: L::StoreBF16(static_cast<uint16_t*>(base) + i, v); break;
-    case ScalarType::kFloat16: L::StoreF16(static_cast<uint16_t*>(base) + i, v); break;
-  }
-}
-
-template <typename L>
-inline void StoreMomentAs(void* base, ScalarType type, size_t i, typename L::F v, uint32_t seed) {
-  if (type == ScalarType::kFloat32) {
-    L::StoreF32(static_cast<float*>(base) + i, v);
+template <typename L, ScalarType kType>
+inline typename L::F LoadTyped(const void* base, size_t i) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    return L::LoadF32(static_cast<const float*>(base) + i);
+  } else if constexpr (kType == ScalarType::kBFloat16) {
+    return L::LoadBF16(static_cast<const uint16_t*>(base) + i);
   } else {
-    L::StoreBF16Stochastic(static_cast<uint16_t*>(base) + i, v, L::Random(seed, static_cast<uint32_t>(i)));
+    return L::LoadF16(static_cast<const uint16_t*>(base) + i);
   }
 }
 
-template <typename L>
-uint64_t AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+template <typename L, ScalarType kType>
+inline void StoreNearestTyped(void* base, size_t i, typename L::F v) {
+  if constexpr (kType == ScalarType::kFloat32) {
+    L::StoreF32(static_cast<float*>(base) + i, v);
+  } else if constexpr (kType == ScalarType::kBFloat16) {
+    L::StoreBF16(static_cast<uint16_t*>(base) + i, v);
+  } else {
+    L::StoreF16(static_cast<uint16_t*>(base) + i, v);
+  }
+}
+
+// kParam: the parameter copy's type, or -1 for none. Every type is fixed at compile time, so
+// the loop body holds no branches.
+template <typename L, ScalarType kGrad, ScalarType kMoment, int kParam>
+uint64_t AdamWTyped(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
   using F = typename L::F;
   const bool decoupled = s.decoupled_weight_decay;
   const F decay = L::Set(decoupled ? 1.0f - s.lr * s.weight_decay : 1.0f);
@@ -49,35 +55,71 @@ uint64_t AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamW
   const F one_minus_beta1 = L::Set(1.0f - s.beta1);
   const F one_minus_beta2 = L::Set(1.0f - s.beta2);
   const F beta2 = L::Set(s.beta2);
-  const F bc2 = L::Set(s.bias_correction2_sqrt);
+  const F inv_bc2 = L::Set(1.0f / s.bias_correction2_sqrt);
   const F eps = L::Set(s.eps);
   const F scale = L::Set(s.grad_scale);
-  const uint32_t seed_m = static_cast<uint32_t>(s.rounding_seed);
-  const uint32_t seed_v = static_cast<uint32_t>(s.rounding_seed >> 32) ^ 0x5bd1e995u;
+  const uint32_t seed = static_cast<uint32_t>(s.rounding_seed ^ (s.rounding_seed >> 32));
   typename L::I bad = L::ZeroI();
   size_t i = begin;
   for (; i + L::kWidth <= end; i += L::kWidth) {
-    F g = LoadAs<L>(t.grads[0], t.grad_type, i);
-    for (int r = 1; r < t.num_grads; ++r) g = L::Add(g, LoadAs<L>(t.grads[r], t.grad_type, i));
+    F g = LoadTyped<L, kGrad>(t.grads[0], i);
+    for (int r = 1; r < t.num_grads; ++r) g = L::Add(g, LoadTyped<L, kGrad>(t.grads[r], i));
     bad = L::CountNonFinite(bad, L::FiniteMask(g));
     g = L::Mul(g, scale);
     F p = L::LoadF32(t.master + i);
     if (l2_scalar != 0.0f) g = L::Add(g, L::Mul(l2, p));
     p = L::Mul(p, decay);
-    F m = LoadAs<L>(t.exp_avg, t.moment_type, i);
-    F v = LoadAs<L>(t.exp_avg_sq, t.moment_type, i);
+    F m = LoadTyped<L, kMoment>(t.exp_avg, i);
+    F v = LoadTyped<L, kMoment>(t.exp_avg_sq, i);
     m = L::Add(m, L::Mul(one_minus_beta1, L::Sub(g, m)));
     v = L::Add(L::Mul(v, beta2), L::Mul(one_minus_beta2, L::Mul(g, g)));
-    const F denom = L::Add(L::Div(L::Sqrt(v), bc2), eps);
+    const F denom = L::Add(L::Mul(L::Sqrt(v), inv_bc2), eps);
     p = L::Add(p, L::Mul(step_size, L::Div(m, denom)));
     L::StoreF32(t.master + i, p);
-    StoreMomentAs<L>(t.exp_avg, t.moment_type, i, m, seed_m);
-    StoreMomentAs<L>(t.exp_avg_sq, t.moment_type, i, v, seed_v);
-    if (t.param_out != nullptr) StoreNearestAs<L>(t.param_out, t.param_type, i, p);
+    if constexpr (kMoment == ScalarType::kFloat32) {
+      L::StoreF32(static_cast<float*>(t.exp_avg) + i, m);
+      L::StoreF32(static_cast<float*>(t.exp_avg_sq) + i, v);
+    } else {
+      const auto random = L::Random(seed, static_cast<uint32_t>(i));
+      L::StoreBF16Stochastic(static_cast<uint16_t*>(t.exp_avg) + i, m, random);
+      L::StoreBF16Stochastic(static_cast<uint16_t*>(t.exp_avg_sq) + i, v, L::High16(random));
+    }
+    if constexpr (kParam >= 0) {
+      StoreNearestTyped<L, static_cast<ScalarType>(kParam)>(t.param_out, i, p);
+    }
   }
   uint64_t nonfinite = L::HorizontalCount(bad);
   if (i < end) nonfinite += AdamWScalar(t, i, end, s);
   return nonfinite;
+}
+
+template <typename L, ScalarType kGrad, ScalarType kMoment>
+uint64_t AdamWForParam(const AdamWTensor& t, size_t b, size_t e, const AdamWStep& s) {
+  if (t.param_out == nullptr) return AdamWTyped<L, kGrad, kMoment, -1>(t, b, e, s);
+  switch (t.param_type) {
+    case ScalarType::kFloat32: return AdamWTyped<L, kGrad, kMoment, 0>(t, b, e, s);
+    case ScalarType::kBFloat16: return AdamWTyped<L, kGrad, kMoment, 1>(t, b, e, s);
+    case ScalarType::kFloat16: return AdamWTyped<L, kGrad, kMoment, 2>(t, b, e, s);
+  }
+  return 0;
+}
+
+template <typename L, ScalarType kGrad>
+uint64_t AdamWForMoment(const AdamWTensor& t, size_t b, size_t e, const AdamWStep& s) {
+  if (t.moment_type == ScalarType::kFloat32) {
+    return AdamWForParam<L, kGrad, ScalarType::kFloat32>(t, b, e, s);
+  }
+  return AdamWForParam<L, kGrad, ScalarType::kBFloat16>(t, b, e, s);
+}
+
+template <typename L>
+uint64_t AdamWVector(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  switch (t.grad_type) {
+    case ScalarType::kFloat32: return AdamWForMoment<L, ScalarType::kFloat32>(t, begin, end, s);
+    case ScalarType::kBFloat16: return AdamWForMoment<L, ScalarType::kBFloat16>(t, begin, end, s);
+    case ScalarType::kFloat16: return AdamWForMoment<L, ScalarType::kFloat16>(t, begin, end, s);
+  }
+  return 0;
 }
 
 template <typename L>
