@@ -186,6 +186,68 @@ class HostOptimizer:
         self._native.set_step(int(iteration), list(param_steps or []))
         self.iteration = int(iteration)
 
+    def state_dict(self) -> dict:
+        """The state in ``torch.optim.AdamW.state_dict()`` form (fp32 moments), plus the fp32
+        master weights under ``"master"``: loadable by torch and by :meth:`load_state_dict`."""
+        import torch
+
+        info = self.info()
+        steps = info.get("param_steps", [0] * len(self.params))
+        state = {}
+        for i in range(len(self.params)):
+            if steps[i] == 0:
+                continue  # torch keeps no state for a parameter it never stepped
+            state[i] = {"step": torch.tensor(float(steps[i])),
+                        "exp_avg": self.exp_avg(i).float().clone(),
+                        "exp_avg_sq": self.exp_avg_sq(i).float().clone()}
+        groups = []
+        for k, g in enumerate(self._groups):
+            groups.append({"lr": g["lr"], "betas": (g["beta1"], g["beta2"]), "eps": g["eps"],
+                           "weight_decay": g["weight_decay"], "amsgrad": False,
+                           "maximize": False, "foreach": None, "capturable": False,
+                           "differentiable": False, "fused": None,
+                           "params": [i for i, p in enumerate(self.params) if p.group == k]})
+        return {"state": state, "param_groups": groups,
+                "master": [self.master(i).clone() for i in range(len(self.params))],
+                "iteration": self.iteration}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a :meth:`state_dict`, or a ``torch.optim.AdamW``/``Adam`` one for the same
+        parameters in the same order (without ``"master"``, the current weights are kept)."""
+        import torch
+
+        groups = state_dict["param_groups"]
+        if sum(len(g["params"]) for g in groups) != len(self.params):
+            raise InvalidArgumentError(
+                f"the state_dict covers {sum(len(g['params']) for g in groups)} parameters; "
+                f"this optimizer has {len(self.params)}")
+        if len(groups) != len(self._groups):
+            raise InvalidArgumentError(
+                f"the state_dict has {len(groups)} parameter groups; this optimizer has "
+                f"{len(self._groups)}")
+        order = [i for g in groups for i in g["params"]]
+        index_of = {key: n for n, key in enumerate(order)}
+        steps = [0] * len(self.params)
+        for key, entry in state_dict["state"].items():
+            i = index_of[key]
+            for name in ("exp_avg", "exp_avg_sq"):
+                value = entry[name]
+                if value.numel() != self.params[i].numel:
+                    raise InvalidArgumentError(
+                        f"{name} of parameter {i} has {value.numel()} elements; "
+                        f"'{self.params[i].name}' has {self.params[i].numel}")
+                getattr(self, name)(i).copy_(value.reshape(self.params[i].shape))
+            steps[i] = int(torch.as_tensor(entry["step"]).item())
+        for i in set(range(len(self.params))) - {index_of[k] for k in state_dict["state"]}:
+            self.exp_avg(i).zero_()
+            self.exp_avg_sq(i).zero_()
+        if "master" in state_dict:
+            self.load_weights(state_dict["master"])
+        self.set_groups([dict(lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                              weight_decay=g["weight_decay"]) for g in groups])
+        iteration = int(state_dict.get("iteration", max(steps) if steps else 0))
+        self.set_step(iteration, steps)
+
     def save(self, path: str) -> int:
         """Checkpoints the job's optimizer state to ``path`` (atomically); returns its bytes."""
         return self._native.save(path)

@@ -295,3 +295,45 @@ def test_daemon_killed_mid_checkpoint_leaves_the_previous_one(start_daemon, tmp_
             straight.step([grads[0]])
             straight.step([grads[1]])
             assert torch.equal(straight.master(0), restored.master(0))
+
+
+def test_state_dict_round_trips_with_torch(daemon):
+    ref = make_params(13)
+    gen = torch.Generator().manual_seed(14)
+    grads = [[torch.randn(p.shape, generator=gen) for p in ref] for _ in range(10)]
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    with trainstream.connect(daemon.socket, job_id="export") as c:
+        opt = HostOptimizer(c, specs(ref), groups=[hyper])
+        opt.load_weights([p.detach() for p in ref])
+        for k in range(5):
+            opt.step(grads[k])
+        exported = opt.state_dict()
+        # Export to torch: a torch AdamW continues where the daemon left off.
+        params = [torch.nn.Parameter(m.clone()) for m in exported["master"]]
+        torch_opt = torch.optim.AdamW(params, **hyper)
+        torch_opt.load_state_dict({"state": exported["state"],
+                                   "param_groups": exported["param_groups"]})
+        for k in range(5, 10):
+            for p, g in zip(params, grads[k]):
+                p.grad = g.clone()
+            torch_opt.step()
+            opt.step(grads[k])
+        assert max_diff(opt, params) <= 1e-6
+    with trainstream.connect(daemon.socket, job_id="import") as c:
+        # Import from torch: the daemon continues a torch AdamW's run.
+        torch_params = make_params(13)
+        torch_opt = torch.optim.AdamW(torch_params, **hyper)
+        for k in range(5):
+            for p, g in zip(torch_params, grads[k]):
+                p.grad = g.clone()
+            torch_opt.step()
+        opt = HostOptimizer(c, specs(torch_params), groups=[hyper])
+        opt.load_weights([p.detach() for p in torch_params])
+        opt.load_state_dict(torch_opt.state_dict())
+        assert opt.iteration == 5
+        for k in range(5, 10):
+            for p, g in zip(torch_params, grads[k]):
+                p.grad = g.clone()
+            torch_opt.step()
+            opt.step(grads[k])
+        assert max_diff(opt, torch_params) <= 1e-6
