@@ -60,6 +60,7 @@ absl::Status Daemon::Start() {
   OptimizerRegistry::Options optimizer_options;
   optimizer_options.threads = options_.threads;
   optimizer_options.retention = options_.optimizer_retention;
+  optimizer_options.pin_threads = options_.optimizer_pin_threads;
   optimizers_ = std::make_unique<OptimizerRegistry>(optimizer_options, arena_.get(),
                                                     doorbells_.get(), events_.get());
   doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,

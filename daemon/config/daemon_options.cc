@@ -132,6 +132,9 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   options.lease = absl::Milliseconds(lease_ms);
   if (config.drain_timeout_s() != 0) options.drain_timeout = absl::Seconds(config.drain_timeout_s());
   if (config.event_ring_size() != 0) options.event_ring_size = config.event_ring_size();
+  if (config.has_optimizer_pin_threads()) {
+    options.optimizer_pin_threads = config.optimizer_pin_threads();
+  }
   if (config.optimizer_retention_s() != 0) {
     options.optimizer_retention = absl::Seconds(config.optimizer_retention_s());
   }

@@ -27,6 +27,7 @@ struct DaemonOptions {
   absl::Duration drain_timeout = absl::Seconds(30);
   uint32_t event_ring_size = 4096;
   absl::Duration optimizer_retention = absl::Minutes(10);
+  bool optimizer_pin_threads = true;
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.
