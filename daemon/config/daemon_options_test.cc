@@ -21,7 +21,9 @@ TEST(ParseByteSizeTest, SuffixesAndPercentages) {
 }
 
 std::string WriteFile(const std::string& text) {
-  std::string path = ::testing::TempDir() + "/trainstreamd_test.conf";
+  // One file per test: ctest runs the tests of this binary in parallel processes.
+  std::string path = ::testing::TempDir() + "/trainstreamd_" +
+                     ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".conf";
   std::ofstream(path) << text;
   return path;
 }
