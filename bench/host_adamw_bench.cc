@@ -25,7 +25,12 @@ namespace {
 using trainstream::daemon::ThreadPool;
 namespace k = trainstream::kernels;
 
-constexpr size_t kChunk = 1 << 18;  // elements per task: ~7 MB of traffic
+// Elements per task: about four tasks per worker, so the last round of tasks leaves few
+// workers idle, and no task under 16K elements (its dispatch would cost more than its work).
+size_t ChunkFor(size_t n, size_t threads) {
+  size_t chunk = (n / (threads * 4) + 16383) / 16384 * 16384;
+  return std::clamp<size_t>(chunk, 16384, size_t{1} << 20);
+}
 
 void* Allocate(size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -78,6 +83,7 @@ int main(int argc, char** argv) {
       void* m = Allocate(n * moment_bytes);
       void* v = Allocate(n * moment_bytes);
       auto* out = static_cast<uint16_t*>(Allocate(n * 2));
+      const size_t kChunk = ChunkFor(n, threads);
       const size_t chunks = (n + kChunk - 1) / kChunk;
       // First touch from the workers, chunk by chunk, as the daemon's pages would be placed.
       pool.ParallelFor(chunks, [&](size_t c) {
