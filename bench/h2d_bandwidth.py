@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 import trainstream
+from bench_daemon import private_daemon
 
 
 def timed(fn, repeats: int, streams) -> float:
@@ -61,17 +57,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     nbytes = int(args.gib * (1 << 30))
-    directory = tempfile.mkdtemp(prefix="ts-bw-")
-    socket = os.path.join(directory, "d.sock")
-    daemon = subprocess.Popen([shutil.which("trainstreamd") or "trainstreamd", f"--socket={socket}",
-                               f"--memory_budget={4 * nbytes + (1 << 30)}", "--log_level=warning"])
-    try:
-        for _ in range(500):
-            try:
-                trainstream._trainstream.ping_daemon(socket)
-                break
-            except trainstream.DaemonUnavailableError:
-                time.sleep(0.02)
+    with private_daemon(str(4 * nbytes + (1 << 30))) as socket:
         client = trainstream.connect(socket, job_id="bw")
         t0 = time.perf_counter()
         up = client.allocate("up", nbytes)
@@ -125,10 +111,6 @@ def main() -> None:
                           "ratio": round(dg / tg, 4)}
         assert torch.equal(dev_a[:4096].cpu(), torch.full((4096,), 7, dtype=torch.uint8))
         client.close()
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
-        shutil.rmtree(directory, ignore_errors=True)
 
     result = {
         "bench": "h2d_bandwidth", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),

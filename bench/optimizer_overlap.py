@@ -17,16 +17,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 
 import torch
 
 import trainstream
 from trainstream import HostOptimizer, ParameterSpec
+from bench_daemon import private_daemon
 
 
 def parse_count(text: str) -> int:
@@ -64,18 +61,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     elements = parse_count(args.elements)
-    directory = tempfile.mkdtemp(prefix="ts-overlap-")
-    socket = os.path.join(directory, "d.sock")
-    daemon = subprocess.Popen([shutil.which("trainstreamd") or "trainstreamd",
-                               f"--socket={socket}", "--memory_budget=90%",
-                               "--log_level=warning"])
-    try:
-        for _ in range(500):
-            try:
-                trainstream._trainstream.ping_daemon(socket)
-                break
-            except trainstream.DaemonUnavailableError:
-                time.sleep(0.02)
+    with private_daemon("90%") as socket:
         client = trainstream.connect(socket, job_id="probe")
         # All gradients at once: the whole update is exposed, as for an optimizer that starts
         # after backward. Then a backward exactly as long as that update (the hardest case for
@@ -87,10 +73,6 @@ def main() -> None:
             exposed = run(client, mode.split()[0], args.tensors, elements, clip, args.steps, gap)
             rows[mode] = {"exposed_s": round(exposed, 6)}
         client.close()
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
-        shutil.rmtree(directory, ignore_errors=True)
     params = args.tensors * elements
     print(f"{args.tensors} tensors x {elements} = {params / 1e6:.0f}M params, bf16 grads/params, "
           f"fp32 moments; gradient gap {gap * 1e3:.2f} ms")

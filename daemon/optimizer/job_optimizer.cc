@@ -691,12 +691,7 @@ absl::Time JobOptimizer::last_activity() const {
   return last_activity_;
 }
 
-absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
-  absl::MutexLock lock(&mu_);
-  if (InProgressLocked()) {
-    return absl::FailedPreconditionError("a step is in progress; checkpoint between steps");
-  }
-  if (!registered_) return absl::FailedPreconditionError("no parameters are registered yet");
+CheckpointContents JobOptimizer::ContentsLocked() const {
   CheckpointContents contents;
   contents.job_id = job_.job_id;
   contents.iteration = iteration_;
@@ -711,7 +706,16 @@ absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
     contents.arrays.push_back({absl::StrFormat("%d.exp_avg_sq", i), settings_.moment_type,
                                p.desc.numel, p.exp_avg_sq_ptr});
   }
-  return WriteCheckpoint(path, contents);
+  return contents;
+}
+
+absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  if (InProgressLocked()) {
+    return absl::FailedPreconditionError("a step is in progress; checkpoint between steps");
+  }
+  if (!registered_) return absl::FailedPreconditionError("no parameters are registered yet");
+  return WriteCheckpoint(path, ContentsLocked());
 }
 
 absl::Status JobOptimizer::Load(const std::string& path) {
@@ -722,20 +726,8 @@ absl::Status JobOptimizer::Load(const std::string& path) {
   if (!registered_) {
     return absl::FailedPreconditionError("register the parameters before restoring a checkpoint");
   }
-  CheckpointContents expected;
-  expected.job_id = job_.job_id;
-  expected.settings = settings_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Parameter& p = params_[i];
-    expected.params.push_back({p.desc, 0});
-    expected.arrays.push_back({absl::StrFormat("%d.master", i), kernels::ScalarType::kFloat32,
-                               p.desc.numel, p.master_ptr});
-    expected.arrays.push_back({absl::StrFormat("%d.exp_avg", i), settings_.moment_type,
-                               p.desc.numel, p.exp_avg_ptr});
-    expected.arrays.push_back({absl::StrFormat("%d.exp_avg_sq", i), settings_.moment_type,
-                               p.desc.numel, p.exp_avg_sq_ptr});
-  }
-  ASSIGN_OR_RETURN(CheckpointContents loaded, ReadCheckpoint(path, expected));
+  // The live arrays are the destination; they are written only after the whole file checks out.
+  ASSIGN_OR_RETURN(CheckpointContents loaded, ReadCheckpoint(path, ContentsLocked()));
   iteration_ = loaded.iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = loaded.params[i].step;

@@ -19,6 +19,7 @@
 #include "doorbell/doorbell_dispatcher.h"
 #include "events/event_log.h"
 #include "ipc/doorbell_ring.h"
+#include "optimizer/checkpoint.h"
 #include "optimizer/optimizer_settings.h"
 #include "optimizer/thread_pool.h"
 
@@ -157,6 +158,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The state as checkpoint arrays over the live buffers.
+  CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobKey job_;
