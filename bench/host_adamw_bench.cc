@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
       uint64_t step_number = 0;
       double adamw = MedianSeconds(repeats, [&] {
         k::AdamWStep s;
-        s.weight_decay = 0.01f;
+        s.weight_decay = 0.01;
         k::SetStepNumber(&s, ++step_number);
         s.rounding_seed = step_number;
         pool.ParallelFor(chunks, [&](size_t c) {

@@ -490,11 +490,11 @@ void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
   p.phase = Phase::kUpdating;
   const GroupHyperParameters& g = settings_.groups[p.desc.group];
   kernels::AdamWStep step;
-  step.lr = static_cast<float>(g.lr);
-  step.beta1 = static_cast<float>(g.beta1);
-  step.beta2 = static_cast<float>(g.beta2);
-  step.eps = static_cast<float>(g.eps);
-  step.weight_decay = static_cast<float>(g.weight_decay);
+  step.lr = g.lr;
+  step.beta1 = g.beta1;
+  step.beta2 = g.beta2;
+  step.eps = g.eps;
+  step.weight_decay = g.weight_decay;
   step.decoupled_weight_decay = settings_.decoupled_weight_decay;
   step.grad_scale = grad_scale;
   kernels::SetStepNumber(&step, p.param_step + 1);

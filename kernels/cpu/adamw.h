@@ -22,19 +22,28 @@ Isa BestIsa();
 bool IsaSupported(Isa isa);
 const char* IsaName(Isa isa);
 
-// One step's constants for one parameter group.
+// One step's constants for one parameter group, in double precision as torch keeps its
+// hyper-parameters (Python floats); the kernels derive each fp32 constant from them the way
+// torch.optim.AdamW does (e.g. 1 - beta1 rounded once), so no constant drifts by an ulp.
 struct AdamWStep {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   bool decoupled_weight_decay = true;  // AdamW; false is Adam (L2 folded into the gradient)
-  float bias_correction1 = 1.0f;       // 1 - beta1^t
-  float bias_correction2_sqrt = 1.0f;  // sqrt(1 - beta2^t)
+  double bias_correction1 = 1.0;       // 1 - beta1^t
+  double bias_correction2_sqrt = 1.0;  // sqrt(1 - beta2^t)
   float grad_scale = 1.0f;             // multiplies the summed gradient (1/ranks, clipping)
   uint64_t rounding_seed = 0;          // stochastic rounding of bf16 moments
 };
+
+// The fp32 constants of one step, derived once from AdamWStep.
+struct AdamWConstants {
+  float decay, l2, step_size, one_minus_beta1, beta2, one_minus_beta2, inv_bc2, eps, grad_scale;
+  uint32_t seed;
+};
+AdamWConstants Constants(const AdamWStep& step);
 
 // Fills in the bias corrections of step `t` (1-based) the way torch.optim.AdamW computes them.
 void SetStepNumber(AdamWStep* step, uint64_t t);

@@ -50,9 +50,25 @@ const char* IsaName(Isa isa) {
 void SetStepNumber(AdamWStep* step, uint64_t t) {
   // torch computes these in Python floats (double) and passes them on as such.
   const double t_d = static_cast<double>(t);
-  step->bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(step->beta1), t_d));
-  step->bias_correction2_sqrt =
-      static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(step->beta2), t_d)));
+  step->bias_correction1 = 1.0 - std::pow(step->beta1, t_d);
+  step->bias_correction2_sqrt = std::sqrt(1.0 - std::pow(step->beta2, t_d));
+}
+
+AdamWConstants Constants(const AdamWStep& s) {
+  AdamWConstants c;
+  c.decay = s.decoupled_weight_decay ? static_cast<float>(1.0 - s.lr * s.weight_decay) : 1.0f;
+  c.l2 = s.decoupled_weight_decay ? 0.0f : static_cast<float>(s.weight_decay);
+  c.step_size = static_cast<float>(-(s.lr / s.bias_correction1));
+  c.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
+  c.beta2 = static_cast<float>(s.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
+  // A multiplication by the reciprocal instead of torch's division: it differs from the
+  // quotient by at most one rounding and spares a division per element.
+  c.inv_bc2 = static_cast<float>(1.0 / s.bias_correction2_sqrt);
+  c.eps = static_cast<float>(s.eps);
+  c.grad_scale = s.grad_scale;
+  c.seed = static_cast<uint32_t>(s.rounding_seed ^ (s.rounding_seed >> 32));
+  return c;
 }
 
 absl::Status AdamWUpdate(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& step,

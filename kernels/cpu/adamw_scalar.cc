@@ -91,29 +91,25 @@ namespace internal {
 
 uint64_t AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
   uint64_t nonfinite = 0;
-  const float decay = s.decoupled_weight_decay ? 1.0f - s.lr * s.weight_decay : 1.0f;
-  const float l2 = s.decoupled_weight_decay ? 0.0f : s.weight_decay;
-  const float step_size = -(s.lr / s.bias_correction1);
-  const float one_minus_beta1 = 1.0f - s.beta1;
-  const float one_minus_beta2 = 1.0f - s.beta2;
-  // A multiplication by the reciprocal instead of torch's division: it differs from the
-  // quotient by at most one rounding and spares a division per element.
-  const float inv_bc2 = 1.0f / s.bias_correction2_sqrt;
-  const uint32_t seed = static_cast<uint32_t>(s.rounding_seed ^ (s.rounding_seed >> 32));
+  const AdamWConstants c = Constants(s);
+  const float decay = c.decay, l2 = c.l2, step_size = c.step_size;
+  const float one_minus_beta1 = c.one_minus_beta1, one_minus_beta2 = c.one_minus_beta2;
+  const float inv_bc2 = c.inv_bc2, beta2 = c.beta2, eps = c.eps;
+  const uint32_t seed = c.seed;
   const bool stochastic = t.moment_type == ScalarType::kBFloat16;
   for (size_t i = begin; i < end; ++i) {
     float g = 0;
     for (int r = 0; r < t.num_grads; ++r) g += Load(t.grads[r], t.grad_type, i);
     nonfinite += !std::isfinite(g);
-    g *= s.grad_scale;
+    g *= c.grad_scale;
     float p = t.master[i];
     if (l2 != 0.0f) g += l2 * p;
     p *= decay;
     float m = Load(t.exp_avg, t.moment_type, i);
     float v = Load(t.exp_avg_sq, t.moment_type, i);
     m += one_minus_beta1 * (g - m);
-    v = v * s.beta2 + one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * inv_bc2 + s.eps;
+    v = v * beta2 + one_minus_beta2 * (g * g);
+    const float denom = std::sqrt(v) * inv_bc2 + eps;
     p += step_size * (m / denom);
     t.master[i] = p;
     // One 32-bit draw per element: the low half rounds the first moment, the high the second.

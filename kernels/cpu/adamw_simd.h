@@ -47,18 +47,18 @@ inline void StoreNearestTyped(void* base, size_t i, typename L::F v) {
 template <typename L, ScalarType kGrad, ScalarType kMoment, int kParam>
 uint64_t AdamWTyped(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
   using F = typename L::F;
-  const bool decoupled = s.decoupled_weight_decay;
-  const F decay = L::Set(decoupled ? 1.0f - s.lr * s.weight_decay : 1.0f);
-  const float l2_scalar = decoupled ? 0.0f : s.weight_decay;
+  const AdamWConstants c = Constants(s);
+  const F decay = L::Set(c.decay);
+  const float l2_scalar = c.l2;
   const F l2 = L::Set(l2_scalar);
-  const F step_size = L::Set(-(s.lr / s.bias_correction1));
-  const F one_minus_beta1 = L::Set(1.0f - s.beta1);
-  const F one_minus_beta2 = L::Set(1.0f - s.beta2);
-  const F beta2 = L::Set(s.beta2);
-  const F inv_bc2 = L::Set(1.0f / s.bias_correction2_sqrt);
-  const F eps = L::Set(s.eps);
-  const F scale = L::Set(s.grad_scale);
-  const uint32_t seed = static_cast<uint32_t>(s.rounding_seed ^ (s.rounding_seed >> 32));
+  const F step_size = L::Set(c.step_size);
+  const F one_minus_beta1 = L::Set(c.one_minus_beta1);
+  const F one_minus_beta2 = L::Set(c.one_minus_beta2);
+  const F beta2 = L::Set(c.beta2);
+  const F inv_bc2 = L::Set(c.inv_bc2);
+  const F eps = L::Set(c.eps);
+  const F scale = L::Set(c.grad_scale);
+  const uint32_t seed = c.seed;
   typename L::I bad = L::ZeroI();
   size_t i = begin;
   for (; i + L::kWidth <= end; i += L::kWidth) {

@@ -76,8 +76,8 @@ struct State {
 
 AdamWStep Step(uint64_t t, bool decoupled) {
   AdamWStep s;
-  s.lr = 1e-2f;
-  s.weight_decay = 0.1f;
+  s.lr = 1e-2;
+  s.weight_decay = 0.1;
   s.decoupled_weight_decay = decoupled;
   s.grad_scale = 0.5f;
   s.rounding_seed = 0x1234567890abcdefull + t;

@@ -8,6 +8,8 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
+from .offload_adamw import OffloadAdamW
+from .wrap import TrainStreamSession, memory_report, unwrap, wrap
 from .errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
@@ -31,7 +33,8 @@ def cuda_available() -> tuple[bool, str]:
 
 __all__ = [
     "AlreadyExistsError", "Buffer", "Client", "DaemonUnavailableError", "DeadlineExceededError",
-    "FailedPreconditionError", "HostOptimizer", "InternalError", "ParameterSpec", "InvalidArgumentError", "Notice", "NotFoundError",
+    "FailedPreconditionError", "HostOptimizer", "InternalError", "OffloadAdamW", "ParameterSpec",
+    "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available",
 ]

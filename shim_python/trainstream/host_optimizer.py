@@ -106,6 +106,9 @@ class HostOptimizer:
         dtype = p.dtype or torch.float32
         from .client import Buffer
 
+        self._buffers = getattr(self, "_buffers", {})
+        self._buffers[i] = {"grad": Buffer(grad),
+                            "param": Buffer(param) if param is not None else Buffer(master)}
         views = {
             "master": Buffer(master).tensor(torch.float32, shape),
             "exp_avg": Buffer(m).tensor(self.moment_dtype, shape),
@@ -126,6 +129,14 @@ class HostOptimizer:
     def grad(self, i: int):
         """This rank's gradient slot for parameter ``i``."""
         return self._views[i]["grad"]
+
+    def grad_buffer(self, i: int):
+        """This rank's gradient slot as a :class:`trainstream.Buffer` (for device copies)."""
+        return self._buffers[i]["grad"]
+
+    def param_buffer(self, i: int):
+        """The updated parameter's buffer (the master for float32), for device copies."""
+        return self._buffers[i]["param"]
 
     def exp_avg(self, i: int):
         return self._views[i]["exp_avg"]

@@ -1,0 +1,344 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``OffloadAdamW``: a ``torch.optim`` drop-in whose state and update live in trainstreamd.
+
+Gradients leave as backward produces them (``register_post_accumulate_grad_hook``); the daemon
+updates each tensor as soon as every rank's gradient for it is in; the updated weights come
+back before they are used. CPU models keep their weights and gradients in the daemon's shared
+memory itself, so nothing is copied; CUDA models copy on a side stream, and a module's forward
+waits only for its own parameters' copies.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterable
+
+import torch
+
+from . import client as _client
+from .errors import FailedPreconditionError, InvalidArgumentError
+from .host_optimizer import HostOptimizer, ParameterSpec
+
+MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, torch.float32: torch.float32,
+                 torch.bfloat16: torch.bfloat16}
+NONFINITE = ("ignore", "skip", "error")
+
+
+class _GradientPoster:
+    """Rings a CUDA gradient's doorbell once its device-to-host copy has landed, on a thread of
+    its own, so backward never waits for PCIe."""
+
+    def __init__(self, host: HostOptimizer):
+        self._host = host
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trainstream-poster", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, micro: int, event: Any, keep_alive: Any) -> None:
+        self._queue.put((index, micro, event, keep_alive))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            index, micro, event, _ = item
+            try:
+                event.synchronize()
+                self._host.post(index, micro)
+            except BaseException as e:  # re-raised on the training thread by drain()
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def drain(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW (``kind="adam"``: Adam) with fp32 master weights and moments in trainstreamd.
+
+    ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` as for ``torch.optim.AdamW``.
+    Keyword options: ``moment_dtype`` (``"float32"``, ``"bfloat16"``), ``max_grad_norm``
+    (global-norm clipping inside the optimizer), ``compute_grad_norm`` (report it without
+    clipping, in ``last_grad_norm``), ``accumulation_steps`` (backward passes per ``step()``),
+    ``nonfinite`` (``"ignore"``, ``"skip"``, ``"error"``), ``client`` (default:
+    :func:`trainstream.connect`), ``job_id``, ``rank``, ``world_size``, ``names`` (a dict from
+    parameter to name, for messages and checkpoints).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, kind: str = "adamw",
+                 moment_dtype: Any = "float32", max_grad_norm: float | None = None,
+                 compute_grad_norm: bool = False, accumulation_steps: int = 1,
+                 nonfinite: str = "ignore", client: Any = None, job_id: str = "",
+                 rank: int = 0, world_size: int = 1, names: dict | None = None):
+        if moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
+                             "'bfloat16', torch.float32 or torch.bfloat16")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite {nonfinite!r} is not one of {NONFINITE}")
+        if int(accumulation_steps) < 1:
+            raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        self.accumulation_steps = int(accumulation_steps)
+        self._all = [p for g in self.param_groups for p in g["params"]]
+        self._params = [p for p in self._all if p.requires_grad]
+        if not self._params:
+            raise InvalidArgumentError("no trainable parameters to optimize")
+        first = self._params[0]
+        self._cuda = first.is_cuda
+        for p in self._params:
+            if p.device != first.device:
+                raise InvalidArgumentError(
+                    f"parameters on {first.device} and {p.device}: put the model on one device")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        names = names or {}
+        specs = [ParameterSpec(_safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
+                               p.dtype, group_of[id(p)]) for i, p in enumerate(self._params)]
+        self.client = client or _client.connect(job_id=job_id, rank=rank, world_size=world_size)
+        # CUDA gradients leave VRAM at every backward, so the daemon sums the micro-steps; CPU
+        # gradients accumulate in place in their shared slots and the daemon sees one.
+        self._host = HostOptimizer(
+            self.client, specs, groups=[_group(g) for g in self.param_groups], kind=kind,
+            moment_dtype=MOMENT_DTYPES[moment_dtype], max_grad_norm=max_grad_norm or 0.0,
+            report_grad_norm=compute_grad_norm, nonfinite=nonfinite,
+            accumulation_steps=self.accumulation_steps if self._cuda else 1)
+        if self._host.initialize:
+            self._host.load_weights([p.detach().float().cpu() for p in self._params])
+        self._reports_norm = bool(max_grad_norm) or compute_grad_norm
+        self._pushed = [_group(g) for g in self.param_groups]
+        self._backwards = [0] * len(self._params)
+        self._hooks: list = []
+        self._poster = _GradientPoster(self._host) if self._cuda else None
+        self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
+        self._ready: dict[int, Any] = {}
+        self.last_grad_norm: float | None = None
+        for i, p in enumerate(self._params):
+            if not self._cuda:
+                # The weights live in the daemon's shared memory: its updates land in place.
+                p.data = self._host.param(i)
+                p.grad = self._host.grad(i)
+                p.grad.zero_()
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+
+    # -- gradients out, weights back ----------------------------------------------------------
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        i = self._index[id(p)]
+        if not any(self._backwards):
+            # The first gradient of an iteration: updates start now, so a scheduler's new lr
+            # must reach the daemon before it.
+            self._push_hyperparameters()
+        micro = self._backwards[i]
+        if micro >= self.accumulation_steps:
+            raise FailedPreconditionError(
+                f"backward pass {micro + 1} before step(); accumulation_steps is "
+                f"{self.accumulation_steps} (pass accumulation_steps= to wrap)")
+        self._backwards[i] = micro + 1
+        if not self._cuda:
+            slot = self._host.grad(i)
+            if p.grad.data_ptr() != slot.data_ptr():
+                # Someone set .grad to None (model.zero_grad()): fold the new tensor into the
+                # slot and make the slot the gradient again.
+                slot.copy_(p.grad)
+                p.grad = slot
+            if micro + 1 == self.accumulation_steps:  # the slot holds the sum of the passes
+                self._host.post(i)
+            return
+        if micro > 0:
+            self._host.wait_consumed(i)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(p.device))
+        grad = p.grad.contiguous()
+        self._host.grad_buffer(i).copy_from_device(grad, stream=stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        grad.record_stream(stream)
+        self._poster.submit(i, micro, event, grad)
+        p.grad = None  # no gradient stays in VRAM
+
+    def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            event = self._ready.pop(id(p), None)
+            if event is not None:
+                torch.cuda.current_stream(p.device).wait_event(event)
+
+    def attach_forward_waits(self, model: torch.nn.Module) -> None:
+        """Makes each module's forward wait for its own parameters' new values (CUDA only)."""
+        if not self._cuda:
+            return
+        for module in model.modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                self._hooks.append(module.register_forward_pre_hook(self._wait_for_own_parameters))
+
+    def synchronize(self) -> None:
+        """Blocks until every queued copy in either direction has landed."""
+        if self._poster is not None:
+            self._poster.drain()
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+            self._ready.clear()
+
+    def detach(self) -> None:
+        """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
+        self.synchronize()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if not self._cuda:
+            for i, p in enumerate(self._params):
+                p.data = self._host.param(i).clone()
+                p.grad = None
+        if self._poster is not None:
+            self._poster.close()
+            self._poster = None
+
+    # -- torch.optim.Optimizer ----------------------------------------------------------------
+
+    # torch.amp.GradScaler hands itself to step() when this is set, so fp16 scaling is caught
+    # here with a clear message instead of failing inside the scaler.
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grad_scaler: Any = None, **kwargs: Any) -> Any:
+        """Waits for every parameter's update (most finished during backward) and starts the
+        copies of the new weights back to the GPU."""
+        if grad_scaler is not None or kwargs:
+            raise FailedPreconditionError(
+                "torch.amp.GradScaler is not supported: gradients leave the GPU during backward, "
+                "before the scaler could unscale them. Train in bfloat16 (no scaler needed), or "
+                "pass nonfinite='skip' to skip steps whose gradients overflow")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        backwards = max(self._backwards)
+        if 0 < backwards < self.accumulation_steps:
+            raise FailedPreconditionError(
+                f"step() after {backwards} backward pass(es); accumulation_steps is "
+                f"{self.accumulation_steps}")
+        self._push_hyperparameters()
+        if self._poster is not None:
+            self._poster.drain()
+        for i, count in enumerate(self._backwards):
+            if count == 0:  # no gradient this step: left alone, as torch does
+                for micro in range(self._host.accumulation_steps):
+                    self._host.post(i, micro, no_grad=True)
+        result = self._host.wait()
+        self._backwards = [0] * len(self._params)
+        if self._reports_norm:
+            self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]
+        if self._cuda:
+            stream = self._copy_stream
+            for i, p in enumerate(self._params):
+                if result["updated"][i]:
+                    self._host.param_buffer(i).copy_to_device(p.data, stream=stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self._ready[id(p)] = event
+        return loss
+
+    def _push_hyperparameters(self) -> None:
+        # A scheduler changes lr between steps: the daemon gets it before the next updates.
+        current = [_group(g) for g in self.param_groups]
+        if current != self._pushed:
+            self._host.set_groups(current)
+            self._pushed = current
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._cuda:
+            for p in self._params:
+                p.grad = None
+        else:
+            for i, p in enumerate(self._params):
+                self._host.grad(i).zero_()
+                p.grad = self._host.grad(i)  # backward accumulates into the shared slot
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_host", None) is None:  # torch's constructor adds the first groups
+            super().add_param_group(param_group)
+            return
+        raise FailedPreconditionError(
+            "trainstream: the daemon's optimizer is created with its parameter groups; pass "
+            "every group when building the optimizer (add_param_group after that is not "
+            "supported yet)")
+
+    def state_dict(self) -> dict:
+        """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""
+        ours = self._host.state_dict()
+        position = {id(p): n for n, p in enumerate(self._all)}
+        state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
+        groups = []
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry.update(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                         differentiable=False, fused=None)
+            entry["params"] = [position[id(p)] for p in g["params"]]
+            groups.append(entry)
+        return {"state": state, "param_groups": groups, "master": ours["master"],
+                "iteration": ours["iteration"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        position = {id(p): n for n, p in enumerate(self._all)}
+        ours_state = {}
+        for i, p in enumerate(self._params):
+            key = position[id(p)]
+            if key in state_dict["state"]:
+                ours_state[i] = state_dict["state"][key]
+        groups = [dict(g, params=[self._index[id(p)] for p in mine["params"] if p.requires_grad])
+                  for g, mine in zip(state_dict["param_groups"], self.param_groups)]
+        converted = {"state": ours_state, "param_groups": groups}
+        if "master" in state_dict:
+            converted["master"] = state_dict["master"]
+        if "iteration" in state_dict:
+            converted["iteration"] = state_dict["iteration"]
+        self._host.load_state_dict(converted)
+        for g, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                g[key] = loaded[key]
+        self._pushed = [_group(g) for g in self.param_groups]
+        self._refresh_weights()
+
+    def _refresh_weights(self) -> None:
+        """Brings the model's weights to the daemon's (after a load)."""
+        if self._cuda:
+            for i, p in enumerate(self._params):
+                self._host.param_buffer(i).copy_to_device(p.data, stream=self._copy_stream)
+            self._copy_stream.synchronize()
+
+    def save(self, path: str) -> int:
+        """Checkpoints the optimizer state by the daemon (atomic rename)."""
+        return self._host.save(path)
+
+    def load(self, path: str) -> None:
+        self._host.load(path)
+        self._refresh_weights()
+
+    @property
+    def steps(self) -> int:
+        return self._host.iteration
+
+    def stats(self) -> dict:
+        """The daemon's figures for this job's optimizer."""
+        return self._host.info()
+
+
+def _group(g: dict) -> dict:
+    return dict(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
+                eps=float(g["eps"]), weight_decay=float(g["weight_decay"]))
+
+
+def _safe_name(name: str) -> str:
+    allowed = "".join(c if c.isalnum() or c in "_.:/-" else "_" for c in name)
+    return allowed[:120] or "param"

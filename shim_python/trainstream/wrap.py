@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``trainstream.wrap()``: one line in a PyTorch training loop, and the optimizer state, the
+gradients and the update live in trainstreamd."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import client as _client
+from .errors import FailedPreconditionError
+from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
+
+# Options wrap() accepts now, with the values each takes. Later milestones add the paging and
+# planner options; until then naming one is an error rather than silently ignored.
+_ACCEPTED = {
+    "optimizer_mode": ("cpu", "auto"),
+    "offload": ("auto", True),
+    "moment_dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "torch.float32",
+                     "torch.bfloat16"),
+    "max_grad_norm": "None or a float > 0",
+    "accumulation_steps": "an integer >= 1",
+    "threads": "None or an integer >= 1 (the daemon's --threads; reported, not changed)",
+    "device": "None, 'cpu', 'cuda', 'cuda:N' or a torch.device",
+    "distributed": (None, True, False),
+    "verbose": (True, False),
+    "lr": "a float (used only when optimizer is None)",
+    "nonfinite": NONFINITE,
+    "job_id": "a job name (ranks and restarted processes with the same one share the state)",
+    "socket": "a trainstreamd socket path",
+}
+
+
+@dataclass
+class TrainStreamSession:
+    """What ``wrap()`` set up for a model: ``model._trainstream_session``."""
+
+    client: Any
+    optimizer: OffloadAdamW
+    config: dict
+    events: list = field(default_factory=list)
+    adapting: bool = False  # nothing is tuned yet: the paging planner arrives later
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps so far."""
+        return self.optimizer.steps
+
+    def note(self, kind: str, message: str, **numbers: float) -> None:
+        event = {"time": time.time(), "kind": kind, "message": message, "numbers": numbers}
+        self.events.append(event)
+        if self.config.get("verbose"):
+            print(f"trainstream: {kind}: {message}")
+
+
+def _check_options(options: dict) -> None:
+    for name, value in options.items():
+        if name not in _ACCEPTED:
+            raise ValueError(
+                f"trainstream.wrap: unknown option {name!r}; accepted: {', '.join(sorted(_ACCEPTED))}")
+        accepted = _ACCEPTED[name]
+        if isinstance(accepted, tuple):
+            ok = value in accepted or (name == "moment_dtype" and value in MOMENT_DTYPES)
+            if not ok:
+                raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
+    steps = options.get("accumulation_steps", 1)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
+    norm = options.get("max_grad_norm")
+    if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
+        raise ValueError(f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
+
+
+def _distributed(option: Any) -> tuple[int, int, str]:
+    """(rank, world_size, job id) of a torch.distributed job, or (0, 1, '')."""
+    import torch.distributed as dist
+
+    if option is False or not (dist.is_available() and dist.is_initialized()):
+        if option is True:
+            raise FailedPreconditionError(
+                "distributed=True needs an initialised torch.distributed process group")
+        return 0, 1, ""
+    world = dist.get_world_size()
+    if world == 1:
+        return 0, 1, ""
+    # Ranks on one machine form one job in the daemon: torchrun gives them a common run id.
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
+        f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local_rank, local_world, f"torchrun-{run}"
+
+
+def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
+    """Trains ``model`` through trainstreamd; returns ``(model, optimizer)``.
+
+    ``optimizer`` may be ``torch.optim.AdamW``, ``torch.optim.Adam``, a
+    :class:`trainstream.OffloadAdamW`, or ``None`` (one is made with ``lr``). Its
+    hyper-parameters, groups and state move to the daemon. See the README for the options.
+    """
+    _check_options(options)
+    if getattr(model, "_trainstream_session", None) is not None:
+        raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
+    config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
+              "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
+              "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
+              "job_id": "", "socket": None}
+    config.update(options)
+    events: list = []
+
+    device = config["device"]
+    current = next(model.parameters()).device
+    if device is None and current.type == "cpu" and torch.cuda.is_available():
+        device = "cuda"
+    if device is not None and torch.device(device) != current:
+        model.to(device)
+        events.append(("wrap.device", f"moved the model from {current} to {device}"))
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise FailedPreconditionError(
+            f"the model's parameters are on {sorted(map(str, devices))}; put them on one device")
+
+    rank, world, dist_job = _distributed(config["distributed"])
+    job_id = config["job_id"] or dist_job or f"wrap-{os.getpid()}-{id(model):x}"
+    client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
+    names = {p: n for n, p in model.named_parameters()}
+    moment = config["moment_dtype"]
+    moment = "float32" if moment == "auto" else moment
+    kwargs = dict(moment_dtype=moment, max_grad_norm=config["max_grad_norm"],
+                  accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
+                  client=client, names=names)
+
+    if optimizer is None:
+        groups = [p for p in model.parameters() if p.requires_grad]
+        offload = OffloadAdamW(groups, lr=config["lr"], **kwargs)
+    elif isinstance(optimizer, OffloadAdamW):
+        offload = optimizer
+    elif type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
+        for g in optimizer.param_groups:
+            for flag in ("amsgrad", "maximize"):
+                if g.get(flag):
+                    raise ValueError(f"trainstream.wrap: {type(optimizer).__name__}({flag}=True) "
+                                     "is not supported")
+        kind = "adamw" if type(optimizer) is torch.optim.AdamW else "adam"
+        groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps",
+                                                       "weight_decay")}
+                  for g in optimizer.param_groups]
+        old_state = optimizer.state_dict()
+        offload = OffloadAdamW(groups, kind=kind, **kwargs)
+        if old_state["state"]:
+            offload.load_state_dict(old_state)
+            events.append(("wrap.state", f"migrated {len(old_state['state'])} parameters' "
+                                         f"{type(optimizer).__name__} state to the daemon"))
+        optimizer.state.clear()  # the moments now live in the daemon only
+    else:
+        raise ValueError(
+            f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
+            "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
+    offload.attach_forward_waits(model)
+    session = TrainStreamSession(client=client, optimizer=offload, config=config)
+    for kind, message in events:
+        session.note(kind, message)
+    session.note("wrap.optimizer",
+                 f"{'CUDA' if offload._cuda else 'CPU'} model, {len(offload._params)} tensors: "
+                 f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
+                 f"rank {rank}/{world})", tensors=len(offload._params))
+    if config["offload"] == "auto":
+        session.note("wrap.offload", "offload='auto' keeps the optimizer in the daemon; switching "
+                     "to GPU AdamW when the model fits in VRAM arrives with the memory planner")
+    model._trainstream_session = session
+    return model, offload
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Removes the hooks and gives the model ordinary tensors again; returns the model."""
+    session = getattr(model, "_trainstream_session", None)
+    if session is None:
+        raise FailedPreconditionError("this model is not wrapped by trainstream")
+    session.optimizer.detach()
+    del model._trainstream_session
+    return model
+
+
+def memory_report(model: torch.nn.Module | None = None) -> dict:
+    """What trainstream holds and decided, for a wrapped model (or the GPU alone)."""
+    report: dict = {}
+    if torch.cuda.is_available():
+        report["gpu"] = {"allocated": torch.cuda.memory_allocated(),
+                         "reserved": torch.cuda.memory_reserved(),
+                         "peak_allocated": torch.cuda.max_memory_allocated()}
+    if model is None:
+        return report
+    session = getattr(model, "_trainstream_session", None)
+    if session is None:
+        raise FailedPreconditionError("this model is not wrapped by trainstream")
+    memory = session.client.memory()
+    mine = [r for r in memory.get("by_session", []) if r["key"] == session.client.session_id]
+    report["pinned"] = {"daemon_reserved": memory.get("reserved_bytes", 0),
+                        "session_bytes": mine[0]["bytes"] if mine else 0}
+    report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
+    report["optimizer"] = session.optimizer.stats()
+    daemon_events = [e for e in session.client.events()
+                     if e.get("session_id") in ("", session.client.session_id)]
+    report["events"] = session.events + daemon_events
+    report["config"] = dict(session.config)
+    return report

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A small GPT (token and position embeddings, pre-norm blocks of causal attention and MLP, a
+tied head) for tests and examples: small enough for a CPU, shaped like the real thing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Causal self-attention without projection biases (as in LLaMA): a key bias would get a
+    gradient that is zero in exact arithmetic, i.e. rounding noise, which Adam's normalisation
+    turns into full-size steps of random sign, so no two correct implementations would agree on
+    it beyond the first step."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
+                 context: int = 32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def batch(step: int, size: int = 8, context: int = 32, vocab: int = 128, device: str = "cpu"):
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, vocab, (size, context + 1), generator=g)
+    return data[:, :-1].to(device), data[:, 1:].to(device)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
