@@ -27,7 +27,7 @@ tsctl status
 echo
 tsctl sessions
 echo
-tsctl memory
+tsctl optimizers
 wait $train_pid
 echo
 tsctl events | tail -n 6
