@@ -308,10 +308,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 g[key] = loaded[key]
         self._pushed = [_group(g) for g in self.param_groups]
-        self._refresh_weights()
+        self.refresh_weights()
 
-    def _refresh_weights(self) -> None:
-        """Brings the model's weights to the daemon's (after a load)."""
+    def refresh_weights(self) -> None:
+        """Brings the model's weights to the daemon's (after a load, or when joining a job whose
+        state another rank created). CPU weights are the daemon's memory already."""
         if self._cuda:
             for i, p in enumerate(self._params):
                 self._host.param_buffer(i).copy_to_device(p.data, stream=self._copy_stream)
@@ -323,7 +324,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load(self, path: str) -> None:
         self._host.load(path)
-        self._refresh_weights()
+        self.refresh_weights()
 
     @property
     def steps(self) -> int:

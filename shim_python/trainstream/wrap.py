@@ -160,6 +160,15 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise ValueError(
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
+    if world > 1:
+        # Every rank starts from the weights the first rank wrote into the shared master, as
+        # DistributedDataParallel starts from rank 0's.
+        import torch.distributed as dist
+
+        dist.barrier()
+        offload.refresh_weights()
+        events.append(("wrap.distributed", f"rank {rank} of {world} joined job {job_id}: one "
+                                           "optimizer state for the job, gradients averaged"))
     offload.attach_forward_waits(model)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     for kind, message in events:

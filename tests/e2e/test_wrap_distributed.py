@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torchrun with 2 processes through wrap() equals 1 process on the same global batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist, trainstream
+    sys.path.insert(0, sys.argv[1])
+    from tiny_gpt import TinyGPT, batch, loss_fn
+    out = sys.argv[2]
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    torch.manual_seed(0)
+    model = TinyGPT()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                  max_grad_norm=1.0, device="cpu")
+    for step in range(6):
+        x, y = batch(step, size=8)          # the global batch of this step
+        share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss_fn(model, x[share], y[share]).backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+""")
+
+
+def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path):
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, OMP_NUM_THREADS="1")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    single = subprocess.run([sys.executable, str(script), MODELS, str(tmp_path / "one.pt")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", str(script), MODELS, str(tmp_path / "two.pt")]
+    two = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, both = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    worst = max((one[k] - both[k]).abs().max().item() for k in one)
+    assert worst <= 1e-5, worst
+    assert "Traceback" not in two.stderr
