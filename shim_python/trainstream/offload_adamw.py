@@ -116,6 +116,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             accumulation_steps=self.accumulation_steps if self._cuda else 1)
         if self._host.initialize:
             self._host.load_weights([p.detach().float().cpu() for p in self._params])
+        elif world_size == 1:
+            # Re-attaching to a job's state (a restarted process): the daemon's weights win.
+            self._resumed = True
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._pushed = [_group(g) for g in self.param_groups]
         self._backwards = [0] * len(self._params)
@@ -124,6 +127,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
+        if getattr(self, "_resumed", False):
+            self.refresh_weights()
         for i, p in enumerate(self._params):
             if not self._cuda:
                 # The weights live in the daemon's shared memory: its updates land in place.

@@ -173,6 +173,10 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     for kind, message in events:
         session.note(kind, message)
+    if getattr(offload, "_resumed", False):
+        session.note("wrap.resumed", f"re-attached to job {job_id}'s optimizer state after "
+                     f"{offload.steps} completed steps; the model's weights are the daemon's",
+                     steps=offload.steps)
     session.note("wrap.optimizer",
                  f"{'CUDA' if offload._cuda else 'CPU'} model, {len(offload._params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "

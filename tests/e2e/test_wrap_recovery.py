@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A training process killed mid-run; a new one re-attaches to the job's state in the daemon
+and continues with no step lost: the trajectory equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import trainstream
+from conftest import wait_until
+
+torch = pytest.importorskip("torch")
+MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+
+SCRIPT = textwrap.dedent("""
+    import sys, time, torch, trainstream
+    sys.path.insert(0, sys.argv[1])
+    from tiny_gpt import TinyGPT, batch, loss_fn
+    job, first, last, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    torch.manual_seed(0)
+    model = TinyGPT()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                  job_id=job, device="cpu")
+    assert opt.steps == first, (opt.steps, first)
+    for step in range(first, last):
+        x, y = batch(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    print("done", opt.steps, flush=True)
+    if out == "-":
+        time.sleep(600)  # killed here, mid-run
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+""")
+
+
+def test_restarted_process_continues_the_trajectory(daemon, tmp_path):
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+
+    def run(*args, **kw):
+        return subprocess.Popen([sys.executable, str(script), MODELS, *map(str, args)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+    straight = run("straight", 0, 10, tmp_path / "straight.pt")
+    assert straight.wait(300) == 0, straight.stderr.read()
+
+    victim = run("recover", 0, 5, "-")
+    assert victim.stdout.readline().split() == ["done", "5"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    with trainstream.connect(daemon.socket, job_id="observer") as c:
+        assert wait_until(lambda: all(s["pid"] != victim.pid for s in c.sessions()), 5)
+
+    resumed = run("recover", 5, 10, tmp_path / "resumed.pt")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert out.split() == ["done", "10"]
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
