@@ -33,6 +33,14 @@ absl::Status TrainStreamService::CheckCheckpointPath(const PeerCredentials& call
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
+TrainStreamService::CheckpointTarget(grpc::ServerContext* context,
+                                     const v1::CheckpointRequest& request) {
+  ASSIGN_OR_RETURN(auto found, CallersOptimizer(context, request.session_id()));
+  RETURN_IF_ERROR(CheckCheckpointPath(found.first->owner, request.path()));
+  return found;
+}
+
 grpc::Status TrainStreamService::CreateOptimizer(grpc::ServerContext* context,
                                                  const v1::CreateOptimizerRequest* request,
                                                  v1::OptimizerInfo* reply) {
@@ -126,11 +134,9 @@ grpc::Status TrainStreamService::SetOptimizerStep(grpc::ServerContext* context,
 grpc::Status TrainStreamService::SaveCheckpoint(grpc::ServerContext* context,
                                                 const v1::CheckpointRequest* request,
                                                 v1::CheckpointReply* reply) {
-  auto found = CallersOptimizer(context, request->session_id());
+  auto found = CheckpointTarget(context, *request);
   if (!found.ok()) return ToGrpcStatus(found.status());
   auto& [session, optimizer] = *found;
-  absl::Status allowed = CheckCheckpointPath(session->owner, request->path());
-  if (!allowed.ok()) return ToGrpcStatus(allowed);
   const absl::Time start = absl::Now();
   absl::StatusOr<uint64_t> bytes = optimizer->Save(request->path());
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
@@ -150,11 +156,9 @@ grpc::Status TrainStreamService::SaveCheckpoint(grpc::ServerContext* context,
 grpc::Status TrainStreamService::LoadCheckpoint(grpc::ServerContext* context,
                                                 const v1::CheckpointRequest* request,
                                                 v1::CheckpointReply* reply) {
-  auto found = CallersOptimizer(context, request->session_id());
+  auto found = CheckpointTarget(context, *request);
   if (!found.ok()) return ToGrpcStatus(found.status());
   auto& [session, optimizer] = *found;
-  absl::Status allowed = CheckCheckpointPath(session->owner, request->path());
-  if (!allowed.ok()) return ToGrpcStatus(allowed);
   const absl::Time start = absl::Now();
   absl::Status loaded = optimizer->Load(request->path());
   if (!loaded.ok()) return ToGrpcStatus(loaded);

@@ -90,6 +90,9 @@ class TrainStreamService final : public v1::TrainStream::Service {
   CallersOptimizer(grpc::ServerContext* context, const std::string& session_id);
   // A checkpoint path this caller may have the daemon write or read.
   absl::Status CheckCheckpointPath(const PeerCredentials& caller, const std::string& path) const;
+  // The caller's session and optimizer for a checkpoint request whose path it may use.
+  absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
+  CheckpointTarget(grpc::ServerContext* context, const v1::CheckpointRequest& request);
 
   const DaemonFacts facts_;
   const PeerCredentials identity_;
