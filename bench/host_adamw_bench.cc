@@ -4,6 +4,7 @@
 // stream over the same arrays on the same worker threads, in the same run.
 //
 //   host_adamw_bench --params=10000000 [--params=...] [--threads=N] [--repeats=7]
+//                    [--isa=scalar|avx2|avx512] [--chunk=ELEMENTS]
 // Prints a table and one JSON line per size. Bytes counted per parameter: gradient read 2,
 // master read+write 8, moments read+write 16 (fp32) or 8 (bf16), parameter write 2: 28 or 20.
 #include <sys/mman.h>
@@ -61,15 +62,25 @@ int main(int argc, char** argv) {
   std::vector<size_t> sizes;
   size_t threads = std::thread::hardware_concurrency();
   int repeats = 7;
+  k::Isa isa = k::BestIsa();
+  size_t chunk_override = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--params=", 0) == 0) sizes.push_back(std::stoull(a.substr(9)));
     if (a.rfind("--threads=", 0) == 0) threads = std::stoull(a.substr(10));
     if (a.rfind("--repeats=", 0) == 0) repeats = std::stoi(a.substr(10));
+    if (a.rfind("--chunk=", 0) == 0) chunk_override = std::stoull(a.substr(8));
+    if (a.rfind("--isa=", 0) == 0) {
+      const std::string name = a.substr(6);
+      isa = name == "scalar" ? k::Isa::kScalar : name == "avx2" ? k::Isa::kAvx2 : k::Isa::kAvx512;
+      if (!k::IsaSupported(isa)) {
+        std::fprintf(stderr, "this CPU lacks %s\n", name.c_str());
+        return 2;
+      }
+    }
   }
   if (sizes.empty()) sizes = {10'000'000, 100'000'000};
   ThreadPool pool(threads, /*pin=*/true);
-  const k::Isa isa = k::BestIsa();
   utsname host{};
   uname(&host);
   std::printf("isa=%s threads=%zu\n", k::IsaName(isa), threads);
@@ -83,7 +94,7 @@ int main(int argc, char** argv) {
       void* m = Allocate(n * moment_bytes);
       void* v = Allocate(n * moment_bytes);
       auto* out = static_cast<uint16_t*>(Allocate(n * 2));
-      const size_t kChunk = ChunkFor(n, threads);
+      const size_t kChunk = chunk_override ? chunk_override : ChunkFor(n, threads);
       const size_t chunks = (n + kChunk - 1) / kChunk;
       // First touch from the workers, chunk by chunk, as the daemon's pages would be placed.
       pool.ParallelFor(chunks, [&](size_t c) {

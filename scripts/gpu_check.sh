@@ -3,6 +3,7 @@
 # On the GPU machine (see ../shared/device/README.md): build with the carried .devdeps, run every
 # GPU test (ctest -L gpu, pytest -m gpu) and the benchmarks. Logs and JSON go to $OUT.
 #   scripts/gpu_check.sh [tests|bench|all]   (default all)
+#   scripts/gpu_check.sh profile             host AdamW only: a sweep over sizes, threads, ISAs
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -12,6 +13,25 @@ export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
 export CMAKE_BUILD_PARALLEL_LEVEL=16
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200 >> "$OUT/gpu.txt"
+if [[ $what == profile ]]; then
+  # Only the host AdamW benchmark, built alone (no gRPC, no tests): the full sweep with torch's
+  # fused CPU AdamW beside it, then the other instruction set and thread counts at two sizes.
+  lscpu > "$OUT/lscpu.txt"
+  cmake -S . -B build/profile -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRAINSTREAM_BUILD_TESTS=OFF \
+    > "$OUT/build.log" 2>&1 && ninja -C build/profile host_adamw_bench >> "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  python3 bench/host_adamw.py --params 10M 100M 1B 2B --threads "$(nproc)" --repeats 7 \
+    --bench build/profile/bench/host_adamw_bench --json "$OUT/host_adamw.json" \
+    > "$OUT/host_adamw.txt" 2>&1
+  for isa in avx512 avx2; do
+    for t in 1 8 16; do
+      ./build/profile/bench/host_adamw_bench --params=10000000 --params=100000000 --threads=$t \
+        --repeats=15 --isa=$isa | grep -v '^{' | sed "s/^/$isa t=$t /"
+    done
+  done > "$OUT/profile.txt" 2>&1
+  grep -v '^{' "$OUT/host_adamw.txt"; cat "$OUT/profile.txt"
+  exit 0
+fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }
 BIN=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")

@@ -18,6 +18,7 @@ struct Avx2 {
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F MulAdd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F Div(F a, F b) { return _mm256_div_ps(a, b); }
   static F Sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F LoadF32(const float* p) { return _mm256_loadu_ps(p); }
@@ -45,17 +46,32 @@ struct Avx2 {
     StoreU16(p, rounded);
   }
   static void StoreBF16Stochastic(uint16_t* p, F v, __m256i random) {
-    __m256i bits = _mm256_castps_si256(v);
     __m256i stochastic = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_and_si256(random, _mm256_set1_epi32(0xffff))), 16);
-    // Infinities and NaN take the nearest-even path, as in the scalar code.
-    __m256i exponent = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000));
-    __m256i special = _mm256_cmpeq_epi32(exponent, _mm256_set1_epi32(0x7f800000));
+        _mm256_add_epi32(_mm256_castps_si256(v), _mm256_and_si256(random, _mm256_set1_epi32(0xffff))),
+        16);
+    StoreU16(p, _mm256_blendv_epi8(stochastic, _mm256_set1_epi32(0x7fc0), IsNan(v)));
+  }
+  // The high 16 bits of every lane of a, then of b: 16 values in one store.
+  static void StoreHighHalves(uint16_t* p, __m256i a, __m256i b) {
+    __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+  static __m256i NearestHigh(F v) {
+    __m256i bits = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i nearest = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    nearest = _mm256_blendv_epi8(nearest, _mm256_set1_epi32(0x7fc0), IsNan(v));
-    StoreU16(p, _mm256_blendv_epi8(stochastic, nearest, special));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), IsNan(v));
+  }
+  static void StoreBF16Pair(uint16_t* p, F a, F b) {
+    StoreHighHalves(p, NearestHigh(a), NearestHigh(b));
+  }
+  static __m256i StochasticHigh(F v, __m256i random) {
+    __m256i sum = _mm256_add_epi32(_mm256_castps_si256(v),
+                                   _mm256_and_si256(random, _mm256_set1_epi32(0xffff)));
+    return _mm256_blendv_epi8(sum, _mm256_set1_epi32(0x7fc00000), IsNan(v));
+  }
+  static void StoreBF16StochasticPair(uint16_t* p, F a, F b, __m256i random_a, __m256i random_b) {
+    StoreHighHalves(p, StochasticHigh(a, random_a), StochasticHigh(b, random_b));
   }
   static void StoreF16(uint16_t* p, F v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
@@ -63,15 +79,20 @@ struct Avx2 {
   }
   static __m256i High16(__m256i x) { return _mm256_srli_epi32(x, 16); }
   static __m256i Random(uint32_t seed, uint32_t index) {
-    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)),
-                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    x = _mm256_xor_si256(_mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x9e3779b9u))),
-                         _mm256_set1_epi32(static_cast<int>(seed)));
+    __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                 _mm256_set1_epi32(static_cast<int>(seed)));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static uint32_t NonFiniteLanes(F g) {
+    __m256i exponent = _mm256_and_si256(_mm256_castps_si256(g), _mm256_set1_epi32(0x7f800000));
+    __m256i special = _mm256_cmpeq_epi32(exponent, _mm256_set1_epi32(0x7f800000));
+    return static_cast<uint32_t>(_mm_popcnt_u32(
+        static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(special)))));
   }
   // Gradient statistics.
   static D ZeroD() { return _mm256_setzero_pd(); }

@@ -18,6 +18,7 @@ struct Avx512 {
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F MulAdd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F Div(F a, F b) { return _mm512_div_ps(a, b); }
   static F Sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F LoadF32(const float* p) { return _mm512_loadu_ps(p); }
@@ -43,14 +44,39 @@ struct Avx512 {
     StoreU16(p, _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
   }
   static void StoreBF16Stochastic(uint16_t* p, F v, __m512i random) {
-    __m512i bits = _mm512_castps_si512(v);
     __m512i stochastic = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_and_si512(random, _mm512_set1_epi32(0xffff))), 16);
-    __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(0x7f800000));
-    __mmask16 special = _mm512_cmpeq_epi32_mask(exponent, _mm512_set1_epi32(0x7f800000));
+        _mm512_add_epi32(_mm512_castps_si512(v), _mm512_and_si512(random, _mm512_set1_epi32(0xffff))),
+        16);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i nearest = _mm512_mask_mov_epi32(Nearest(bits), nan, _mm512_set1_epi32(0x7fc0));
-    StoreU16(p, _mm512_mask_mov_epi32(stochastic, special, nearest));
+    StoreU16(p, _mm512_mask_mov_epi32(stochastic, nan, _mm512_set1_epi32(0x7fc0)));
+  }
+  // The high 16 bits of every lane of a, then of b: 32 values, one permute, one store.
+  static void StoreHighHalves(uint16_t* p, __m512i a, __m512i b) {
+    const __m512i odd_words = _mm512_setr_epi32(
+        0x00030001, 0x00070005, 0x000b0009, 0x000f000d, 0x00130011, 0x00170015, 0x001b0019,
+        0x001f001d, 0x00230021, 0x00270025, 0x002b0029, 0x002f002d, 0x00330031, 0x00370035,
+        0x003b0039, 0x003f003d);
+    _mm512_storeu_si512(p, _mm512_permutex2var_epi16(a, odd_words, b));
+  }
+  // Nearest-even in the high half (the low half is dropped by the pack); NaN as 0x7fc0.
+  static __m512i NearestHigh(F v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7fc00000));
+  }
+  static void StoreBF16Pair(uint16_t* p, F a, F b) {
+    StoreHighHalves(p, NearestHigh(a), NearestHigh(b));
+  }
+  static __m512i StochasticHigh(F v, __m512i random) {
+    __m512i sum = _mm512_add_epi32(_mm512_castps_si512(v),
+                                   _mm512_and_si512(random, _mm512_set1_epi32(0xffff)));
+    return _mm512_mask_mov_epi32(sum, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7fc00000));
+  }
+  static void StoreBF16StochasticPair(uint16_t* p, F a, F b, __m512i random_a, __m512i random_b) {
+    StoreHighHalves(p, StochasticHigh(a, random_a), StochasticHigh(b, random_b));
   }
   static void StoreF16(uint16_t* p, F v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -58,16 +84,20 @@ struct Avx512 {
   }
   static __m512i High16(__m512i x) { return _mm512_srli_epi32(x, 16); }
   static __m512i Random(uint32_t seed, uint32_t index) {
-    __m512i x = _mm512_add_epi32(
-        _mm512_set1_epi32(static_cast<int>(index)),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    x = _mm512_xor_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x9e3779b9u))),
-                         _mm512_set1_epi32(static_cast<int>(seed)));
+    __m512i x = _mm512_xor_si512(
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32(static_cast<int>(seed)));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static uint32_t NonFiniteLanes(F g) {
+    __m512i exponent = _mm512_and_si512(_mm512_castps_si512(g), _mm512_set1_epi32(0x7f800000));
+    return static_cast<uint32_t>(
+        _mm_popcnt_u32(_mm512_cmpeq_epi32_mask(exponent, _mm512_set1_epi32(0x7f800000))));
   }
   static D ZeroD() { return _mm512_setzero_pd(); }
   static I ZeroI() { return _mm512_setzero_si512(); }

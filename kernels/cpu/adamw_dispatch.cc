@@ -23,10 +23,10 @@ bool IsaSupported(Isa isa) {
     case Isa::kScalar: return true;
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt");
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("popcnt");
   }
   return false;
 }
@@ -67,7 +67,11 @@ AdamWConstants Constants(const AdamWStep& s) {
   c.inv_bc2 = static_cast<float>(1.0 / s.bias_correction2_sqrt);
   c.eps = static_cast<float>(s.eps);
   c.grad_scale = s.grad_scale;
-  c.seed = static_cast<uint32_t>(s.rounding_seed ^ (s.rounding_seed >> 32));
+  // splitmix64's finaliser: consecutive seeds (step numbers) give unrelated 32-bit seeds.
+  uint64_t z = s.rounding_seed + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  c.seed = static_cast<uint32_t>(z ^ (z >> 31));
   return c;
 }
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The plain path: one element at a time, in the order torch.optim.AdamW (single-tensor) applies
-// its operations. It is also the reference the vector paths are tested against.
+// its operations, with a fused multiply-add wherever an addition follows a multiplication. It is
+// also the reference the vector paths are tested against.
 #include <cmath>
 
 #include "adamw.h"
@@ -103,14 +104,15 @@ uint64_t AdamWScalar(const AdamWTensor& t, size_t begin, size_t end, const AdamW
     nonfinite += !std::isfinite(g);
     g *= c.grad_scale;
     float p = t.master[i];
-    if (l2 != 0.0f) g += l2 * p;
+    if (l2 != 0.0f) g = std::fma(l2, p, g);
     p *= decay;
     float m = Load(t.exp_avg, t.moment_type, i);
     float v = Load(t.exp_avg_sq, t.moment_type, i);
-    m += one_minus_beta1 * (g - m);
-    v = v * beta2 + one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * inv_bc2 + eps;
-    p += step_size * (m / denom);
+    // Fused multiply-adds where the vector paths use them (std::fma rounds once, as they do).
+    m = std::fma(one_minus_beta1, g - m, m);
+    v = std::fma(one_minus_beta2, g * g, v * beta2);
+    const float denom = std::fma(std::sqrt(v), inv_bc2, eps);
+    p = std::fma(step_size, m / denom, p);
     t.master[i] = p;
     // One 32-bit draw per element: the low half rounds the first moment, the high the second.
     const uint32_t random = stochastic ? MixBits(seed, static_cast<uint32_t>(i)) : 0;

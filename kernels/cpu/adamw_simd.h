@@ -2,7 +2,8 @@
 // The vector body shared by the AVX2 and AVX-512 paths: `Lanes` supplies loads, stores and
 // arithmetic for its register width. Included only by adamw_avx2.cc and adamw_avx512.cc, each
 // compiled for its instruction set with -ffp-contract=off, so every lane rounds exactly as the
-// scalar path does (no fused multiply-adds): the paths agree bit for bit.
+// scalar path does (fused multiply-adds only where the scalar path calls std::fma): the paths
+// agree bit for bit.
 #ifndef TRAINSTREAM_KERNELS_CPU_ADAMW_SIMD_H_
 #define TRAINSTREAM_KERNELS_CPU_ADAMW_SIMD_H_
 
@@ -42,53 +43,89 @@ inline void StoreNearestTyped(void* base, size_t i, typename L::F v) {
   }
 }
 
-// kParam: the parameter copy's type, or -1 for none. Every type is fixed at compile time, so
-// the loop body holds no branches.
-template <typename L, ScalarType kGrad, ScalarType kMoment, int kParam>
-uint64_t AdamWTyped(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+// One vector's update: reads the gradient(s), master and moments, writes the fp32 arrays, and
+// returns what still has to be narrowed to 16 bits (the caller stores those two vectors at a
+// time, which packs them with one instruction instead of two).
+template <typename L, ScalarType kGrad, ScalarType kMoment>
+struct VectorUpdate {
   using F = typename L::F;
-  const AdamWConstants c = Constants(s);
-  const F decay = L::Set(c.decay);
-  const float l2_scalar = c.l2;
-  const F l2 = L::Set(l2_scalar);
-  const F step_size = L::Set(c.step_size);
-  const F one_minus_beta1 = L::Set(c.one_minus_beta1);
-  const F one_minus_beta2 = L::Set(c.one_minus_beta2);
-  const F beta2 = L::Set(c.beta2);
-  const F inv_bc2 = L::Set(c.inv_bc2);
-  const F eps = L::Set(c.eps);
-  const F scale = L::Set(c.grad_scale);
-  const uint32_t seed = c.seed;
-  typename L::I bad = L::ZeroI();
-  size_t i = begin;
-  for (; i + L::kWidth <= end; i += L::kWidth) {
+  struct Result {
+    F param, exp_avg, exp_avg_sq;
+  };
+
+  explicit VectorUpdate(const AdamWStep& s) : c(Constants(s)) {}
+
+  Result operator()(const AdamWTensor& t, size_t i, uint64_t* nonfinite) const {
     F g = LoadTyped<L, kGrad>(t.grads[0], i);
     for (int r = 1; r < t.num_grads; ++r) g = L::Add(g, LoadTyped<L, kGrad>(t.grads[r], i));
-    bad = L::CountNonFinite(bad, L::FiniteMask(g));
-    g = L::Mul(g, scale);
+    // Counted in a scalar register: the mask's population count runs on the integer ports,
+    // leaving the vector ports to the arithmetic.
+    *nonfinite += L::NonFiniteLanes(g);
+    g = L::Mul(g, grad_scale);
     F p = L::LoadF32(t.master + i);
-    if (l2_scalar != 0.0f) g = L::Add(g, L::Mul(l2, p));
+    if (c.l2 != 0.0f) g = L::MulAdd(l2, p, g);
     p = L::Mul(p, decay);
     F m = LoadTyped<L, kMoment>(t.exp_avg, i);
     F v = LoadTyped<L, kMoment>(t.exp_avg_sq, i);
-    m = L::Add(m, L::Mul(one_minus_beta1, L::Sub(g, m)));
-    v = L::Add(L::Mul(v, beta2), L::Mul(one_minus_beta2, L::Mul(g, g)));
-    const F denom = L::Add(L::Mul(L::Sqrt(v), inv_bc2), eps);
-    p = L::Add(p, L::Mul(step_size, L::Div(m, denom)));
+    m = L::MulAdd(one_minus_beta1, L::Sub(g, m), m);
+    v = L::MulAdd(one_minus_beta2, L::Mul(g, g), L::Mul(v, beta2));
+    const F denom = L::MulAdd(L::Sqrt(v), inv_bc2, eps);
+    p = L::MulAdd(step_size, L::Div(m, denom), p);
     L::StoreF32(t.master + i, p);
     if constexpr (kMoment == ScalarType::kFloat32) {
       L::StoreF32(static_cast<float*>(t.exp_avg) + i, m);
       L::StoreF32(static_cast<float*>(t.exp_avg_sq) + i, v);
-    } else {
-      const auto random = L::Random(seed, static_cast<uint32_t>(i));
-      L::StoreBF16Stochastic(static_cast<uint16_t*>(t.exp_avg) + i, m, random);
-      L::StoreBF16Stochastic(static_cast<uint16_t*>(t.exp_avg_sq) + i, v, L::High16(random));
     }
-    if constexpr (kParam >= 0) {
-      StoreNearestTyped<L, static_cast<ScalarType>(kParam)>(t.param_out, i, p);
+    return {p, m, v};
+  }
+
+  const AdamWConstants c;
+  const F decay = L::Set(c.decay), l2 = L::Set(c.l2), step_size = L::Set(c.step_size);
+  const F one_minus_beta1 = L::Set(c.one_minus_beta1), one_minus_beta2 = L::Set(c.one_minus_beta2);
+  const F beta2 = L::Set(c.beta2), inv_bc2 = L::Set(c.inv_bc2), eps = L::Set(c.eps);
+  const F grad_scale = L::Set(c.grad_scale);
+};
+
+// kParam: the parameter copy's type, or -1 for none. Every type is fixed at compile time, so
+// the loop body holds no branches.
+template <typename L, ScalarType kGrad, ScalarType kMoment, int kParam>
+uint64_t AdamWTyped(const AdamWTensor& t, size_t begin, size_t end, const AdamWStep& s) {
+  constexpr size_t W = L::kWidth;
+  const VectorUpdate<L, kGrad, kMoment> update(s);
+  const uint32_t seed = update.c.seed;
+  auto* exp_avg16 = static_cast<uint16_t*>(t.exp_avg);
+  auto* exp_avg_sq16 = static_cast<uint16_t*>(t.exp_avg_sq);
+  uint64_t nonfinite = 0;
+  size_t i = begin;
+  for (; i + 2 * W <= end; i += 2 * W) {
+    const auto a = update(t, i, &nonfinite);
+    const auto b = update(t, i + W, &nonfinite);
+    if constexpr (kMoment == ScalarType::kBFloat16) {
+      // One 32-bit draw per element: the low half rounds the first moment, the high the second.
+      const auto random_a = L::Random(seed, static_cast<uint32_t>(i));
+      const auto random_b = L::Random(seed, static_cast<uint32_t>(i + W));
+      L::StoreBF16StochasticPair(exp_avg16 + i, a.exp_avg, b.exp_avg, random_a, random_b);
+      L::StoreBF16StochasticPair(exp_avg_sq16 + i, a.exp_avg_sq, b.exp_avg_sq,
+                                 L::High16(random_a), L::High16(random_b));
+    }
+    if constexpr (kParam == static_cast<int>(ScalarType::kBFloat16)) {
+      L::StoreBF16Pair(static_cast<uint16_t*>(t.param_out) + i, a.param, b.param);
+    } else if constexpr (kParam >= 0) {
+      StoreNearestTyped<L, static_cast<ScalarType>(kParam)>(t.param_out, i, a.param);
+      StoreNearestTyped<L, static_cast<ScalarType>(kParam)>(t.param_out, i + W, b.param);
     }
   }
-  uint64_t nonfinite = L::HorizontalCount(bad);
+  for (; i + W <= end; i += W) {
+    const auto a = update(t, i, &nonfinite);
+    if constexpr (kMoment == ScalarType::kBFloat16) {
+      const auto random = L::Random(seed, static_cast<uint32_t>(i));
+      L::StoreBF16Stochastic(exp_avg16 + i, a.exp_avg, random);
+      L::StoreBF16Stochastic(exp_avg_sq16 + i, a.exp_avg_sq, L::High16(random));
+    }
+    if constexpr (kParam >= 0) {
+      StoreNearestTyped<L, static_cast<ScalarType>(kParam)>(t.param_out, i, a.param);
+    }
+  }
   if (i < end) nonfinite += AdamWScalar(t, i, end, s);
   return nonfinite;
 }

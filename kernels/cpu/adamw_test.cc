@@ -93,17 +93,31 @@ TEST(AdamWKernelTest, VectorPathsMatchScalarBitForBit) {
         for (int ranks : {1, 3}) {
           for (bool decoupled : {true, false}) {
             const size_t n = 1000 + 37;  // not a multiple of any width: exercises the tails
+            // A NaN and an infinity in the gradient carry non-finite values into the moments
+            // and the parameter copy, whose narrowing has its own path for them.
+            auto poison = [&](State& state) {
+              State::Put(state.grads[0].data(), grad, 5, NAN);
+              State::Put(state.grads[0].data(), grad, 600, INFINITY);
+            };
             State reference(n, moment, grad, param, ranks, 7);
+            poison(reference);
+            uint64_t reference_nonfinite = 0;
             for (uint64_t t = 1; t <= 3; ++t) {
-              ASSERT_TRUE(AdamWUpdate(reference.View(), 0, n, Step(t, decoupled), Isa::kScalar).ok());
+              ASSERT_TRUE(AdamWUpdate(reference.View(), 0, n, Step(t, decoupled), Isa::kScalar,
+                                      &reference_nonfinite)
+                              .ok());
             }
+            ASSERT_EQ(reference_nonfinite, 6u);
             for (Isa isa : SupportedIsas()) {
               State s(n, moment, grad, param, ranks, 7);
+              poison(s);
+              uint64_t nonfinite = 0;
               for (uint64_t t = 1; t <= 3; ++t) {
                 // Two ranges, as two threads would split it.
-                ASSERT_TRUE(AdamWUpdate(s.View(), 0, 500, Step(t, decoupled), isa).ok());
-                ASSERT_TRUE(AdamWUpdate(s.View(), 500, n, Step(t, decoupled), isa).ok());
+                ASSERT_TRUE(AdamWUpdate(s.View(), 0, 500, Step(t, decoupled), isa, &nonfinite).ok());
+                ASSERT_TRUE(AdamWUpdate(s.View(), 500, n, Step(t, decoupled), isa, &nonfinite).ok());
               }
+              EXPECT_EQ(nonfinite, reference_nonfinite);
               SCOPED_TRACE(testing::Message()
                            << IsaName(isa) << " moment=" << ScalarTypeName(moment)
                            << " grad=" << ScalarTypeName(grad) << " param=" << ScalarTypeName(param)

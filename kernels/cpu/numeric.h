@@ -32,10 +32,11 @@ inline uint16_t FloatToBFloat16(float f) {
 }
 
 // Stochastic rounding: adds 16 random bits below the kept ones, then truncates, so the expected
-// value equals the input. Infinities and NaN pass through unchanged.
+// value equals the input. An infinity has no low bits for the addition to carry out of, so it
+// stays infinite; NaN becomes the quiet NaN that nearest rounding gives.
 inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t random) {
   uint32_t bits = FloatToBits(f);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return FloatToBFloat16(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   bits += random & 0xffffu;
   return static_cast<uint16_t>(bits >> 16);
 }
@@ -43,10 +44,12 @@ inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t random) {
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 
-// murmur3's 32-bit finaliser over (seed, index): the per-element random bits for stochastic
-// rounding. Every path computes exactly this.
+// murmur3's 32-bit finaliser over index ^ seed: the per-element random bits for stochastic
+// rounding. The seed is already well mixed (Constants()), so the index needs no multiplication
+// of its own; the finaliser is a bijection, so no two elements of a step share their bits.
+// Every path computes exactly this.
 inline uint32_t MixBits(uint32_t seed, uint32_t index) {
-  uint32_t x = index * 0x9e3779b9u ^ seed;
+  uint32_t x = index ^ seed;
   x ^= x >> 16;
   x *= 0x85ebca6bu;
   x ^= x >> 13;
