@@ -61,6 +61,12 @@ absl::StatusOr<std::string> Session::EventsJson(uint64_t since_seq) {
   return impl_->EventsJson(since_seq);
 }
 
+absl::StatusOr<uint64_t> Session::ReportEvent(
+    const std::string& kind, const std::string& message,
+    const std::vector<std::pair<std::string, double>>& numbers) {
+  return impl_->ReportEvent(kind, message, numbers);
+}
+
 std::string DefaultSocketPath() { return ipc::DefaultSocketPath(); }
 
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path) {

@@ -230,6 +230,20 @@ class Session::Impl {
     return out + "]";
   }
 
+  absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
+                                       const std::vector<std::pair<std::string, double>>& numbers) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::ReportEventRequest request;
+    request.set_session_id(id_);
+    request.set_kind(kind);
+    request.set_message(message);
+    for (const auto& [name, value] : numbers) (*request.mutable_numbers())[name] = value;
+    v1::ReportEventReply reply;
+    RETURN_IF_ERROR(channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().ReportEvent(c, request, &reply); }));
+    return reply.seq();
+  }
+
   const std::string& id() const { return id_; }
   const std::string& socket_path() const { return channel_.socket_path(); }
   ControlChannel& channel() { return channel_; }

@@ -2,6 +2,7 @@
 #include "rpc/request_validation.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
@@ -58,6 +59,45 @@ absl::Status ValidateJobId(absl::string_view job_id) {
 }
 
 absl::Status ValidateTag(absl::string_view tag) { return CheckIdentifier("tag", tag, 64, true); }
+
+namespace {
+
+absl::Status CheckEventName(absl::string_view what, absl::string_view name) {
+  if (name.empty() || name.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must be 1 to 64 characters long, not %d", what, name.size()));
+  }
+  for (char c : name) {
+    if (!absl::ascii_islower(static_cast<unsigned char>(c)) &&
+        !absl::ascii_isdigit(static_cast<unsigned char>(c)) && c != '_' && c != '.') {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s '%s' may hold only lower-case letters, digits, '_' and '.'", what, name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateEventKind(absl::string_view kind) { return CheckEventName("event kind", kind); }
+
+absl::Status ValidateEventMessage(absl::string_view message) {
+  if (message.size() > kMaxEventMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "event message is %d bytes long; the most is %d", message.size(), kMaxEventMessageBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateEventNumber(absl::string_view name, double value) {
+  absl::Status valid = CheckEventName("event number name", name);
+  if (!valid.ok()) return valid;
+  if (!std::isfinite(value)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("event number '%s' is %f; numbers must be finite", name, value));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateBufferSize(uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes is 0: a buffer needs at least one byte");

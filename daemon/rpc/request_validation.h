@@ -28,6 +28,13 @@ absl::Status ValidateBufferSize(uint64_t bytes);
 absl::Status ValidateAlignment(uint64_t alignment);
 absl::Status ValidateRank(uint32_t rank, uint32_t world_size);
 absl::Status ValidateBufferId(uint64_t buffer_id);
+// A client-reported event: kind and number names 1..64 of [a-z0-9_.], message up to 1024
+// bytes, up to 16 finite numbers.
+inline constexpr size_t kMaxEventMessageBytes = 1024;
+inline constexpr size_t kMaxEventNumbers = 16;
+absl::Status ValidateEventKind(absl::string_view kind);
+absl::Status ValidateEventMessage(absl::string_view message);
+absl::Status ValidateEventNumber(absl::string_view name, double value);
 // [offset, offset + bytes) must lie inside a buffer of `buffer_bytes`, without overflow.
 absl::Status ValidateRange(uint64_t offset, uint64_t bytes, uint64_t buffer_bytes);
 

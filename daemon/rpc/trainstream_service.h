@@ -11,10 +11,14 @@
 #include "gpu/gpu_probe.h"
 #include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
+#include "rpc/reported_event_limiter.h"
 #include "sessions/session_registry.h"
 #include "trainstream/v1/trainstream.grpc.pb.h"
 
 namespace trainstream::daemon {
+
+// Events one session may report per minute (ReportEvent).
+inline constexpr int kReportedEventsPerMinute = 600;
 
 // Facts about the daemon that GetStatus reports.
 struct DaemonFacts {
@@ -61,6 +65,9 @@ class TrainStreamService final : public v1::TrainStream::Service {
                          v1::MemoryReport*) override;
   grpc::Status StreamEvents(grpc::ServerContext*, const v1::StreamEventsRequest*,
                             grpc::ServerWriter<v1::Event>*) override;
+  // report_event_rpc.cc
+  grpc::Status ReportEvent(grpc::ServerContext*, const v1::ReportEventRequest*,
+                           v1::ReportEventReply*) override;
 
   // The host optimizer (optimizer_rpcs.cc).
   grpc::Status CreateOptimizer(grpc::ServerContext*, const v1::CreateOptimizerRequest*,
@@ -101,6 +108,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   EventLog* const events_;
   const ConnectionCredentials* const credentials_;
   OptimizerRegistry* const optimizers_;
+  ReportedEventLimiter reported_events_{kReportedEventsPerMinute};
   std::atomic<bool> shutting_down_{false};
 };
 

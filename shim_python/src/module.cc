@@ -142,6 +142,10 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("memory_json", [](Session& s) { return Released([&] { return s.MemoryJson(); }); })
       .def("events_json", [](Session& s, uint64_t since) {
         return Released([&] { return s.EventsJson(since); });
+      })
+      .def("report_event", [](Session& s, const std::string& kind, const std::string& message,
+                              const std::vector<std::pair<std::string, double>>& numbers) {
+        return Released([&] { return s.ReportEvent(kind, message, numbers); });
       });
 
   namespace tc = trainstream::client;

@@ -172,6 +172,12 @@ class Client:
     def events(self, since: int = 0) -> list:
         return _loads(self._native.events_json(since))
 
+    def report_event(self, kind: str, message: str, **numbers: float) -> int:
+        """Records a decision in the daemon's event log under this session (as
+        ``client.<kind>``), where ``tsctl events`` shows it; returns its sequence number."""
+        return self._native.report_event(kind, message,
+                                         [(k, float(v)) for k, v in sorted(numbers.items())])
+
     def close(self) -> None:
         """Closes the session; the daemon frees what it owned."""
         if self._native is not None:

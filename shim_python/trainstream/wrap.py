@@ -51,8 +51,14 @@ class TrainStreamSession:
         return self.optimizer.steps
 
     def note(self, kind: str, message: str, **numbers: float) -> None:
+        """Records a decision: here, in the daemon's event log (``tsctl events``), and on
+        stdout with ``verbose=True``."""
         event = {"time": time.time(), "kind": kind, "message": message, "numbers": numbers}
         self.events.append(event)
+        try:
+            self.client.report_event(kind, message[:1024], **numbers)
+        except Exception as e:  # the decision stands; only its copy in the daemon's log is lost
+            event["not_reported"] = str(e)
         if self.config.get("verbose"):
             print(f"trainstream: {kind}: {message}")
 
@@ -216,8 +222,9 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                         "session_bytes": mine[0]["bytes"] if mine else 0}
     report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
     report["optimizer"] = session.optimizer.stats()
-    daemon_events = [e for e in session.client.events()
-                     if e.get("session_id") in ("", session.client.session_id)]
-    report["events"] = session.events + daemon_events
+    # The daemon's log holds this session's events, wrap()'s own decisions among them (as
+    # "client.<kind>"), and the machine-wide ones.
+    report["events"] = [e for e in session.client.events()
+                        if e.get("session_id") in ("", session.client.session_id)]
     report["config"] = dict(session.config)
     return report

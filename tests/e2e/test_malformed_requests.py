@@ -25,6 +25,7 @@ def test_malformed_requests(stub, pb, session_id):
     I, N, R = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                grpc.StatusCode.RESOURCE_EXHAUSTED)
     A = pb.AllocateBufferRequest
+    E = pb.ReportEventRequest
     cases = [
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="", bytes=8)), I, "name is empty"),
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="a b", bytes=8)), I, "letters"),
@@ -50,6 +51,15 @@ def test_malformed_requests(stub, pb, session_id):
         (lambda: stub.OpenSession(pb.OpenSessionRequest(job_id="v", rank=4, world_size=4)), I,
          "rank 4"),
         (lambda: stub.OpenSession(pb.OpenSessionRequest(job_id="bad job")), I, "job_id"),
+        (lambda: stub.ReportEvent(E(session_id=session_id, kind="")), I, "event kind", "1 to 64"),
+        (lambda: stub.ReportEvent(E(session_id=session_id, kind="Wrap Offload")), I, "lower-case"),
+        (lambda: stub.ReportEvent(E(session_id=session_id, kind="w", message="x" * 2000)), I,
+         "2000 bytes"),
+        (lambda: stub.ReportEvent(E(session_id=session_id, kind="w",
+                                    numbers={f"n{i}": 1.0 for i in range(17)})), I, "17 numbers"),
+        (lambda: stub.ReportEvent(E(session_id=session_id, kind="w", numbers={"x": float("nan")})),
+         I, "finite"),
+        (lambda: stub.ReportEvent(E(session_id="s-0000000000000000", kind="w")), N, "no session"),
     ]
     for call, code, *words in cases:
         expect(call, code, *words)
@@ -85,3 +95,27 @@ def test_data_socket_rejects_garbage_and_unattached_requests(daemon, pb):
     reply = pb.DataReply.FromString(s.recv(65536))
     assert reply.code == 5
     s.close()
+
+
+def test_reported_events_land_in_the_log_and_are_rate_limited(stub, pb, session_id):
+    reply = stub.ReportEvent(pb.ReportEventRequest(session_id=session_id, kind="wrap.offload",
+                                                   message="kept on the host",
+                                                   numbers={"b": 2.0, "a": 1.0}))
+    events = {e.seq: e for e in stub.StreamEvents(pb.StreamEventsRequest())}
+    mine = events[reply.seq]
+    # Stored under the client's prefix, so a client cannot pass for the daemon.
+    assert (mine.kind, mine.message, mine.session_id) == ("client.wrap.offload",
+                                                          "kept on the host", session_id)
+    assert dict(mine.numbers) == {"a": 1.0, "b": 2.0}
+    # A session that reports too many events in a minute is told so; others are unaffected.
+    refused = None
+    for i in range(700):
+        try:
+            stub.ReportEvent(pb.ReportEventRequest(session_id=session_id, kind="spam"))
+        except grpc.RpcError as e:
+            refused = (i, e.code(), e.details())
+            break
+    assert refused is not None and refused[0] == 599, refused
+    assert refused[1] == grpc.StatusCode.RESOURCE_EXHAUSTED and "600 events" in refused[2]
+    other = stub.OpenSession(pb.OpenSessionRequest(job_id="v", pid=os.getpid())).session_id
+    assert stub.ReportEvent(pb.ReportEventRequest(session_id=other, kind="fine")).seq > 0

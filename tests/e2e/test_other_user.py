@@ -46,6 +46,7 @@ ATTACK = textwrap.dedent("""
     out["alloc"] = code(lambda: stub.AllocateBuffer(pb.AllocateBufferRequest(session_id=victim, name="x", bytes=8)))
     out["close"] = code(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=victim)))
     out["heartbeat"] = code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id=victim)))
+    out["report"] = code(lambda: stub.ReportEvent(pb.ReportEventRequest(session_id=victim, kind="forged")))
     out["sessions"] = [s.session_id for s in stub.ListSessions(pb.ListSessionsRequest()).sessions]
     out["memory_uids"] = [r.key for r in stub.GetMemory(pb.GetMemoryRequest()).by_uid]
     out["events"] = [e.session_id for e in stub.StreamEvents(pb.StreamEventsRequest()) if e.session_id]
@@ -74,7 +75,7 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
             user=other_user, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
-        for op in ("lookup", "alloc", "close", "heartbeat"):
+        for op in ("lookup", "alloc", "close", "heartbeat", "report"):
             assert out[op].startswith("PERMISSION_DENIED"), (op, out[op])
         assert out["sessions"] == []
         assert out["memory_uids"] == []

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -111,6 +113,10 @@ class Session {
   absl::StatusOr<std::string> MemoryJson();
   // Events after `since_seq`, as a JSON array.
   absl::StatusOr<std::string> EventsJson(uint64_t since_seq);
+  // Records a decision of this client in the daemon's event log (kind stored as
+  // "client.<kind>"); returns the event's sequence number.
+  absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
+                                       const std::vector<std::pair<std::string, double>>& numbers);
 
  private:
   friend class HostOptimizer;

@@ -1,0 +1,28 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "rpc/reported_event_limiter.h"
+
+#include "absl/strings/str_format.h"
+
+namespace trainstream::daemon {
+
+absl::Status ReportedEventLimiter::Admit(const std::string& session_id, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (windows_.size() > 4096) {
+    // Closed sessions leave their windows behind; drop every one that has expired.
+    absl::erase_if(windows_, [&](const auto& entry) {
+      return now - entry.second.start >= absl::Minutes(1);
+    });
+  }
+  Window& window = windows_[session_id];
+  if (now - window.start >= absl::Minutes(1)) window = Window{now, 0};
+  if (window.count >= per_minute_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "session %s reported %d events this minute, the most a session may; the rest are "
+        "dropped until %s",
+        session_id, window.count, absl::FormatTime(window.start + absl::Minutes(1))));
+  }
+  ++window.count;
+  return absl::OkStatus();
+}
+
+}  // namespace trainstream::daemon
