@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Iterable
 
 import torch
@@ -24,6 +25,7 @@ MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
                  "bf16": torch.bfloat16, torch.float32: torch.float32,
                  torch.bfloat16: torch.bfloat16}
 NONFINITE = ("ignore", "skip", "error")
+_AUTO_STEPS = 2  # offload="auto" decides after this many offloaded steps
 
 
 class _GradientPoster:
@@ -80,7 +82,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                  moment_dtype: Any = "float32", max_grad_norm: float | None = None,
                  compute_grad_norm: bool = False, accumulation_steps: int = 1,
                  nonfinite: str = "ignore", client: Any = None, job_id: str = "",
-                 rank: int = 0, world_size: int = 1, names: dict | None = None):
+                 rank: int = 0, world_size: int = 1, names: dict | None = None,
+                 switch_when_fits: bool = False, vram_headroom: float = 0.10,
+                 on_decision: Any = None):
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
                              "'bfloat16', torch.float32 or torch.bfloat16")
@@ -127,6 +131,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
+        # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
+        # hold everything in VRAM instead (see _decide_offload).
+        self._kind = kind
+        self._world_size = world_size
+        self._switch_when_fits = switch_when_fits
+        self._vram_headroom = float(vram_headroom)
+        self._on_decision = on_decision or (lambda kind, message, **numbers: None)
+        self._gpu_optimizer: torch.optim.Optimizer | None = None
+        self._steps_on_gpu = 0
+        self._step_times: list[float] = []
+        self._last_step_end: float | None = None
         if getattr(self, "_resumed", False):
             self.refresh_weights()
         for i, p in enumerate(self._params):
@@ -219,6 +234,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None, grad_scaler: Any = None, **kwargs: Any) -> Any:
         """Waits for every parameter's update (most finished during backward) and starts the
         copies of the new weights back to the GPU."""
+        if self._gpu_optimizer is not None:
+            loss = self._gpu_optimizer.step(closure)
+            self._steps_on_gpu += 1
+            return loss
         if grad_scaler is not None or kwargs:
             raise FailedPreconditionError(
                 "torch.amp.GradScaler is not supported: gradients leave the GPU during backward, "
@@ -252,7 +271,93 @@ class OffloadAdamW(torch.optim.Optimizer):
                     event = torch.cuda.Event()
                     event.record(stream)
                     self._ready[id(p)] = event
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self._step_times.append(now - self._last_step_end)
+        self._last_step_end = now
+        if self._switch_when_fits and self._host.iteration >= _AUTO_STEPS:
+            self._switch_when_fits = False
+            self._decide_offload()
         return loss
+
+    # -- offload="auto" -----------------------------------------------------------------------
+
+    def _decide_offload(self) -> None:
+        """Moves the optimizer to torch's fused GPU AdamW when the model, its gradients and both
+        moments fit in VRAM under the cap with the headroom left, as measured over the first
+        steps; otherwise keeps it in the daemon. Either way, says so in an event."""
+        numel = sum(p.numel() for p in self._params)
+        step_ms = 1000 * min(self._step_times) if self._step_times else 0.0
+        if not self._cuda:
+            self._on_decision("wrap.offload", "CPU model: the optimizer stays in trainstreamd",
+                              parameters=numel)
+            return
+        if self._world_size > 1:
+            self._on_decision("wrap.offload", "data parallel job: the optimizer stays in "
+                              "trainstreamd (one state for every rank)", parameters=numel)
+            return
+        odd = sorted({str(p.dtype) for p in self._params if p.dtype != torch.float32})
+        if odd:
+            self._on_decision("wrap.offload", f"parameters in {', '.join(odd)}: the optimizer "
+                              "stays in trainstreamd, which keeps their fp32 master weights",
+                              parameters=numel)
+            return
+        device = self._params[0].device
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = 1.0
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            fraction = float(getter(device))
+        limit = total * fraction
+        peak = torch.cuda.max_memory_allocated(device)
+        # Stock AdamW keeps every gradient and both fp32 moments in VRAM: 12 bytes a parameter
+        # more than the offloaded steps measured.
+        need = peak + 12 * numel
+        allowed = (1.0 - self._vram_headroom) * limit
+        numbers = dict(parameters=numel, peak_bytes=peak, need_bytes=need,
+                       allowed_bytes=allowed, offloaded_step_ms=step_ms)
+        if need > allowed:
+            self._on_decision(
+                "wrap.offload", f"kept offloaded: torch AdamW on {device} would need "
+                f"{need / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB + 12 B x {numel:,} "
+                f"parameters), more than {allowed / 2**30:.2f} GiB ({1 - self._vram_headroom:.0%} "
+                f"of the {limit / 2**30:.2f} GiB this process may use)", **numbers)
+            return
+        self._switch_to_gpu()
+        self._on_decision(
+            "wrap.offload", f"switched to torch fused AdamW on {device}: the model fits "
+            f"({need / 2**30:.2f} GiB of the {allowed / 2**30:.2f} GiB allowed); offloaded steps "
+            f"took {step_ms:.1f} ms", **numbers)
+
+    def _switch_to_gpu(self) -> None:
+        self.synchronize()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._poster is not None:
+            self._poster.close()
+            self._poster = None
+        info = self._host.info()
+        steps = info.get("param_steps", [0] * len(self._params))
+        cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
+        # The same group dicts: a scheduler that holds this optimizer keeps working.
+        gpu = cls(self.param_groups, fused=True)
+        for i, p in enumerate(self._params):
+            if steps[i] == 0:
+                continue
+            gpu.state[p] = {
+                "step": torch.tensor(float(steps[i]), dtype=torch.float32, device=p.device),
+                "exp_avg": self._host.exp_avg(i).to(p.device, torch.float32, copy=True),
+                "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
+            }
+            p.grad = None
+        self._gpu_optimizer = gpu
+        self.state = gpu.state
+
+    @property
+    def on_gpu(self) -> bool:
+        """True once offload='auto' moved the optimizer to torch's fused GPU AdamW."""
+        return self._gpu_optimizer is not None
 
     def _push_hyperparameters(self) -> None:
         # A scheduler changes lr between steps: the daemon gets it before the next updates.
@@ -262,6 +367,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pushed = current
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gpu_optimizer is not None:
+            self._gpu_optimizer.zero_grad(set_to_none)
+            return
         if self._cuda:
             for p in self._params:
                 p.grad = None
@@ -281,6 +389,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""
+        if self._gpu_optimizer is not None:
+            return self._gpu_optimizer.state_dict()
         ours = self._host.state_dict()
         position = {id(p): n for n, p in enumerate(self._all)}
         state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
@@ -295,6 +405,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "iteration": ours["iteration"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self._gpu_optimizer is not None:
+            if "master" in state_dict:
+                with torch.no_grad():
+                    for p, master in zip(self._params, state_dict["master"]):
+                        p.copy_(master.reshape(p.shape))
+            self._gpu_optimizer.load_state_dict(
+                {k: v for k, v in state_dict.items() if k in ("state", "param_groups")})
+            return
         position = {id(p): n for n, p in enumerate(self._all)}
         ours_state = {}
         for i, p in enumerate(self._params):
@@ -325,6 +443,13 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def save(self, path: str) -> int:
         """Checkpoints the optimizer state by the daemon (atomic rename)."""
+        if self._gpu_optimizer is not None:
+            # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
+            state = self._gpu_optimizer.state_dict()
+            steps = [int(state["state"][k]["step"]) for k in state["state"]]
+            self._host.load_state_dict(dict(
+                state, master=[p.detach().float().cpu() for p in self._params],
+                iteration=max(steps) if steps else 0))
         return self._host.save(path)
 
     def load(self, path: str) -> None:
@@ -333,11 +458,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        return self._host.iteration
+        return self._host.iteration + self._steps_on_gpu
 
     def stats(self) -> dict:
-        """The daemon's figures for this job's optimizer."""
-        return self._host.info()
+        """The daemon's figures for this job's optimizer (and where the optimizer runs now)."""
+        info = self._host.info()
+        info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
+        info["steps"] = self.steps
+        return info
 
 
 def _group(g: dict) -> dict:

@@ -32,6 +32,7 @@ _ACCEPTED = {
     "nonfinite": NONFINITE,
     "job_id": "a job name (ranks and restarted processes with the same one share the state)",
     "socket": "a trainstreamd socket path",
+    "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
 }
 
 
@@ -43,7 +44,11 @@ class TrainStreamSession:
     optimizer: OffloadAdamW
     config: dict
     events: list = field(default_factory=list)
-    adapting: bool = False  # nothing is tuned yet: the paging planner arrives later
+
+    @property
+    def adapting(self) -> bool:
+        """True while offload='auto' is still measuring the first steps."""
+        return bool(self.optimizer._switch_when_fits)
 
     @property
     def steps(self) -> int:
@@ -76,6 +81,9 @@ def _check_options(options: dict) -> None:
     steps = options.get("accumulation_steps", 1)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
+    headroom = options.get("vram_headroom", 0.10)
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        raise ValueError(f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
     norm = options.get("max_grad_norm")
     if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
         raise ValueError(f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
@@ -114,7 +122,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
-              "job_id": "", "socket": None}
+              "job_id": "", "socket": None, "vram_headroom": 0.10}
     config.update(options)
     events: list = []
 
@@ -187,9 +195,11 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                  f"{'CUDA' if offload._cuda else 'CPU'} model, {len(offload._params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
                  f"rank {rank}/{world})", tensors=len(offload._params))
+    offload._on_decision = session.note
+    offload._vram_headroom = float(config["vram_headroom"])
     if config["offload"] == "auto":
-        session.note("wrap.offload", "offload='auto' keeps the optimizer in the daemon; switching "
-                     "to GPU AdamW when the model fits in VRAM arrives with the memory planner")
+        # Measured over the first steps, then decided (an event says which way).
+        offload._switch_when_fits = True
     model._trainstream_session = session
     return model, offload
 

@@ -28,10 +28,10 @@ def groups_of(model, lr=3e-3):
                                                             lr=lr)]
 
 
-def train(model, opt, steps, accumulation=1, clip=None, scheduler=None, start=0):
+def train(model, opt, steps, accumulation=1, clip=None, scheduler=None, start=0, device=None):
     for step in range(start, start + steps):
         for micro in range(accumulation):
-            x, y = batch(step * accumulation + micro, device=DEVICE)
+            x, y = batch(step * accumulation + micro, device=device or DEVICE)
             (loss_fn(model, x, y) / accumulation).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -65,7 +65,7 @@ def test_wrap_matches_stock_adamw_over_20_steps(daemon_socket, case):
     ref_sched = (torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
                  if case == "schedule" else None)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), max_grad_norm=clip,
-                                 accumulation_steps=accumulation)
+                                 accumulation_steps=accumulation, offload=True)
     sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
              if case == "schedule" else None)
     train(ref, ref_opt, 20, accumulation, clip, ref_sched)
@@ -81,9 +81,11 @@ def test_state_dict_round_trip_resumes_the_same_trajectory(daemon_socket):
     torch.manual_seed(1)
     straight = TinyGPT().to(DEVICE)
     first = copy.deepcopy(straight)
-    straight, s_opt = trainstream.wrap(straight, torch.optim.AdamW(straight.parameters(), lr=3e-3))
+    straight, s_opt = trainstream.wrap(straight, torch.optim.AdamW(straight.parameters(), lr=3e-3),
+                                        offload=True)
     train(straight, s_opt, 10)
-    first, f_opt = trainstream.wrap(first, torch.optim.AdamW(first.parameters(), lr=3e-3))
+    first, f_opt = trainstream.wrap(first, torch.optim.AdamW(first.parameters(), lr=3e-3),
+                                  offload=True)
     train(first, f_opt, 5)
     saved_model = copy.deepcopy(trainstream.unwrap(first).state_dict())
     saved_opt = f_opt.state_dict()
@@ -94,14 +96,15 @@ def test_state_dict_round_trip_resumes_the_same_trajectory(daemon_socket):
         {k: v for k, v in saved_opt.items() if k in ("state", "param_groups")})
     resumed = TinyGPT().to(DEVICE)
     resumed.load_state_dict(saved_model)
-    resumed, r_opt = trainstream.wrap(resumed, torch.optim.AdamW(resumed.parameters(), lr=3e-3))
+    resumed, r_opt = trainstream.wrap(resumed, torch.optim.AdamW(resumed.parameters(), lr=3e-3),
+                                      offload=True)
     r_opt.load_state_dict(saved_opt)
     train(resumed, r_opt, 5, start=5)
     assert max_diff(straight, resumed) == 0.0
 
 
 def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
-    model, opt = trainstream.wrap(TinyGPT().to(DEVICE))
+    model, opt = trainstream.wrap(TinyGPT().to(DEVICE), offload=True)
     train(model, opt, 2)
     assert all(len(s) == 0 for s in opt.state.values())
     report = trainstream.memory_report(model)
@@ -123,6 +126,8 @@ def test_misuse_gets_clear_errors(daemon_socket):
         trainstream.wrap(TinyGPT(), quantise="nf4")
     with pytest.raises(ValueError, match="optimizer_mode='gpu' is not one of"):
         trainstream.wrap(TinyGPT(), optimizer_mode="gpu")
+    with pytest.raises(ValueError, match="vram_headroom=1.5 must be"):
+        trainstream.wrap(TinyGPT(), vram_headroom=1.5)
     with pytest.raises(trainstream.FailedPreconditionError, match="GradScaler"):
         opt.step(grad_scaler=object())
     x, y = batch(0, device=DEVICE)
@@ -141,3 +146,53 @@ def test_daemon_gone_is_a_clear_error_within_seconds(start_daemon, monkeypatch):
     with pytest.raises(trainstream.TrainStreamError):
         train(model, opt, 1, start=1)
     assert time.monotonic() - start < 15
+
+
+def test_offload_auto_on_a_cpu_model_keeps_the_daemon_and_says_so(daemon_socket):
+    model, opt = trainstream.wrap(TinyGPT(), device="cpu")
+    assert model._trainstream_session.adapting
+    train(model, opt, 3, device="cpu")
+    assert not model._trainstream_session.adapting and not opt.on_gpu
+    decisions = [e for e in trainstream.memory_report(model)["events"]
+                 if e["kind"] == "client.wrap.offload"]
+    assert len(decisions) == 1 and "CPU model" in decisions[0]["message"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_auto_switches_to_fused_gpu_adamw_when_the_model_fits(daemon_socket):
+    torch.manual_seed(4)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(groups_of(ref))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    train(ref, ref_opt, 2, scheduler=ref_sched)
+    train(ours, opt, 2, scheduler=sched)
+    assert opt.on_gpu and not ours._trainstream_session.adapting
+    # The moments moved with it: the trajectory continues as stock AdamW's, scheduler and all.
+    train(ref, ref_opt, 18, scheduler=ref_sched, start=2)
+    train(ours, opt, 18, scheduler=sched, start=2)
+    assert max_diff(ref, ours) <= 1e-5
+    assert ours._trainstream_session.steps == 20
+    assert all(p.grad is None for p in ours.parameters())  # zero_grad reached the GPU optimizer
+    decisions = [e for e in trainstream.memory_report(ours)["events"]
+                 if e["kind"] == "client.wrap.offload"]
+    assert len(decisions) == 1 and decisions[0]["message"].startswith("switched to torch fused")
+    assert decisions[0]["numbers"]["need_bytes"] < decisions[0]["numbers"]["allowed_bytes"]
+    assert opt.state_dict()["state"][0]["step"].item() == 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_auto_keeps_offloading_when_the_model_would_not_fit(daemon_socket, monkeypatch):
+    # A VRAM cap far below what stock AdamW would need.
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1e-6)
+    model, opt = trainstream.wrap(TinyGPT().to("cuda"))
+    train(model, opt, 3)
+    assert not opt.on_gpu
+    assert all(len(s) == 0 for s in opt.state.values())
+    decisions = [e for e in trainstream.memory_report(model)["events"]
+                 if e["kind"] == "client.wrap.offload"]
+    assert len(decisions) == 1 and decisions[0]["message"].startswith("kept offloaded")
