@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "device_return.h"
 #include "session_impl.h"
 
 namespace trainstream::client {
@@ -98,10 +99,79 @@ absl::Status HostOptimizer::ExplainFailure() {
   return absl::FailedPreconditionError(why);
 }
 
+HostOptimizer::HostOptimizer(Session& session) : session_(session) {}
+
+HostOptimizer::~HostOptimizer() {
+  stop_router_ = true;
+  if (router_.joinable()) router_.join();
+}
+
 absl::StatusOr<Notice> HostOptimizer::NextNotice(int timeout_ms) {
-  ASSIGN_OR_RETURN(Notice notice, session_.Wait(timeout_ms));
-  if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
-  return notice;
+  if (!router_.joinable()) {
+    ASSIGN_OR_RETURN(Notice notice, session_.Wait(timeout_ms));
+    if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
+    return notice;
+  }
+  absl::MutexLock lock(&inbox_mu_);
+  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(inbox_mu_) {
+    return !inbox_.empty() || !router_error_.ok();
+  };
+  inbox_mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout_ms));
+  if (!inbox_.empty()) {
+    Notice notice = inbox_.front();
+    inbox_.pop_front();
+    return notice;
+  }
+  if (!router_error_.ok()) return router_error_;
+  return absl::DeadlineExceededError("no notice from the daemon yet");
+}
+
+void HostOptimizer::RouteNotices() {
+  while (!stop_router_) {
+    absl::StatusOr<Notice> next = session_.Wait(50);
+    if (next.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
+    absl::Status failed = next.status();
+    if (next.ok() && next->kind == Kind(ipc::DoorbellKind::kError)) failed = ExplainFailure();
+    if (failed.ok() && next->kind == Kind(ipc::DoorbellKind::kUpdateDone) &&
+        !(next->flags & (ipc::kFlagSkipped | ipc::kFlagNoGradient))) {
+      // Enqueued before the notice is passed on, so once a wait has seen every update of an
+      // iteration, every copy of it is on the stream.
+      failed = device_return_->Copy(static_cast<uint32_t>(next->id));
+    }
+    absl::MutexLock lock(&inbox_mu_);
+    if (!failed.ok()) {
+      router_error_ = failed;
+      return;
+    }
+    inbox_.push_back(*next);
+  }
+}
+
+absl::Status HostOptimizer::ReturnUpdatesToDevice(int device, std::vector<DeviceTarget> targets) {
+  if (router_.joinable()) {
+    return absl::FailedPreconditionError("updates already return to the device");
+  }
+  std::vector<std::shared_ptr<HostBuffer>> sources;
+  for (const ParameterBuffers& b : params_) sources.push_back(b.param ? b.param : b.master);
+  ASSIGN_OR_RETURN(device_return_,
+                   DeviceReturn::Create(device, std::move(sources), std::move(targets)));
+  router_ = std::thread([this] { RouteNotices(); });
+  return absl::OkStatus();
+}
+
+absl::Status HostOptimizer::RetargetDevice(uint32_t index, DeviceTarget target) {
+  if (device_return_ == nullptr) return absl::FailedPreconditionError("no device returns");
+  return device_return_->Retarget(index, target);
+}
+
+absl::Status HostOptimizer::WaitForParameters(const std::vector<uint32_t>& indices, void* stream) {
+  if (device_return_ == nullptr) return absl::FailedPreconditionError("no device returns");
+  return device_return_->WaitOnStream(indices, stream);
+}
+
+absl::Status HostOptimizer::SynchronizeDeviceReturns() {
+  if (device_return_ == nullptr) return absl::OkStatus();
+  return device_return_->Synchronize();
 }
 
 absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iteration,
@@ -196,6 +266,10 @@ absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64
   for (uint64_t s : steps) request.add_param_steps(s);
   v1::OptimizerInfo reply;
   held_.clear();
+  {
+    absl::MutexLock lock(&inbox_mu_);
+    inbox_.clear();
+  }
   return impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().SetOptimizerStep(c, request, &reply);
   });
@@ -220,6 +294,10 @@ absl::Status HostOptimizer::Load(const std::string& path) {
   request.set_path(path);
   v1::CheckpointReply reply;
   held_.clear();
+  {
+    absl::MutexLock lock(&inbox_mu_);
+    inbox_.clear();
+  }
   return impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().LoadCheckpoint(c, request, &reply);
   });

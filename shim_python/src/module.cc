@@ -217,5 +217,24 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("load", [](HostOptimizer& o, const std::string& path) {
         Released([&] { return o.Load(path); });
       })
-      .def("info_json", [](HostOptimizer& o) { return Released([&] { return o.InfoJson(); }); });
+      .def("info_json", [](HostOptimizer& o) { return Released([&] { return o.InfoJson(); }); })
+      .def("return_updates_to_device",
+           [](HostOptimizer& o, int device, std::vector<std::pair<uintptr_t, uint64_t>> targets) {
+             std::vector<tc::DeviceTarget> ts;
+             for (const auto& [ptr, bytes] : targets) ts.push_back({ptr, bytes});
+             Released([&] { return o.ReturnUpdatesToDevice(device, std::move(ts)); });
+           })
+      .def("retarget_device",
+           [](HostOptimizer& o, uint32_t index, uintptr_t ptr, uint64_t bytes) {
+             Released([&] { return o.RetargetDevice(index, {ptr, bytes}); });
+           })
+      .def("wait_for_parameters",
+           [](HostOptimizer& o, std::vector<uint32_t> indices, uintptr_t stream) {
+             Released([&] {
+               return o.WaitForParameters(indices, reinterpret_cast<void*>(stream));
+             });
+           })
+      .def("synchronize_device_returns", [](HostOptimizer& o) {
+        Released([&] { return o.SynchronizeDeviceReturns(); });
+      });
 }

@@ -144,6 +144,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._last_step_end: float | None = None
         if getattr(self, "_resumed", False):
             self.refresh_weights()
+        # CUDA: each updated parameter is copied back by the native side the moment the daemon
+        # announces it (during backward and the rest of the update), not after the whole step.
+        self._device_return = self._cuda and all(p.is_contiguous() for p in self._params)
+        self._targets: list[int] = []
+        self._module_indices: dict[int, list[int]] = {}
+        if self._device_return:
+            self._targets = [p.data_ptr() for p in self._params]
+            self._host._native.return_updates_to_device(
+                first.device.index if first.device.index is not None else
+                torch.cuda.current_device(),
+                [(p.data_ptr(), p.numel() * p.element_size()) for p in self._params])
         for i, p in enumerate(self._params):
             if not self._cuda:
                 # The weights live in the daemon's shared memory: its updates land in place.
@@ -158,8 +169,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         i = self._index[id(p)]
         if not any(self._backwards):
             # The first gradient of an iteration: updates start now, so a scheduler's new lr
-            # must reach the daemon before it.
+            # must reach the daemon before it, and the copies back must know where each
+            # parameter's storage is now.
             self._push_hyperparameters()
+            self._check_targets()
         micro = self._backwards[i]
         if micro >= self.accumulation_steps:
             raise FailedPreconditionError(
@@ -188,11 +201,30 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._poster.submit(i, micro, event, grad)
         p.grad = None  # no gradient stays in VRAM
 
+    def _check_targets(self) -> None:
+        if not self._device_return:
+            return
+        for i, p in enumerate(self._params):
+            if p.data_ptr() != self._targets[i]:
+                # Someone gave the parameter new storage (p.data = ...): copy there from now on.
+                self._host._native.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
+                self._targets[i] = p.data_ptr()
+
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
         for p in module.parameters(recurse=False):
             event = self._ready.pop(id(p), None)
             if event is not None:
                 torch.cuda.current_stream(p.device).wait_event(event)
+        if self._device_return:
+            indices = self._module_indices.get(id(module))
+            if indices is None:
+                indices = [self._index[id(p)] for p in module.parameters(recurse=False)
+                           if id(p) in self._index]
+                self._module_indices[id(module)] = indices
+            if indices:
+                device = self._params[indices[0]].device
+                self._host._native.wait_for_parameters(
+                    indices, torch.cuda.current_stream(device).cuda_stream)
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Makes each module's forward wait for its own parameters' new values (CUDA only)."""
@@ -201,6 +233,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         for module in model.modules():
             if next(module.parameters(recurse=False), None) is not None:
                 self._hooks.append(module.register_forward_pre_hook(self._wait_for_own_parameters))
+        if hasattr(model, "register_state_dict_pre_hook"):
+            # A checkpoint reads every weight outside forward: let the copies land first.
+            self._hooks.append(model.register_state_dict_pre_hook(
+                lambda module, prefix, keep_vars: self.synchronize()))
 
     def synchronize(self) -> None:
         """Blocks until every queued copy in either direction has landed."""
@@ -209,6 +245,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
             self._ready.clear()
+        if self._device_return:
+            self._host._native.synchronize_device_returns()
 
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
@@ -263,7 +301,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._backwards = [0] * len(self._params)
         if self._reports_norm:
             self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]
-        if self._cuda:
+        if self._cuda and not self._device_return:
             stream = self._copy_stream
             for i, p in enumerate(self._params):
                 if result["updated"][i]:

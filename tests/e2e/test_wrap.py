@@ -196,3 +196,26 @@ def test_offload_auto_keeps_offloading_when_the_model_would_not_fit(daemon_socke
     decisions = [e for e in trainstream.memory_report(model)["events"]
                  if e["kind"] == "client.wrap.offload"]
     assert len(decisions) == 1 and decisions[0]["message"].startswith("kept offloaded")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_updates_follow_a_parameter_given_new_storage(daemon_socket):
+    # The native side copies each update straight into the parameter's device memory; a
+    # parameter whose storage is replaced between steps must get its updates at the new address.
+    torch.manual_seed(5)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True)
+    train(ref, ref_opt, 3)
+    train(ours, opt, 3)
+    opt.synchronize()
+    moved = ours.blocks[0].mlp[0].weight
+    old = moved.data
+    moved.data = old.clone()
+    old.fill_(float("nan"))  # a stale copy target would leave the real weight behind
+    train(ref, ref_opt, 5, start=3)
+    train(ours, opt, 5, start=3)
+    assert max_diff(ref, ours) <= 1e-5

@@ -4,15 +4,28 @@
 #ifndef TRAINSTREAM_HOST_OPTIMIZER_H_
 #define TRAINSTREAM_HOST_OPTIMIZER_H_
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "trainstream/client.h"
 
 namespace trainstream::client {
+
+class DeviceReturn;
+
+// Where one parameter's updated value goes on the GPU: `bytes` at device address `device_ptr`.
+struct DeviceTarget {
+  uintptr_t device_ptr = 0;
+  uint64_t bytes = 0;
+};
 
 enum class DType { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
 
@@ -67,6 +80,9 @@ class HostOptimizer {
   static absl::StatusOr<std::unique_ptr<HostOptimizer>> Create(Session& session,
                                                                const OptimizerOptions& options,
                                                                const std::vector<ParameterInfo>& params);
+  ~HostOptimizer();
+  HostOptimizer(const HostOptimizer&) = delete;
+  HostOptimizer& operator=(const HostOptimizer&) = delete;
 
   const std::vector<ParameterBuffers>& params() const { return params_; }
   bool initialize() const { return initialize_; }
@@ -83,6 +99,19 @@ class HostOptimizer {
   // FAILED_PRECONDITION with the daemon's reason; a timeout names the parameters still waiting.
   absl::StatusOr<IterationResult> WaitIteration(uint64_t iteration, int timeout_ms);
 
+  // From now on, a thread of this object takes the daemon's notices as they arrive and copies
+  // each updated parameter (its model-dtype copy, or the master for float32) to `targets[i]`
+  // on CUDA device `device` the moment its update is announced, during backward, instead of
+  // after the whole step. The waits above then read the notices that thread passes on.
+  absl::Status ReturnUpdatesToDevice(int device, std::vector<DeviceTarget> targets);
+  // The device tensor of parameter `index` moved.
+  absl::Status RetargetDevice(uint32_t index, DeviceTarget target);
+  // Makes CUDA stream `stream` wait for the returning copies of `indices` still in flight (a
+  // module's forward waits only for its own parameters).
+  absl::Status WaitForParameters(const std::vector<uint32_t>& indices, void* stream);
+  // Blocks until every returning copy has landed.
+  absl::Status SynchronizeDeviceReturns();
+
   absl::Status SetGroups(const std::vector<OptimizerGroup>& groups, double max_grad_norm);
   absl::Status SetStep(uint64_t iteration, const std::vector<uint64_t>& param_steps);
   // Checkpoint by the daemon (atomic rename); returns bytes written.
@@ -92,9 +121,10 @@ class HostOptimizer {
   absl::StatusOr<std::string> InfoJson();
 
  private:
-  explicit HostOptimizer(Session& session) : session_(session) {}
+  explicit HostOptimizer(Session& session);
   absl::Status ExplainFailure();
   absl::StatusOr<Notice> NextNotice(int timeout_ms);
+  void RouteNotices();
 
   Session& session_;
   std::vector<ParameterBuffers> params_;
@@ -102,6 +132,14 @@ class HostOptimizer {
   uint64_t attached_at_ = 0;
   // Notices that arrived for a later wait than the one that read them.
   std::vector<Notice> held_;
+
+  // With device returns: the routing thread, and what it passes on to the waits.
+  std::unique_ptr<DeviceReturn> device_return_;
+  std::thread router_;
+  std::atomic<bool> stop_router_{false};
+  absl::Mutex inbox_mu_;
+  std::deque<Notice> inbox_ ABSL_GUARDED_BY(inbox_mu_);
+  absl::Status router_error_ ABSL_GUARDED_BY(inbox_mu_);
 };
 
 }  // namespace trainstream::client

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "device_return.h"
+
+#include "absl/strings/str_format.h"
+#include "trainstream/cuda_transfer.h"
+
+#ifdef TRAINSTREAM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace trainstream::client {
+
+#ifdef TRAINSTREAM_HAVE_CUDA
+namespace {
+
+absl::Status CudaStatus(cudaError_t rc, const char* what) {
+  if (rc == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
+  return absl::InternalError(absl::StrFormat("%s failed: %s", what, cudaGetErrorString(rc)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
+    int device, std::vector<std::shared_ptr<HostBuffer>> sources,
+    std::vector<DeviceTarget> targets) {
+  if (sources.size() != targets.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d device targets for %d parameters", targets.size(), sources.size()));
+  }
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (targets[i].bytes != sources[i]->size() || targets[i].device_ptr == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameter %d: the device tensor holds %d bytes, its buffer '%s' %d", i,
+          targets[i].bytes, sources[i]->info().name, sources[i]->size()));
+    }
+  }
+  const size_t n = sources.size();
+  auto r = std::unique_ptr<DeviceReturn>(
+      new DeviceReturn(device, std::move(sources), std::move(targets)));
+  if (absl::Status s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
+  cudaStream_t stream = nullptr;
+  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                  "cudaStreamCreateWithFlags");
+      !s.ok()) {
+    return s;
+  }
+  r->stream_ = stream;
+  for (size_t i = 0; i < n; ++i) {
+    cudaEvent_t event = nullptr;
+    if (absl::Status s = CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                                    "cudaEventCreateWithFlags");
+        !s.ok()) {
+      return s;  // the destructor releases what was made
+    }
+    r->events_.push_back(event);
+  }
+  absl::MutexLock lock(&r->mu_);
+  r->pending_.assign(n, false);
+  return r;
+}
+
+DeviceReturn::~DeviceReturn() {
+  if (stream_ != nullptr) {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  }
+  for (void* e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+absl::Status DeviceReturn::Copy(uint32_t index) {
+  if (index >= sources_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("no parameter %d", index));
+  }
+  absl::MutexLock lock(&mu_);
+  // The calling thread may be a fresh one: CUDA's current device is per thread.
+  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  const DeviceTarget& t = targets_[index];
+  absl::Status copied = CopyToDevice(*sources_[index], 0, reinterpret_cast<void*>(t.device_ptr),
+                                     t.bytes, stream_);
+  if (!copied.ok()) return copied;
+  if (absl::Status s = CudaStatus(
+          cudaEventRecord(static_cast<cudaEvent_t>(events_[index]),
+                          static_cast<cudaStream_t>(stream_)),
+          "cudaEventRecord");
+      !s.ok()) {
+    return s;
+  }
+  pending_[index] = true;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReturn::WaitOnStream(const std::vector<uint32_t>& indices, void* stream) {
+  absl::MutexLock lock(&mu_);
+  for (uint32_t i : indices) {
+    if (i >= pending_.size()) return absl::InvalidArgumentError(absl::StrFormat("no parameter %d", i));
+    if (!pending_[i]) continue;
+    if (absl::Status s = CudaStatus(
+            cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                static_cast<cudaEvent_t>(events_[i]), 0),
+            "cudaStreamWaitEvent");
+        !s.ok()) {
+      return s;
+    }
+    pending_[i] = false;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReturn::Retarget(uint32_t index, DeviceTarget target) {
+  absl::MutexLock lock(&mu_);
+  if (index >= targets_.size()) return absl::InvalidArgumentError(absl::StrFormat("no parameter %d", index));
+  if (target.bytes != sources_[index]->size() || target.device_ptr == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parameter %d: a device tensor of %d bytes cannot take its %d-byte buffer", index,
+        target.bytes, sources_[index]->size()));
+  }
+  targets_[index] = target;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReturn::Synchronize() {
+  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  return CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)),
+                    "cudaStreamSynchronize");
+}
+
+#else  // !TRAINSTREAM_HAVE_CUDA
+
+absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
+    int, std::vector<std::shared_ptr<HostBuffer>>, std::vector<DeviceTarget>) {
+  return absl::UnavailableError("this build of trainstream has no CUDA support");
+}
+DeviceReturn::~DeviceReturn() = default;
+absl::Status DeviceReturn::Copy(uint32_t) { return absl::UnavailableError("no CUDA support"); }
+absl::Status DeviceReturn::WaitOnStream(const std::vector<uint32_t>&, void*) {
+  return absl::UnavailableError("no CUDA support");
+}
+absl::Status DeviceReturn::Retarget(uint32_t, DeviceTarget) {
+  return absl::UnavailableError("no CUDA support");
+}
+absl::Status DeviceReturn::Synchronize() { return absl::UnavailableError("no CUDA support"); }
+
+#endif
+
+}  // namespace trainstream::client
