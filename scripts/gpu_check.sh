@@ -4,6 +4,7 @@
 # GPU test (ctest -L gpu, pytest -m gpu) and the benchmarks. Logs and JSON go to $OUT.
 #   scripts/gpu_check.sh [tests|bench|all]   (default all)
 #   scripts/gpu_check.sh profile             host AdamW only: a sweep over sizes, threads, ISAs
+#   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -48,6 +49,14 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/bu
 BIN=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
 export PATH="$BIN:$PATH"
 status=0
+if [[ $what == wrap ]]; then
+  python3 bench/offload_step.py --json "$OUT/offload_step.json" > "$OUT/offload_step.txt" 2>&1 \
+    || status=1
+  python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  # wrap()'s parity tests run on CUDA wherever a GPU is present.
+  python3 -m pytest -ra -m "not gpu" tests/e2e/test_wrap.py > "$OUT/pytest_cpu.log" 2>&1 || status=1
+  ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
+fi
 if [[ $what == tests || $what == all ]]; then
   ctest --test-dir build/py --output-on-failure -j8 > "$OUT/ctest.log" 2>&1 || status=1
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
@@ -63,5 +72,5 @@ fi
 echo "== summary"
 cat "$OUT/gpu.txt" | head -3
 for f in ctest.log pytest_gpu.log pytest_cpu.log; do [[ -f $OUT/$f ]] && tail -3 "$OUT/$f"; done
-for f in latency.txt h2d_bandwidth.txt host_adamw.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status

@@ -1,0 +1,251 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Training step time and peak VRAM of a GPT, trainstream.wrap() beside what a user would
+otherwise run, on one GPU, in one run (each configuration in a fresh process):
+
+(a) a model that fits (``--fits``, GPT-2 small's shape): stock PyTorch with fused GPU AdamW
+    against ``wrap(offload="auto")``, which measures two steps and moves to fused GPU AdamW;
+(b) a full fine-tune that fits only with offload (``--big``, 1.6B parameters under a 24 GB VRAM
+    cap): ``wrap`` against stock PyTorch (runs out of memory), PyTorch's own CPU offload (FSDP2
+    ``fully_shard`` with ``CPUOffloadPolicy``, world size 1), and the lower bound
+    max(GPU compute, PCIe time for the bytes moved, host optimizer time), each measured here:
+    compute as forward+backward with the weights resident and no optimizer; PCIe as the bytes
+    wrap moves (fp32 gradients out, fp32 weights back: 4 + 4 B per parameter) over pinned copy
+    bandwidth measured in this run; the host optimizer as the daemon's update pass over all
+    workers (summed worker seconds / workers).
+
+    python bench/offload_step.py [--fits] [--big] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+from gpt import GPT, PRESETS, loss_on, synthetic_batch  # noqa: E402
+
+CASES = {
+    "fits": dict(preset="124m", batch=8, seq=1024, vram_gb=0, warmup=5, steps=10),
+    "big": dict(preset="1.6b", batch=4, seq=1024, vram_gb=24, warmup=3, steps=6),
+}
+
+
+def cap_vram(gb: float) -> None:
+    if gb > 0:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total), 0)
+
+
+def timed_steps(step, warmup: int, steps: int) -> tuple[float, int]:
+    """Seconds per step over `steps` steps after `warmup`, and the peak VRAM of those steps."""
+    for s in range(warmup):
+        step(s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for s in range(warmup, warmup + steps):
+        step(s)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated()
+
+
+def worker(mode: str, case: dict) -> dict:
+    config = PRESETS[case["preset"]]
+    cap_vram(case["vram_gb"] if mode != "compute" else 0)
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    row = {"mode": mode, "preset": case["preset"], "parameters": config.parameters,
+           "batch": case["batch"], "seq": case["seq"], "vram_cap_gb": case["vram_gb"]}
+    batches = {}
+
+    def data(s):
+        if s not in batches:
+            batches[s] = synthetic_batch(config, case["batch"], case["seq"], s, device)
+        return batches[s]
+
+    try:
+        with device:
+            model = GPT(config)
+        if mode == "stock":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+            def step(s):
+                loss_on(model, data(s)).backward()
+                opt.step()
+                opt.zero_grad()
+        elif mode == "wrap":
+            import trainstream
+
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, opt = trainstream.wrap(model, opt)
+
+            def step(s):
+                loss_on(model, data(s)).backward()
+                opt.step()
+                opt.zero_grad()
+        elif mode == "compute":
+            # Forward and backward only, every gradient dropped as it lands.
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+            def step(s):
+                loss_on(model, data(s)).backward()
+        elif mode == "fsdp2":
+            import torch.distributed as dist
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+            for block in model.blocks:
+                fully_shard(block, offload_policy=CPUOffloadPolicy())
+            fully_shard(model, offload_policy=CPUOffloadPolicy())
+            try:  # the fastest CPU AdamW torch offers, when it takes the sharded parameters
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+                row["fsdp_optimizer"] = "fused"
+            except Exception:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                row["fsdp_optimizer"] = "default"
+
+            def step(s):
+                loss_on(model, data(s)).backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            raise ValueError(mode)
+        warmup, steps = case["warmup"], case["steps"]
+        if mode == "fsdp2":  # seconds a step: fewer of them tell the same
+            warmup, steps = 1, 3
+        seconds, peak = timed_steps(step, warmup, steps)
+        row.update(step_s=round(seconds, 4), peak_vram_gib=round(peak / 2**30, 2))
+        if mode == "wrap":
+            stats = opt.stats()
+            row["runs_on"] = stats["runs_on"]
+            last = stats.get("last_step", {})
+            threads = max(1, int(stats.get("threads", 1)))
+            row["host_update_s"] = round(float(last.get("update_seconds", 0)) / threads, 4)
+            row["events"] = [e["message"] for e in trainstream.memory_report(model)["events"]
+                             if e["kind"] == "client.wrap.offload"]
+    except torch.OutOfMemoryError as e:
+        row.update(oom=True, error=str(e).splitlines()[0][:200],
+                   peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    return row
+
+
+def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
+    n = int(gib * 2**30)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, fn in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
+                     ("d2h", lambda: host.copy_(dev, non_blocking=True))):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
+    return out
+
+
+def run_worker(mode: str, case_name: str, socket: str | None) -> dict:
+    env = dict(os.environ)
+    if socket:
+        env["TRAINSTREAM_SOCKET"] = socket
+    result = subprocess.run([sys.executable, __file__, "--worker", mode, "--case", case_name],
+                            capture_output=True, text=True, env=env, timeout=1800)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"mode": mode, "failed": True, "stderr": result.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fits", action="store_true")
+    parser.add_argument("--big", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--worker", default="")
+    parser.add_argument("--case", default="")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, CASES[args.case])), flush=True)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("offload_step.py needs a CUDA GPU")
+    from bench_daemon import private_daemon
+
+    cases = [c for c, on in (("fits", args.fits), ("big", args.big)) if on] or ["fits", "big"]
+    rows = []
+    bandwidth = pinned_bandwidth()
+    print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "
+          f"device->host {bandwidth['d2h_gbps']} GB/s")
+    with private_daemon("80%") as socket:
+        for case_name in cases:
+            modes = args.modes or (["stock", "wrap"] if case_name == "fits"
+                                   else ["stock", "compute", "wrap", "fsdp2"])
+            by_mode = {}
+            for mode in modes:
+                row = run_worker(mode, case_name, socket if mode == "wrap" else None)
+                row["case"] = case_name
+                by_mode[mode] = row
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            report(case_name, by_mode, bandwidth)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "offload_step", "date": time.strftime("%Y-%m-%d"),
+                       "host": platform.node(), "gpu": torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "bandwidth": bandwidth, "rows": rows}, f,
+                      indent=1)
+
+
+def fmt(row: dict) -> str:
+    if row.get("oom"):
+        return f"out of memory (peak {row['peak_vram_gib']} GiB)"
+    if row.get("failed"):
+        return "failed: " + row.get("stderr", "").strip().splitlines()[-1][:120]
+    return f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
+
+
+def report(case_name: str, rows: dict, bandwidth: dict) -> None:
+    print(f"\n== {case_name}")
+    for mode, row in rows.items():
+        print(f"  {mode:8s} {fmt(row)}")
+    wrap = rows.get("wrap", {})
+    if "step_s" not in wrap:
+        return
+    if case_name == "fits" and "step_s" in rows.get("stock", {}):
+        print(f"  wrap(offload='auto') / stock: {wrap['step_s'] / rows['stock']['step_s']:.3f} "
+              f"(runs on {wrap.get('runs_on')})")
+    if case_name == "big":
+        n = wrap["parameters"]
+        pcie = max(4 * n / (bandwidth["d2h_gbps"] * 1e9), 4 * n / (bandwidth["h2d_gbps"] * 1e9))
+        compute = rows.get("compute", {}).get("step_s", 0.0)
+        host = wrap.get("host_update_s", 0.0)
+        bound = max(compute, pcie, host)
+        print(f"  lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
+              f"PCIe {1000 * pcie:.1f}, host optimizer {1000 * host:.1f})")
+        print(f"  wrap / lower bound: {wrap['step_s'] / bound:.2f}")
+        wrap["lower_bound_s"] = round(bound, 4)
+        fsdp = rows.get("fsdp2", {})
+        if "step_s" in fsdp:
+            print(f"  FSDP2 CPU offload / wrap: {fsdp['step_s'] / wrap['step_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
