@@ -83,11 +83,14 @@ def worker(mode: str, case: dict) -> dict:
                 loss_on(model, data(s)).backward()
                 opt.step()
                 opt.zero_grad()
-        elif mode == "wrap":
+        elif mode in ("wrap", "wrap_bf16"):
             import trainstream
 
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            model, opt = trainstream.wrap(model, opt)
+            began = time.perf_counter()
+            model, opt = trainstream.wrap(
+                model, opt, moment_dtype="bfloat16" if mode == "wrap_bf16" else "float32")
+            row["wrap_s"] = round(time.perf_counter() - began, 2)
 
             def step(s):
                 loss_on(model, data(s)).backward()
@@ -127,7 +130,7 @@ def worker(mode: str, case: dict) -> dict:
             warmup, steps = 1, 3
         seconds, peak = timed_steps(step, warmup, steps)
         row.update(step_s=round(seconds, 4), peak_vram_gib=round(peak / 2**30, 2))
-        if mode == "wrap":
+        if mode.startswith("wrap"):
             stats = opt.stats()
             row["runs_on"] = stats["runs_on"]
             last = stats.get("last_step", {})
@@ -197,10 +200,10 @@ def main() -> None:
     with private_daemon("80%") as socket:
         for case_name in cases:
             modes = args.modes or (["stock", "wrap"] if case_name == "fits"
-                                   else ["stock", "compute", "wrap", "fsdp2"])
+                                   else ["stock", "compute", "wrap", "wrap_bf16", "fsdp2"])
             by_mode = {}
             for mode in modes:
-                row = run_worker(mode, case_name, socket if mode == "wrap" else None)
+                row = run_worker(mode, case_name, socket if mode.startswith("wrap") else None)
                 row["case"] = case_name
                 by_mode[mode] = row
                 rows.append(row)
@@ -227,25 +230,29 @@ def report(case_name: str, rows: dict, bandwidth: dict) -> None:
     for mode, row in rows.items():
         print(f"  {mode:8s} {fmt(row)}")
     wrap = rows.get("wrap", {})
-    if "step_s" not in wrap:
-        return
-    if case_name == "fits" and "step_s" in rows.get("stock", {}):
+    if case_name == "fits" and "step_s" in wrap and "step_s" in rows.get("stock", {}):
         print(f"  wrap(offload='auto') / stock: {wrap['step_s'] / rows['stock']['step_s']:.3f} "
               f"(runs on {wrap.get('runs_on')})")
-    if case_name == "big":
-        n = wrap["parameters"]
+    if case_name != "big":
+        return
+    compute = rows.get("compute", {}).get("step_s", 0.0)
+    fsdp = rows.get("fsdp2", {})
+    for mode in ("wrap", "wrap_bf16"):
+        row = rows.get(mode, {})
+        if "step_s" not in row:
+            continue
+        n = row["parameters"]
         pcie = max(4 * n / (bandwidth["d2h_gbps"] * 1e9), 4 * n / (bandwidth["h2d_gbps"] * 1e9))
-        compute = rows.get("compute", {}).get("step_s", 0.0)
-        host = wrap.get("host_update_s", 0.0)
+        host = row.get("host_update_s", 0.0)
         bound = max(compute, pcie, host)
-        print(f"  lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
-              f"PCIe {1000 * pcie:.1f}, host optimizer {1000 * host:.1f})")
-        print(f"  wrap / lower bound: {wrap['step_s'] / bound:.2f}")
-        wrap["lower_bound_s"] = round(bound, 4)
-        fsdp = rows.get("fsdp2", {})
+        row["lower_bound_s"] = round(bound, 4)
+        print(f"  {mode}: lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
+              f"PCIe {1000 * pcie:.1f}, host optimizer {1000 * host:.1f}); step / bound "
+              f"{row['step_s'] / bound:.2f}", end="")
         if "step_s" in fsdp:
-            print(f"  FSDP2 CPU offload / wrap: {fsdp['step_s'] / wrap['step_s']:.2f}x")
-
+            row["speedup_vs_fsdp2"] = round(fsdp["step_s"] / row["step_s"], 2)
+            print(f"; FSDP2 CPU offload / {mode}: {fsdp['step_s'] / row['step_s']:.2f}x", end="")
+        print()
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,10 @@ void ControlChannel::PrepareContext(grpc::ClientContext* context) const {
 }
 
 absl::Status ControlChannel::Explain(const grpc::Status& status) const {
+  return Explain(status, timeout_);
+}
+
+absl::Status ControlChannel::Explain(const grpc::Status& status, absl::Duration timeout) const {
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     return absl::UnavailableError(absl::StrCat(
         "no trainstreamd answers on ", socket_path_, " (", status.error_message(),
@@ -32,7 +36,7 @@ absl::Status ControlChannel::Explain(const grpc::Status& status) const {
   if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     return absl::DeadlineExceededError(absl::StrCat(
         "trainstreamd on ", socket_path_, " did not answer within ",
-        absl::FormatDuration(timeout_)));
+        absl::FormatDuration(timeout)));
   }
   return FromGrpcStatus(status);
 }
@@ -42,6 +46,13 @@ absl::Status ControlChannel::Call(
   grpc::ClientContext context;
   PrepareContext(&context);
   return Explain(rpc(&context));
+}
+
+absl::Status ControlChannel::CallWithTimeout(
+    const std::function<grpc::Status(grpc::ClientContext*)>& rpc, absl::Duration timeout) const {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+  return Explain(rpc(&context), timeout);
 }
 
 std::string ToJson(const google::protobuf::Message& message) {

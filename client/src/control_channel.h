@@ -15,6 +15,9 @@
 
 namespace trainstream::client {
 
+// Deadline of the calls whose work grows with the model (see CallWithTimeout).
+inline constexpr absl::Duration kLongCallTimeout = absl::Minutes(30);
+
 // Thread-safe (gRPC stubs are).
 class ControlChannel {
  public:
@@ -26,10 +29,16 @@ class ControlChannel {
   // Runs one unary call with the deadline set; a daemon that is not there reads as
   // UNAVAILABLE with the socket path in the message.
   absl::Status Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const;
+  // For calls whose work grows with the request (allocating and zeroing a large model's
+  // optimizer state, writing or reading a checkpoint): a deadline of `timeout` instead. A daemon
+  // that dies still ends the call at once (its socket closes).
+  absl::Status CallWithTimeout(const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
+                               absl::Duration timeout) const;
 
   // As Call(), but with a caller-chosen context (streams).
   void PrepareContext(grpc::ClientContext* context) const;
   absl::Status Explain(const grpc::Status& status) const;
+  absl::Status Explain(const grpc::Status& status, absl::Duration timeout) const;
 
  private:
   std::string socket_path_;

@@ -55,9 +55,9 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
     out->set_group(p.group);
   }
   v1::RegisterParametersReply reply;
-  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+  RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().RegisterParameters(c, reg, &reply);
-  }));
+  }, kLongCallTimeout));
   auto optimizer = std::unique_ptr<HostOptimizer>(new HostOptimizer(session));
   optimizer->initialize_ = reply.initialize();
   optimizer->attached_at_ = reply.step();
@@ -281,9 +281,9 @@ absl::StatusOr<uint64_t> HostOptimizer::Save(const std::string& path) {
   request.set_session_id(impl.id());
   request.set_path(path);
   v1::CheckpointReply reply;
-  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+  RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().SaveCheckpoint(c, request, &reply);
-  }));
+  }, kLongCallTimeout));
   return reply.bytes();
 }
 
@@ -298,9 +298,9 @@ absl::Status HostOptimizer::Load(const std::string& path) {
     absl::MutexLock lock(&inbox_mu_);
     inbox_.clear();
   }
-  return impl.channel().Call([&](grpc::ClientContext* c) {
+  return impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().LoadCheckpoint(c, request, &reply);
-  });
+  }, kLongCallTimeout);
 }
 
 absl::StatusOr<std::string> HostOptimizer::InfoJson() {

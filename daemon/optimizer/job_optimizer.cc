@@ -103,6 +103,18 @@ absl::StatusOr<uint8_t*> JobOptimizer::Data(const BufferRecord& record) const {
   return deps_.arena->BufferData(job_, record.buffer_id);
 }
 
+void JobOptimizer::ClearInParallel(uint8_t* data, uint64_t bytes) {
+  constexpr uint64_t kPiece = uint64_t{64} << 20;
+  if (bytes <= kPiece) {
+    std::memset(data, 0, bytes);
+    return;
+  }
+  deps_.pool->ParallelFor((bytes + kPiece - 1) / kPiece, [&](size_t i) {
+    const uint64_t begin = i * kPiece;
+    std::memset(data + begin, 0, std::min(kPiece, bytes - begin));
+  });
+}
+
 absl::Status JobOptimizer::AllocateParameterLocked(Parameter& p, uint32_t index) {
   const std::string prefix = absl::StrFormat("opt/%d/", index);
   const uint64_t n = p.desc.numel;
@@ -117,9 +129,10 @@ absl::Status JobOptimizer::AllocateParameterLocked(Parameter& p, uint32_t index)
   p.master_ptr = reinterpret_cast<float*>(master);
   p.exp_avg_ptr = m;
   p.exp_avg_sq_ptr = v;
-  // Freed ranges are reused, so fresh state is cleared explicitly.
-  std::memset(m, 0, n * moment_bytes);
-  std::memset(v, 0, n * moment_bytes);
+  // Freed ranges are reused, so fresh state is cleared explicitly, by all the workers: a
+  // billion-parameter model's moments are gigabytes.
+  ClearInParallel(m, n * moment_bytes);
+  ClearInParallel(v, n * moment_bytes);
   if (p.desc.param_type != kernels::ScalarType::kFloat32) {
     ASSIGN_OR_RETURN(p.param, AllocateLocked(prefix + "param",
                                              n * kernels::ElementSize(p.desc.param_type),

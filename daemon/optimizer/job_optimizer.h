@@ -138,6 +138,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
 
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
+  void ClearInParallel(uint8_t* data, uint64_t bytes);
   absl::Status AllocateParameterLocked(Parameter& p, uint32_t index)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<BufferRecord> AllocateLocked(const std::string& name, uint64_t bytes,
