@@ -9,9 +9,11 @@ otherwise run, on one GPU, in one run (each configuration in a fresh process):
     ``fully_shard`` with ``CPUOffloadPolicy``, world size 1), and the lower bound
     max(GPU compute, PCIe time for the bytes moved, host optimizer time), each measured here:
     compute as forward+backward with the weights resident and no optimizer; PCIe as the bytes
-    wrap moves (fp32 gradients out, fp32 weights back: 4 + 4 B per parameter) over pinned copy
-    bandwidth measured in this run; the host optimizer as the daemon's update pass over all
-    workers (summed worker seconds / workers).
+    wrap moves (gradients out, fp32 weights back: 4 + 4 B per parameter, 2 + 4 with bf16
+    gradients) over pinned copy bandwidth measured in this run, the two directions overlapping;
+    the host optimizer as the daemon's update pass over all workers (summed worker seconds /
+    workers). ``wrap`` keeps fp32 moments and gradients (exact); ``wrap_bf16`` sends bf16
+    gradients and keeps bf16 moments (stochastic rounding), fp32 master weights either way.
 
     python bench/offload_step.py [--fits] [--big] [--json out.json]
 """
@@ -88,8 +90,12 @@ def worker(mode: str, case: dict) -> dict:
 
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             began = time.perf_counter()
-            model, opt = trainstream.wrap(
-                model, opt, moment_dtype="bfloat16" if mode == "wrap_bf16" else "float32")
+            # wrap_bf16: bf16 moments (stochastic rounding) and gradients sent in bf16; the
+            # master weights stay fp32.
+            low = mode == "wrap_bf16"
+            model, opt = trainstream.wrap(model, opt,
+                                          moment_dtype="bfloat16" if low else "float32",
+                                          gradient_dtype="bfloat16" if low else None)
             row["wrap_s"] = round(time.perf_counter() - began, 2)
 
             def step(s):
@@ -242,7 +248,9 @@ def report(case_name: str, rows: dict, bandwidth: dict) -> None:
         if "step_s" not in row:
             continue
         n = row["parameters"]
-        pcie = max(4 * n / (bandwidth["d2h_gbps"] * 1e9), 4 * n / (bandwidth["h2d_gbps"] * 1e9))
+        grad_bytes = 2 if mode == "wrap_bf16" else 4
+        pcie = max(grad_bytes * n / (bandwidth["d2h_gbps"] * 1e9),
+                   4 * n / (bandwidth["h2d_gbps"] * 1e9))
         host = row.get("host_update_s", 0.0)
         bound = max(compute, pcie, host)
         row["lower_bound_s"] = round(bound, 4)

@@ -25,6 +25,9 @@ MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
                  "bf16": torch.bfloat16, torch.float32: torch.float32,
                  torch.bfloat16: torch.bfloat16}
 NONFINITE = ("ignore", "skip", "error")
+GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                   "bf16": torch.bfloat16, torch.float32: torch.float32,
+                   torch.bfloat16: torch.bfloat16}
 _AUTO_STEPS = 2  # offload="auto" decides after this many offloaded steps
 
 
@@ -84,7 +87,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  nonfinite: str = "ignore", client: Any = None, job_id: str = "",
                  rank: int = 0, world_size: int = 1, names: dict | None = None,
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
-                 on_decision: Any = None):
+                 on_decision: Any = None, gradient_dtype: Any = None):
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
                              "'bfloat16', torch.float32 or torch.bfloat16")
@@ -108,8 +111,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         names = names or {}
+        if gradient_dtype is not None:
+            if gradient_dtype not in GRADIENT_DTYPES:
+                raise ValueError(f"gradient_dtype {gradient_dtype!r} is not one of None, "
+                                 "'float32', 'bfloat16', torch.float32 or torch.bfloat16")
+            if not self._cuda:
+                raise ValueError("gradient_dtype applies to CUDA models (a CPU model's gradients "
+                                 "accumulate in place, in the parameters' dtype)")
+            gradient_dtype = GRADIENT_DTYPES[gradient_dtype]
+        # The dtype gradients cross PCIe in and reach the host optimizer in (cast on the GPU,
+        # on the copy stream); the master weights and moments keep their own precision.
+        self._grad_dtypes = [gradient_dtype or p.dtype for p in self._params]
         specs = [ParameterSpec(_safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
-                               p.dtype, group_of[id(p)]) for i, p in enumerate(self._params)]
+                               self._grad_dtypes[i], group_of[id(p)])
+                 for i, p in enumerate(self._params)]
         self.client = client or _client.connect(job_id=job_id, rank=rank, world_size=world_size)
         # CUDA gradients leave VRAM at every backward, so the daemon sums the micro-steps; CPU
         # gradients accumulate in place in their shared slots and the daemon sees one.
@@ -193,7 +208,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._host.wait_consumed(i)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(p.device))
-        grad = p.grad.contiguous()
+        grad = p.grad
+        if grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous():
+            grad.record_stream(stream)
+            with torch.cuda.stream(stream):
+                grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
         self._host.grad_buffer(i).copy_from_device(grad, stream=stream)
         event = torch.cuda.Event()
         event.record(stream)

@@ -33,6 +33,7 @@ _ACCEPTED = {
     "job_id": "a job name (ranks and restarted processes with the same one share the state)",
     "socket": "a trainstreamd socket path",
     "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
+    "gradient_dtype": (None, "float32", "fp32", "bfloat16", "bf16"),
 }
 
 
@@ -75,7 +76,8 @@ def _check_options(options: dict) -> None:
                 f"trainstream.wrap: unknown option {name!r}; accepted: {', '.join(sorted(_ACCEPTED))}")
         accepted = _ACCEPTED[name]
         if isinstance(accepted, tuple):
-            ok = value in accepted or (name == "moment_dtype" and value in MOMENT_DTYPES)
+            ok = value in accepted or (name in ("moment_dtype", "gradient_dtype")
+                                       and value in MOMENT_DTYPES)
             if not ok:
                 raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
     steps = options.get("accumulation_steps", 1)
@@ -122,7 +124,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
-              "job_id": "", "socket": None, "vram_headroom": 0.10}
+              "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None}
     config.update(options)
     events: list = []
 
@@ -145,6 +147,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     moment = config["moment_dtype"]
     moment = "float32" if moment == "auto" else moment
     kwargs = dict(moment_dtype=moment, max_grad_norm=config["max_grad_norm"],
+                  gradient_dtype=config["gradient_dtype"],
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names)
 

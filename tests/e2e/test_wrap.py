@@ -128,6 +128,10 @@ def test_misuse_gets_clear_errors(daemon_socket):
         trainstream.wrap(TinyGPT(), optimizer_mode="gpu")
     with pytest.raises(ValueError, match="vram_headroom=1.5 must be"):
         trainstream.wrap(TinyGPT(), vram_headroom=1.5)
+    with pytest.raises(ValueError, match="gradient_dtype='int8' is not one of"):
+        trainstream.wrap(TinyGPT(), gradient_dtype="int8")
+    with pytest.raises(ValueError, match="gradient_dtype applies to CUDA models"):
+        trainstream.wrap(TinyGPT(), device="cpu", gradient_dtype="bfloat16")
     with pytest.raises(trainstream.FailedPreconditionError, match="GradScaler"):
         opt.step(grad_scaler=object())
     x, y = batch(0, device=DEVICE)
@@ -219,3 +223,20 @@ def test_updates_follow_a_parameter_given_new_storage(daemon_socket):
     train(ref, ref_opt, 5, start=3)
     train(ours, opt, 5, start=3)
     assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
+    torch.manual_seed(6)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True, gradient_dtype="bfloat16", moment_dtype="bfloat16")
+    # The daemon's gradient slots are bf16: half the bytes cross PCIe.
+    assert all(opt._host.grad(i).dtype == torch.bfloat16 for i in range(len(opt._params)))
+    train(ref, ref_opt, 20)
+    train(ours, opt, 20)
+    # bf16 keeps 8 bits of mantissa: each update is off by about 2^-9 of its size.
+    assert 0 < max_diff(ref, ours) <= 2e-3
