@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 from gpt import GPT, PRESETS, loss_on, synthetic_batch  # noqa: E402
 
 CASES = {
-    "fits": dict(preset="124m", batch=8, seq=1024, vram_gb=0, warmup=5, steps=10),
+    "fits": dict(preset="124m", batch=8, seq=1024, vram_gb=0, warmup=5, steps=40),
     "big": dict(preset="1.6b", batch=4, seq=1024, vram_gb=24, warmup=3, steps=6),
 }
 
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--big", action="store_true")
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--json", default="")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", default="")
     parser.add_argument("--case", default="")
     args = parser.parse_args()
@@ -208,12 +209,18 @@ def main() -> None:
             modes = args.modes or (["stock", "wrap"] if case_name == "fits"
                                    else ["stock", "compute", "wrap", "wrap_bf16", "fsdp2"])
             by_mode = {}
-            for mode in modes:
-                row = run_worker(mode, case_name, socket if mode.startswith("wrap") else None)
-                row["case"] = case_name
-                by_mode[mode] = row
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            # A model that fits steps in tens of milliseconds: each configuration runs in
+            # `rounds` fresh processes, alternating, and keeps its fastest.
+            rounds = args.rounds if case_name == "fits" else 1
+            for _ in range(rounds):
+                for mode in modes:
+                    row = run_worker(mode, case_name, socket if mode.startswith("wrap") else None)
+                    row["case"] = case_name
+                    print(json.dumps(row), flush=True)
+                    best = by_mode.get(mode)
+                    if best is None or row.get("step_s", 1e9) < best.get("step_s", 1e9):
+                        by_mode[mode] = row
+            rows.extend(by_mode.values())
             report(case_name, by_mode, bandwidth)
     if args.json:
         with open(args.json, "w") as f:
