@@ -16,7 +16,7 @@ daemon_pid=$!
 trap 'kill -TERM $daemon_pid 2>/dev/null; wait $daemon_pid 2>/dev/null; rm -rf "$run_dir"' EXIT
 for _ in $(seq 100); do tsctl status >/dev/null 2>&1 && break; sleep 0.1; done
 # Train, keeping the session open a few seconds afterwards so tsctl can show it.
-python examples/train_tiny_mlp.py --hold-seconds 4 | tee "$run_dir/train.log" &
+python examples/train_gpt.py --hold-seconds 4 | tee "$run_dir/train.log" &
 train_pid=$!
 until grep -q "steps in" "$run_dir/train.log" 2>/dev/null; do
   kill -0 $train_pid 2>/dev/null || break

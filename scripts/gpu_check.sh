@@ -24,24 +24,13 @@ if [[ $what == profile ]]; then
   python3 bench/host_adamw.py --params 10M 100M 1B 2B --threads "$(nproc)" --repeats 7 \
     --bench build/profile/bench/host_adamw_bench --json "$OUT/host_adamw.json" \
     > "$OUT/host_adamw.txt" 2>&1
-  for ahead in 512 1024 2048; do
-    cmake -S . -B build/profile-$ahead -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DTRAINSTREAM_BUILD_TESTS=OFF -DCMAKE_CXX_FLAGS=-DTRAINSTREAM_ADAMW_PREFETCH=$ahead \
-      >> "$OUT/build.log" 2>&1 && ninja -C build/profile-$ahead host_adamw_bench >> "$OUT/build.log" 2>&1
-    for t in 8 16; do
-      ./build/profile-$ahead/bench/host_adamw_bench --params=10000000 --params=100000000 \
-        --threads=$t --repeats=15 | grep -v '^{' | sed "s/^/prefetch=$ahead t=$t /"
-      ./build/profile/bench/host_adamw_bench --params=10000000 --params=100000000 \
-        --threads=$t --repeats=15 | grep -v '^{' | sed "s/^/prefetch=0 t=$t /"
-    done
-  done > "$OUT/prefetch.txt" 2>&1
   for isa in avx512 avx2; do
     for t in 1 8 16; do
       ./build/profile/bench/host_adamw_bench --params=10000000 --params=100000000 --threads=$t \
         --repeats=15 --isa=$isa | grep -v '^{' | sed "s/^/$isa t=$t /"
     done
   done > "$OUT/profile.txt" 2>&1
-  grep -v '^{' "$OUT/host_adamw.txt"; cat "$OUT/profile.txt" "$OUT/prefetch.txt"
+  grep -v '^{' "$OUT/host_adamw.txt"; cat "$OUT/profile.txt"
   exit 0
 fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \

@@ -9,13 +9,7 @@
 
 #include "adamw.h"
 
-#ifndef TRAINSTREAM_ADAMW_PREFETCH
-#define TRAINSTREAM_ADAMW_PREFETCH 0
-#endif
-
 namespace trainstream::kernels::internal {
-
-constexpr size_t ElementBytes(ScalarType type) { return type == ScalarType::kFloat32 ? 4 : 2; }
 
 template <typename L>
 inline typename L::F LoadAs(const void* base, ScalarType type, size_t i) {
@@ -104,26 +98,6 @@ uint64_t AdamWTyped(const AdamWTensor& t, size_t begin, size_t end, const AdamWS
   uint64_t nonfinite = 0;
   size_t i = begin;
   for (; i + 2 * W <= end; i += 2 * W) {
-#if TRAINSTREAM_ADAMW_PREFETCH > 0
-    {
-      constexpr size_t kAhead = TRAINSTREAM_ADAMW_PREFETCH / 4;  // elements of fp32 distance
-      const size_t j = i + kAhead;
-      if (j < end) {
-        __builtin_prefetch(t.master + j, 1, 3);
-        __builtin_prefetch(t.master + j + W, 1, 3);
-        __builtin_prefetch(static_cast<const char*>(t.grads[0]) + j * ElementBytes(kGrad), 0, 3);
-        __builtin_prefetch(static_cast<const char*>(t.exp_avg) + j * ElementBytes(kMoment), 1, 3);
-        __builtin_prefetch(static_cast<const char*>(t.exp_avg_sq) + j * ElementBytes(kMoment), 1, 3);
-        if constexpr (kMoment == ScalarType::kFloat32) {
-          __builtin_prefetch(static_cast<const float*>(t.exp_avg) + j + W, 1, 3);
-          __builtin_prefetch(static_cast<const float*>(t.exp_avg_sq) + j + W, 1, 3);
-        }
-        if constexpr (kParam >= 0) {
-          __builtin_prefetch(static_cast<const char*>(t.param_out) + j * 2, 1, 3);
-        }
-      }
-    }
-#endif
     const auto a = update(t, i, &nonfinite);
     const auto b = update(t, i + W, &nonfinite);
     if constexpr (kMoment == ScalarType::kBFloat16) {
