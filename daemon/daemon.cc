@@ -68,6 +68,9 @@ absl::Status Daemon::Start() {
                                 DoorbellChannel&) {
                            optimizers_->OnGradientReady(session, message);
                          });
+  doorbells_->SetHandler(ipc::DoorbellKind::kReduced,
+                         [this](const Session& session, const ipc::DoorbellMessage& message,
+                                DoorbellChannel&) { optimizers_->OnReduced(session, message); });
   ASSIGN_OR_RETURN(data_server_,
                    DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
                                               options_.admin_group},

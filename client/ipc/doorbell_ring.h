@@ -26,6 +26,10 @@ enum class DoorbellKind : uint32_t {
   kGradientReady = 10,  // client -> daemon: `id`'s gradient slot holds step `step`
   kUpdateDone = 11,     // daemon -> client: `id`'s parameter slot holds step `step`'s update
   kGradConsumed = 12,   // daemon -> client: `id`'s gradient slot may be written again
+  kReduceReady = 13,    // daemon -> a machine's rank 0: `id`'s reduce buffer holds this
+                        // machine's summed gradient of `step`, to all-reduce across machines
+  kReduced = 14,        // machine's rank 0 -> daemon: `id`'s reduce buffer holds every
+                        // machine's sum; update it
   kError = 255,         // daemon -> client: `value` is a google.rpc code for request `id`
 };
 

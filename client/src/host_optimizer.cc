@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
   spec->set_report_grad_norm(options.report_grad_norm);
   spec->set_nonfinite(static_cast<v1::NonFinitePolicy>(static_cast<int>(options.nonfinite)));
   spec->set_accumulation_steps(options.accumulation_steps);
+  spec->set_machines(options.machines);
   for (const OptimizerGroup& g : options.groups) ToProto(g, spec->add_groups());
   v1::OptimizerInfo info;
   RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
@@ -71,6 +72,9 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
       ASSIGN_OR_RETURN(mapped.param, impl.MapBuffer(FromProto(b.param())));
     }
     ASSIGN_OR_RETURN(mapped.grad, impl.MapBuffer(FromProto(b.grad())));
+    if (b.has_reduce()) {
+      ASSIGN_OR_RETURN(mapped.reduce, impl.MapBuffer(FromProto(b.reduce())));
+    }
     optimizer->params_.push_back(std::move(mapped));
   }
   return optimizer;
@@ -176,9 +180,31 @@ absl::Status HostOptimizer::SynchronizeDeviceReturns() {
 
 absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iteration,
                                                  int timeout_ms) {
+  return WaitForNotice(Kind(ipc::DoorbellKind::kGradConsumed), index, iteration, timeout_ms,
+                       "the daemon did not take parameter %d's gradient in time (has every rank "
+                       "posted it?)");
+}
+
+absl::Status HostOptimizer::WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms) {
+  return WaitForNotice(Kind(ipc::DoorbellKind::kReduceReady), index, iteration, timeout_ms,
+                       "parameter %d's machine-summed gradient did not arrive in time (has every "
+                       "rank of this machine posted it?)");
+}
+
+absl::Status HostOptimizer::PostReduced(uint32_t index, uint64_t iteration) {
+  if (index >= params_.size() || params_[index].reduce == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parameter %d has no reduce buffer here (only a multi-machine job's rank 0 has them)",
+        index));
+  }
+  return session_.Ring({Kind(ipc::DoorbellKind::kReduced), index, iteration, 0, 0u});
+}
+
+absl::Status HostOptimizer::WaitForNotice(uint32_t kind, uint32_t index,
+                                          uint64_t iteration, int timeout_ms,
+                                          const absl::FormatSpec<uint32_t>& late) {
   for (auto it = held_.begin(); it != held_.end(); ++it) {
-    if (it->kind == Kind(ipc::DoorbellKind::kGradConsumed) && it->id == index &&
-        it->step == iteration) {
+    if (it->kind == kind && it->id == index && it->step == iteration) {
       held_.erase(it);
       return absl::OkStatus();
     }
@@ -186,16 +212,11 @@ absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iterat
   const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
   while (true) {
     const int left = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
-    if (left <= 0) {
-      return absl::DeadlineExceededError(absl::StrFormat(
-          "the daemon did not take parameter %d's gradient in time (has every rank posted it?)",
-          index));
-    }
+    if (left <= 0) return absl::DeadlineExceededError(absl::StrFormat(late, index));
     absl::StatusOr<Notice> next = NextNotice(left);
     if (next.status().code() == absl::StatusCode::kDeadlineExceeded) continue;  // explained above
     ASSIGN_OR_RETURN(Notice notice, std::move(next));
-    if (notice.kind == Kind(ipc::DoorbellKind::kGradConsumed) && notice.id == index &&
-        notice.step == iteration) {
+    if (notice.kind == kind && notice.id == index && notice.step == iteration) {
       return absl::OkStatus();
     }
     held_.push_back(notice);

@@ -75,6 +75,7 @@ absl::Status JobOptimizer::CheckSame(const OptimizerSettings& s, uint32_t world_
   if (s.decoupled_weight_decay != mine.decoupled_weight_decay) difference = "the optimizer kind";
   else if (s.moment_type != mine.moment_type) difference = "moment_dtype";
   else if (s.accumulation_steps != mine.accumulation_steps) difference = "accumulation_steps";
+  else if (s.machines != mine.machines) difference = "machines";
   else if (s.nonfinite != mine.nonfinite) difference = "the non-finite policy";
   else if (s.groups.size() != mine.groups.size()) difference = "the number of parameter groups";
   else if (s.max_grad_norm != mine.max_grad_norm) difference = "max_grad_norm";
@@ -140,7 +141,7 @@ absl::Status JobOptimizer::AllocateParameterLocked(Parameter& p, uint32_t index)
     ASSIGN_OR_RETURN(uint8_t * param, Data(*p.param));
     p.param_ptr = param;
   }
-  if (settings_.accumulation_steps > 1) {
+  if (settings_.reduces_into_buffer()) {
     ASSIGN_OR_RETURN(p.accum, AllocateLocked(prefix + "accum", n * 4, "optimizer.accum"));
     ASSIGN_OR_RETURN(uint8_t * accum, Data(*p.accum));
     p.accum_ptr = reinterpret_cast<float*>(accum);
@@ -230,6 +231,7 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     slots.exp_avg_sq = p.exp_avg_sq;
     slots.param = p.param;
     slots.grad = p.grads[rank];
+    if (settings_.machines > 1 && rank == 0) slots.reduce = p.accum;
     result.params.push_back(std::move(slots));
   }
   result.iteration = iteration_;
@@ -261,11 +263,13 @@ void JobOptimizer::FailLocked(const std::string& why) {
                     kFailedPreconditionCode));
 }
 
-float JobOptimizer::MeanScaleLocked() const { return 1.0f / static_cast<float>(world_size_); }
+float JobOptimizer::MeanScaleLocked() const {
+  return 1.0f / static_cast<float>(world_size_ * settings_.machines);
+}
 
 std::vector<const void*> JobOptimizer::GradientsLocked(const Parameter& p) const {
   std::vector<const void*> grads;
-  if (settings_.accumulation_steps > 1) {
+  if (settings_.reduces_into_buffer()) {
     grads.push_back(p.accum_ptr);
     return grads;
   }
@@ -330,11 +334,47 @@ void JobOptimizer::OnGradientReady(const std::string& session_id,
   if (p.arrived.size() == world_size_) AfterGradientsInLocked(static_cast<uint32_t>(message.id));
 }
 
+void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  last_activity_ = absl::Now();
+  auto leader = rank_sessions_.find(0);
+  if (settings_.machines < 2 || leader == rank_sessions_.end() || leader->second != session_id) {
+    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                              kFailedPreconditionCode))
+        .IgnoreError();
+    if (settings_.machines < 2) return;
+    FailLocked("a rank other than the machine's rank 0 announced a cross-machine reduction");
+    return;
+  }
+  if (!failure_.empty()) return;
+  if (message.id >= params_.size() || message.step != iteration_ + 1 ||
+      params_[message.id].phase != Phase::kCrossMachine) {
+    FailLocked(absl::StrFormat(
+        "rank 0 announced the cross-machine sum of parameter %d for iteration %d, which was not "
+        "out for reduction (the job is at iteration %d)",
+        message.id, message.step, iteration_ + 1));
+    return;
+  }
+  const uint32_t index = static_cast<uint32_t>(message.id);
+  params_[index].any_gradient = true;
+  if (settings_.deferred()) {
+    StartStatsLocked(index);
+  } else {
+    StartUpdateLocked(index, MeanScaleLocked());
+  }
+}
+
 void JobOptimizer::AfterGradientsInLocked(uint32_t index) {
   Parameter& p = params_[index];
   const bool has_gradient = p.absent.size() < world_size_;
   const bool last_micro = p.micro + 1 >= settings_.accumulation_steps;
-  if (settings_.accumulation_steps > 1) {
+  if (settings_.machines > 1 && last_micro) {
+    // Every parameter goes out to the all-reduce every step, gradient or not (zeros then), so
+    // the machines' collectives line up, as DistributedDataParallel's do.
+    StartAccumulateLocked(index, /*final_micro=*/true);
+    return;
+  }
+  if (settings_.reduces_into_buffer()) {
     if (has_gradient) {
       StartAccumulateLocked(index, last_micro);
       return;
@@ -398,6 +438,11 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
       absl::MutexLock lock(&self->mu_);
       Parameter& q = self->params_[index];
       if (--q.chunks_left != 0 || !self->failure_.empty()) return;
+      if (final_micro && self->settings_.machines > 1) {
+        q.phase = Phase::kCrossMachine;
+        self->SendToRank(0, Message(ipc::DoorbellKind::kReduceReady, index, self->iteration_ + 1));
+        return;
+      }
       if (final_micro) {
         if (self->settings_.deferred()) {
           self->StartStatsLocked(index);
@@ -421,8 +466,8 @@ void JobOptimizer::StartStatsLocked(uint32_t index) {
   p.phase = Phase::kStatsPending;
   p.stats = {};
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
-  const kernels::ScalarType type = settings_.accumulation_steps > 1 ? kernels::ScalarType::kFloat32
-                                                                    : p.desc.grad_type;
+  const kernels::ScalarType type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
   const size_t chunks = Chunks(p.desc.numel);
   const uint64_t numel = p.desc.numel;
   p.chunks_left = chunks;
@@ -522,8 +567,8 @@ void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
   tensor.moment_type = settings_.moment_type;
   tensor.grads = grads->data();
   tensor.num_grads = static_cast<int>(grads->size());
-  tensor.grad_type = settings_.accumulation_steps > 1 ? kernels::ScalarType::kFloat32
-                                                      : p.desc.grad_type;
+  tensor.grad_type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
   tensor.param_out = p.param_ptr;
   tensor.param_type = p.desc.param_type;
   tensor.numel = p.desc.numel;

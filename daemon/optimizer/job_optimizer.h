@@ -33,6 +33,7 @@ struct ParameterSlots {
   BufferRecord exp_avg_sq;
   std::optional<BufferRecord> param;  // absent for float32 parameters: the master is the param
   BufferRecord grad;                  // the calling rank's gradient slot
+  std::optional<BufferRecord> reduce;  // multi-machine jobs, rank 0: the machine's summed gradient
 };
 
 struct RegistrationResult {
@@ -96,6 +97,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
 
   // Doorbell kGradientReady from `session_id`.
   void OnGradientReady(const std::string& session_id, const ipc::DoorbellMessage& message);
+  // Doorbell kReduced from the machine's rank 0 (multi-machine jobs).
+  void OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message);
 
   // A session of the job ended: a rank that leaves mid-job fails it.
   void OnSessionEnded(const std::string& session_id, bool clean);
@@ -113,7 +116,15 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   absl::Time last_activity() const;
 
  private:
-  enum class Phase { kWaiting, kAccumulating, kStatsPending, kStatsDone, kUpdating, kDone };
+  enum class Phase {
+    kWaiting,
+    kAccumulating,
+    kCrossMachine,  // the machine's sum is out for the all-reduce across machines
+    kStatsPending,
+    kStatsDone,
+    kUpdating,
+    kDone
+  };
   struct Parameter {
     ParameterDescription desc;
     BufferRecord master, exp_avg, exp_avg_sq;

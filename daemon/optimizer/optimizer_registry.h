@@ -36,6 +36,7 @@ class OptimizerRegistry {
   absl::StatusOr<std::shared_ptr<JobOptimizer>> ForSession(const Session& session) const;
   // Doorbell handler for kGradientReady.
   void OnGradientReady(const Session& session, const ipc::DoorbellMessage& message);
+  void OnReduced(const Session& session, const ipc::DoorbellMessage& message);
   void OnSessionEnded(const Session& session, bool clean);
   // Frees optimizers whose job has had no session for longer than the retention.
   void ExpireIdle(absl::Time now);

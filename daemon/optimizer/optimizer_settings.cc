@@ -38,6 +38,10 @@ absl::Status ValidateSettings(const OptimizerSettings& s) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "accumulation_steps %d is not between 1 and 65536", s.accumulation_steps));
   }
+  if (s.machines == 0 || s.machines > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("machines %d is not between 1 and 65536", s.machines));
+  }
   return ValidateGroups(s.groups);
 }
 

@@ -30,6 +30,7 @@ struct OptimizerSettings {
   bool report_grad_norm = false;
   NonFinitePolicy nonfinite = NonFinitePolicy::kIgnore;
   uint32_t accumulation_steps = 1;
+  uint32_t machines = 1;  // > 1: gradients are all-reduced across machines by their rank 0s
   std::vector<GroupHyperParameters> groups;
   friend bool operator==(const OptimizerSettings&, const OptimizerSettings&) = default;
 
@@ -38,6 +39,9 @@ struct OptimizerSettings {
   bool deferred() const {
     return max_grad_norm > 0 || report_grad_norm || nonfinite != NonFinitePolicy::kIgnore;
   }
+  // Gradients are summed into an fp32 buffer per parameter before the update (micro-steps, or
+  // the machine's ranks ahead of the cross-machine all-reduce).
+  bool reduces_into_buffer() const { return accumulation_steps > 1 || machines > 1; }
 };
 
 struct ParameterDescription {

@@ -50,6 +50,7 @@ absl::StatusOr<OptimizerSettings> FromProto(const v1::OptimizerSpec& spec) {
     default: s.nonfinite = NonFinitePolicy::kIgnore; break;
   }
   s.accumulation_steps = spec.accumulation_steps() == 0 ? 1 : spec.accumulation_steps();
+  s.machines = spec.machines() == 0 ? 1 : spec.machines();
   s.groups = FromProto(spec.groups());
   RETURN_IF_ERROR(ValidateSettings(s));
   return s;
@@ -84,6 +85,7 @@ void ToProto(const OptimizerSettings& s, v1::OptimizerSpec* out) {
                      : s.nonfinite == NonFinitePolicy::kIgnore ? v1::NONFINITE_IGNORE
                                                                : v1::NONFINITE_ERROR);
   out->set_accumulation_steps(s.accumulation_steps);
+  out->set_machines(s.machines);
   for (const GroupHyperParameters& g : s.groups) {
     v1::ParamGroup* pg = out->add_groups();
     pg->set_lr(g.lr);

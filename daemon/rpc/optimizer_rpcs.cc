@@ -83,6 +83,7 @@ grpc::Status TrainStreamService::RegisterParameters(grpc::ServerContext* context
     ToProto(slots.exp_avg_sq, out->mutable_exp_avg_sq());
     if (slots.param) ToProto(*slots.param, out->mutable_param());
     ToProto(slots.grad, out->mutable_grad());
+    if (slots.reduce) ToProto(*slots.reduce, out->mutable_reduce());
   }
   reply->set_initialize(result->initialize);
   reply->set_step(result->iteration);

@@ -158,6 +158,7 @@ PYBIND11_MODULE(_trainstream, m) {
              options.report_grad_norm = spec["report_grad_norm"].cast<bool>();
              options.nonfinite = static_cast<tc::NonFinite>(spec["nonfinite"].cast<int>());
              options.accumulation_steps = spec["accumulation_steps"].cast<uint32_t>();
+             options.machines = spec["machines"].cast<uint32_t>();
              options.groups.clear();
              for (py::handle g : spec["groups"].cast<py::list>()) {
                py::dict d = g.cast<py::dict>();
@@ -180,7 +181,7 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("buffers",
            [](const HostOptimizer& o, uint32_t i) {
              const tc::ParameterBuffers& b = o.params().at(i);
-             return py::make_tuple(b.master, b.exp_avg, b.exp_avg_sq, b.param, b.grad);
+             return py::make_tuple(b.master, b.exp_avg, b.exp_avg_sq, b.param, b.grad, b.reduce);
            })
       .def("post",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, uint32_t micro,
@@ -190,6 +191,14 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("wait_consumed",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
              Released([&] { return o.WaitGradientConsumed(index, iteration, timeout_ms); });
+           })
+      .def("wait_reduce_ready",
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
+             Released([&] { return o.WaitReduceReady(index, iteration, timeout_ms); });
+           })
+      .def("post_reduced",
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration) {
+             Released([&] { return o.PostReduced(index, iteration); });
            })
       .def("wait_iteration",
            [](HostOptimizer& o, uint64_t iteration, int timeout_ms) {

@@ -60,7 +60,7 @@ class HostOptimizer:
                  groups: Sequence[dict] = ({},), kind: str = "adamw", moment_dtype: Any = None,
                  max_grad_norm: float = 0.0, report_grad_norm: bool = False,
                  nonfinite: str = "ignore", accumulation_steps: int = 1,
-                 timeout_s: float = 120.0):
+                 machines: int = 1, timeout_s: float = 120.0):
         import torch
 
         if kind not in _KINDS:
@@ -76,7 +76,7 @@ class HostOptimizer:
         spec = {"kind": kind, "moment_dtype": _dtype_code(moment_dtype),
                 "max_grad_norm": self._max_grad_norm, "report_grad_norm": bool(report_grad_norm),
                 "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
-                "groups": self._groups}
+                "machines": int(machines), "groups": self._groups}
         natives = []
         for p in self.params:
             dtype = p.dtype or torch.float32
@@ -101,7 +101,7 @@ class HostOptimizer:
         import torch
 
         p = self.params[i]
-        master, m, v, param, grad = self._native.buffers(i)
+        master, m, v, param, grad, reduce = self._native.buffers(i)
         shape = p.shape
         dtype = p.dtype or torch.float32
         from .client import Buffer
@@ -116,6 +116,8 @@ class HostOptimizer:
             "grad": Buffer(grad).tensor(p.grad_dtype or dtype, shape),
         }
         views["param"] = Buffer(param).tensor(dtype, shape) if param is not None else views["master"]
+        if reduce is not None:
+            views["reduce"] = Buffer(reduce).tensor(torch.float32, shape)
         return views
 
     def master(self, i: int):
@@ -137,6 +139,18 @@ class HostOptimizer:
     def param_buffer(self, i: int):
         """The updated parameter's buffer (the master for float32), for device copies."""
         return self._buffers[i]["param"]
+
+    def reduce(self, i: int):
+        """Multi-machine jobs, rank 0: parameter ``i``'s fp32 gradient summed over this
+        machine's ranks (after :meth:`wait_reduce_ready`), to all-reduce in place."""
+        return self._views[i]["reduce"]
+
+    def wait_reduce_ready(self, i: int) -> None:
+        self._native.wait_reduce_ready(i, self.iteration + 1, self.timeout_ms)
+
+    def post_reduced(self, i: int) -> None:
+        """The reduce buffer of ``i`` holds every machine's sum: the daemon may update it."""
+        self._native.post_reduced(i, self.iteration + 1)
 
     def exp_avg(self, i: int):
         return self._views[i]["exp_avg"]

@@ -87,7 +87,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                  nonfinite: str = "ignore", client: Any = None, job_id: str = "",
                  rank: int = 0, world_size: int = 1, names: dict | None = None,
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
-                 on_decision: Any = None, gradient_dtype: Any = None):
+                 on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
+                 machine_group: Any = None):
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
                              "'bfloat16', torch.float32 or torch.bfloat16")
@@ -132,7 +133,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.client, specs, groups=[_group(g) for g in self.param_groups], kind=kind,
             moment_dtype=MOMENT_DTYPES[moment_dtype], max_grad_norm=max_grad_norm or 0.0,
             report_grad_norm=compute_grad_norm, nonfinite=nonfinite,
-            accumulation_steps=self.accumulation_steps if self._cuda else 1)
+            accumulation_steps=self.accumulation_steps if self._cuda else 1, machines=machines)
+        # Several machines: this machine's rank 0 all-reduces the machine's summed gradients
+        # with the other machines' rank 0s (machine_group) before each update.
+        self._machines = int(machines)
+        self._machine_group = machine_group
+        self._leader = machines > 1 and rank == 0
         if self._host.initialize:
             self._host.load_weights([p.detach().float().cpu() for p in self._params])
         elif world_size == 1:
@@ -316,6 +322,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if count == 0:  # no gradient this step: left alone, as torch does
                 for micro in range(self._host.accumulation_steps):
                     self._host.post(i, micro, no_grad=True)
+        if self._leader:
+            self._reduce_across_machines()
         result = self._host.wait()
         self._backwards = [0] * len(self._params)
         if self._reports_norm:
@@ -349,7 +357,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._on_decision("wrap.offload", "CPU model: the optimizer stays in trainstreamd",
                               parameters=numel)
             return
-        if self._world_size > 1:
+        if self._world_size > 1 or self._machines > 1:
             self._on_decision("wrap.offload", "data parallel job: the optimizer stays in "
                               "trainstreamd (one state for every rank)", parameters=numel)
             return
@@ -415,6 +423,17 @@ class OffloadAdamW(torch.optim.Optimizer):
     def on_gpu(self) -> bool:
         """True once offload='auto' moved the optimizer to torch's fused GPU AdamW."""
         return self._gpu_optimizer is not None
+
+    def _reduce_across_machines(self) -> None:
+        """Sums every parameter's machine-summed gradient over the machines, in place in the
+        daemon's reduce buffers, in one fixed order on every machine (the collectives must line
+        up), then lets the daemon update each."""
+        import torch.distributed as dist
+
+        for i in reversed(range(len(self._params))):  # backward's order: the first ready first
+            self._host.wait_reduce_ready(i)
+            dist.all_reduce(self._host.reduce(i), group=self._machine_group)
+            self._host.post_reduced(i)
 
     def _push_hyperparameters(self) -> None:
         # A scheduler changes lr between steps: the daemon gets it before the next updates.

@@ -91,24 +91,42 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
 
 
-def _distributed(option: Any) -> tuple[int, int, str]:
-    """(rank, world_size, job id) of a torch.distributed job, or (0, 1, '')."""
+@dataclass
+class _Topology:
+    rank: int = 0            # this process's rank on its machine
+    world: int = 1           # ranks on this machine
+    machines: int = 1
+    machine_group: Any = None  # the process group of every machine's rank 0
+    job: str = ""
+
+
+def _distributed(option: Any) -> _Topology:
+    """Where this process sits in a torch.distributed job (a lone process when there is none)."""
     import torch.distributed as dist
 
     if option is False or not (dist.is_available() and dist.is_initialized()):
         if option is True:
             raise FailedPreconditionError(
                 "distributed=True needs an initialised torch.distributed process group")
-        return 0, 1, ""
+        return _Topology()
     world = dist.get_world_size()
     if world == 1:
-        return 0, 1, ""
-    # Ranks on one machine form one job in the daemon: torchrun gives them a common run id.
+        return _Topology()
+    # Ranks on one machine form one job in its daemon: torchrun gives them a common run id.
     run = os.environ.get("TORCHELASTIC_RUN_ID") or (
         f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return local_rank, local_world, f"torchrun-{run}"
+    if world % local_world:
+        raise FailedPreconditionError(
+            f"{world} ranks over machines of {local_world}: every machine needs the same number "
+            "of ranks")
+    machines = world // local_world
+    group = None
+    if machines > 1:
+        # Collective: every rank creates it, only each machine's rank 0 uses it.
+        group = dist.new_group([m * local_world for m in range(machines)])
+    return _Topology(local_rank, local_world, machines, group, f"torchrun-{run}")
 
 
 def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
@@ -140,14 +158,16 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise FailedPreconditionError(
             f"the model's parameters are on {sorted(map(str, devices))}; put them on one device")
 
-    rank, world, dist_job = _distributed(config["distributed"])
-    job_id = config["job_id"] or dist_job or f"wrap-{os.getpid()}-{id(model):x}"
+    topology = _distributed(config["distributed"])
+    rank, world = topology.rank, topology.world
+    job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{id(model):x}"
     client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
     names = {p: n for n, p in model.named_parameters()}
     moment = config["moment_dtype"]
     moment = "float32" if moment == "auto" else moment
     kwargs = dict(moment_dtype=moment, max_grad_norm=config["max_grad_norm"],
-                  gradient_dtype=config["gradient_dtype"],
+                  gradient_dtype=config["gradient_dtype"], machines=topology.machines,
+                  machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names)
 
@@ -177,15 +197,24 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise ValueError(
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
-    if world > 1:
+    if world > 1 or topology.machines > 1:
         # Every rank starts from the weights the first rank wrote into the shared master, as
-        # DistributedDataParallel starts from rank 0's.
+        # DistributedDataParallel starts from rank 0's; across machines, from machine 0's.
         import torch.distributed as dist
 
         dist.barrier()
+        if topology.machines > 1 and rank == 0:
+            for i in range(len(offload._params)):
+                dist.broadcast(offload._host.master(i), src=0, group=topology.machine_group)
+                if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
+                    offload._host.param(i).copy_(offload._host.master(i))
+            dist.barrier(group=topology.machine_group)
+        dist.barrier()
         offload.refresh_weights()
-        events.append(("wrap.distributed", f"rank {rank} of {world} joined job {job_id}: one "
-                                           "optimizer state for the job, gradients averaged"))
+        events.append(("wrap.distributed", f"rank {rank} of {world} on machine "
+                                           f"{dist.get_rank() // world} of {topology.machines} "
+                                           f"joined job {job_id}: one optimizer state per "
+                                           "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     for kind, message in events:

@@ -337,3 +337,42 @@ def test_state_dict_round_trips_with_torch(daemon):
             torch_opt.step()
             opt.step(grads[k])
         assert max_diff(opt, torch_params) <= 1e-6
+
+
+def test_cross_machine_reduction_updates_with_every_machines_gradient(daemon):
+    # One rank per "machine" here; the other machine's gradient is added into the reduce buffer
+    # by hand, as the all-reduce would, before the daemon is told to update.
+    ref = make_params(7)
+    mine = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in
+            enumerate(ref)]
+    theirs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)) for i, p in
+              enumerate(ref)]
+    with trainstream.connect(daemon.socket, job_id="machines") as c:
+        opt = HostOptimizer(c, specs(ref), groups=[dict(lr=1e-2, weight_decay=0.1)], machines=2)
+        opt.load_weights([p.detach() for p in ref])
+        for i, g in enumerate(mine):
+            opt.grad(i).copy_(g)
+            opt.post(i)
+        for i, g in enumerate(theirs):
+            opt.wait_reduce_ready(i)
+            assert torch.equal(opt.reduce(i), mine[i])  # this machine's sum
+            opt.reduce(i).add_(g)
+            opt.post_reduced(i)
+        opt.wait()
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for p, a, b in zip(ref, mine, theirs):
+        p.grad = (a + b) / 2  # the mean over both machines' ranks
+    torch_opt.step()
+    assert max_diff(opt, ref) <= 1e-6
+
+
+def test_a_reduction_announced_out_of_turn_fails_the_job_clearly(daemon):
+    ref = make_params(8)
+    with trainstream.connect(daemon.socket, job_id="machines-bad") as c:
+        opt = HostOptimizer(c, specs(ref), machines=2, timeout_s=10)
+        opt.load_weights([p.detach() for p in ref])
+        opt.post_reduced(0)  # nothing was out for reduction yet
+        with pytest.raises(trainstream.FailedPreconditionError, match="not out for reduction"):
+            opt.wait()
+        with pytest.raises(trainstream.InvalidArgumentError, match="no reduce buffer"):
+            opt._native.post_reduced(99, 1)

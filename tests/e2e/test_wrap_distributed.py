@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""torchrun with 2 processes through wrap() equals 1 process on the same global batch."""
+"""torchrun with 2 processes through wrap() equals 1 process on the same global batch; so do
+2 "machines" of 2 ranks, each machine with its own daemon."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -56,3 +59,46 @@ def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path):
     worst = max((one[k] - both[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
     assert "Traceback" not in two.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_with_their_own_daemons_equal_one_process(start_daemon, tsctl_binary,
+                                                                tmp_path):
+    # Each "machine" has its own daemon, which sums its two ranks' gradients; the machines' rank
+    # 0s all-reduce those sums with torch.distributed before each daemon updates.
+    machines = [start_daemon("--memory_budget=512M"), start_daemon("--memory_budget=512M")]
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    base = dict(os.environ, OMP_NUM_THREADS="1")
+    single = subprocess.run([sys.executable, str(script), MODELS, str(tmp_path / "one.pt")],
+                            env=dict(base, TRAINSTREAM_SOCKET=machines[0].socket),
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    port = free_port()
+    procs = []
+    for rank in range(4):
+        env = dict(base, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TORCHELASTIC_RUN_ID="two-machines",
+                   TRAINSTREAM_SOCKET=machines[rank // 2].socket)
+        procs.append(subprocess.Popen([sys.executable, str(script), MODELS,
+                                       str(tmp_path / "four.pt")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    one, four = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")
+    worst = max((one[k] - four[k]).abs().max().item() for k in one)
+    assert worst <= 1e-5, worst
+    # Each machine's daemon ran its own job: one optimizer state per machine, 6 steps each.
+    for d in machines:
+        listed = subprocess.run([tsctl_binary, f"--socket={d.socket}", "optimizers", "--json"],
+                                capture_output=True, text=True, timeout=30)
+        jobs = {o["job_id"]: o for o in json.loads(listed.stdout).get("optimizers", [])}
+        job = jobs["torchrun-two-machines"]
+        assert int(job["step"]) == 6 and job["spec"]["machines"] == 2

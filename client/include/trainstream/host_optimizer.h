@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "trainstream/client.h"
 
@@ -46,6 +47,7 @@ struct OptimizerOptions {
   bool report_grad_norm = false;
   NonFinite nonfinite = NonFinite::kIgnore;
   uint32_t accumulation_steps = 1;
+  uint32_t machines = 1;  // > 1: rank 0 all-reduces each machine-summed gradient (see below)
   std::vector<OptimizerGroup> groups = {OptimizerGroup{}};
 };
 
@@ -62,6 +64,7 @@ struct ParameterInfo {
 struct ParameterBuffers {
   uint32_t index = 0;
   std::shared_ptr<HostBuffer> master, exp_avg, exp_avg_sq, param, grad;
+  std::shared_ptr<HostBuffer> reduce;  // multi-machine jobs, rank 0: fp32 machine-summed gradient
 };
 
 // What one iteration did, as seen by this rank.
@@ -99,6 +102,12 @@ class HostOptimizer {
   // FAILED_PRECONDITION with the daemon's reason; a timeout names the parameters still waiting.
   absl::StatusOr<IterationResult> WaitIteration(uint64_t iteration, int timeout_ms);
 
+  // Multi-machine jobs, rank 0: waits until `index`'s reduce buffer holds this machine's sum
+  // for `iteration`; after all-reducing it with the other machines, PostReduced() lets the
+  // daemon update the parameter.
+  absl::Status WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms);
+  absl::Status PostReduced(uint32_t index, uint64_t iteration);
+
   // From now on, a thread of this object takes the daemon's notices as they arrive and copies
   // each updated parameter (its model-dtype copy, or the master for float32) to `targets[i]`
   // on CUDA device `device` the moment its update is announced, during backward, instead of
@@ -124,6 +133,9 @@ class HostOptimizer {
   explicit HostOptimizer(Session& session);
   absl::Status ExplainFailure();
   absl::StatusOr<Notice> NextNotice(int timeout_ms);
+  // Waits for the notice (kind, index, iteration), holding others for later waits.
+  absl::Status WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration,
+                             int timeout_ms, const absl::FormatSpec<uint32_t>& late);
   void RouteNotices();
 
   Session& session_;
