@@ -19,11 +19,8 @@ absl::Status CudaStatus(cudaError_t rc, const char* what) {
   return absl::InternalError(absl::StrFormat("%s failed: %s", what, cudaGetErrorString(rc)));
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
-    int device, std::vector<std::shared_ptr<HostBuffer>> sources,
-    std::vector<DeviceTarget> targets) {
+absl::Status CheckTargets(const std::vector<std::shared_ptr<HostBuffer>>& sources,
+                          const std::vector<DeviceTarget>& targets, size_t first_index) {
   if (sources.size() != targets.size()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%d device targets for %d parameters", targets.size(), sources.size()));
@@ -31,13 +28,20 @@ absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
   for (size_t i = 0; i < sources.size(); ++i) {
     if (targets[i].bytes != sources[i]->size() || targets[i].device_ptr == 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "parameter %d: the device tensor holds %d bytes, its buffer '%s' %d", i,
+          "parameter %d: the device tensor holds %d bytes, its buffer '%s' %d", first_index + i,
           targets[i].bytes, sources[i]->info().name, sources[i]->size()));
     }
   }
-  const size_t n = sources.size();
-  auto r = std::unique_ptr<DeviceReturn>(
-      new DeviceReturn(device, std::move(sources), std::move(targets)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
+    int device, std::vector<std::shared_ptr<HostBuffer>> sources,
+    std::vector<DeviceTarget> targets) {
+  if (absl::Status s = CheckTargets(sources, targets, 0); !s.ok()) return s;
+  auto r = std::unique_ptr<DeviceReturn>(new DeviceReturn(device));
   if (absl::Status s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
   cudaStream_t stream = nullptr;
   if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
@@ -46,18 +50,33 @@ absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
     return s;
   }
   r->stream_ = stream;
-  for (size_t i = 0; i < n; ++i) {
-    cudaEvent_t event = nullptr;
-    if (absl::Status s = CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
-                                    "cudaEventCreateWithFlags");
-        !s.ok()) {
-      return s;  // the destructor releases what was made
-    }
-    r->events_.push_back(event);
-  }
-  absl::MutexLock lock(&r->mu_);
-  r->pending_.assign(n, false);
+  if (absl::Status s = r->Extend(std::move(sources), std::move(targets)); !s.ok()) return s;
   return r;
+}
+
+absl::Status DeviceReturn::Extend(std::vector<std::shared_ptr<HostBuffer>> sources,
+                                  std::vector<DeviceTarget> targets) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckTargets(sources, targets, sources_.size()); !s.ok()) return s;
+  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  std::vector<void*> events;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    cudaEvent_t event = nullptr;
+    absl::Status made = CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                                   "cudaEventCreateWithFlags");
+    if (!made.ok()) {
+      for (void* e : events) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+      return made;
+    }
+    events.push_back(event);
+  }
+  for (size_t i = 0; i < sources.size(); ++i) {
+    sources_.push_back(std::move(sources[i]));
+    targets_.push_back(targets[i]);
+    events_.push_back(events[i]);
+    pending_.push_back(false);
+  }
+  return absl::OkStatus();
 }
 
 DeviceReturn::~DeviceReturn() {
@@ -70,10 +89,10 @@ DeviceReturn::~DeviceReturn() {
 }
 
 absl::Status DeviceReturn::Copy(uint32_t index) {
+  absl::MutexLock lock(&mu_);
   if (index >= sources_.size()) {
     return absl::InvalidArgumentError(absl::StrFormat("no parameter %d", index));
   }
-  absl::MutexLock lock(&mu_);
   // The calling thread may be a fresh one: CUDA's current device is per thread.
   if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
   const DeviceTarget& t = targets_[index];
@@ -131,6 +150,10 @@ absl::Status DeviceReturn::Synchronize() {
 absl::StatusOr<std::unique_ptr<DeviceReturn>> DeviceReturn::Create(
     int, std::vector<std::shared_ptr<HostBuffer>>, std::vector<DeviceTarget>) {
   return absl::UnavailableError("this build of trainstream has no CUDA support");
+}
+absl::Status DeviceReturn::Extend(std::vector<std::shared_ptr<HostBuffer>>,
+                                  std::vector<DeviceTarget>) {
+  return absl::UnavailableError("no CUDA support");
 }
 DeviceReturn::~DeviceReturn() = default;
 absl::Status DeviceReturn::Copy(uint32_t) { return absl::UnavailableError("no CUDA support"); }

@@ -33,22 +33,23 @@ class DeviceReturn {
   absl::Status Copy(uint32_t index);
   // Makes `stream` wait for the pending copies among `indices` (then no longer pending).
   absl::Status WaitOnStream(const std::vector<uint32_t>& indices, void* stream);
+  // Parameters added to the optimizer: their sources and targets, in order after the others.
+  absl::Status Extend(std::vector<std::shared_ptr<HostBuffer>> sources,
+                      std::vector<DeviceTarget> targets);
   // A tensor moved (its storage was replaced): later copies go to the new address.
   absl::Status Retarget(uint32_t index, DeviceTarget target);
   // Blocks until every enqueued copy has landed.
   absl::Status Synchronize();
 
  private:
-  DeviceReturn(int device, std::vector<std::shared_ptr<HostBuffer>> sources,
-               std::vector<DeviceTarget> targets)
-      : device_(device), sources_(std::move(sources)), targets_(std::move(targets)) {}
+  explicit DeviceReturn(int device) : device_(device) {}
 
   const int device_;
-  const std::vector<std::shared_ptr<HostBuffer>> sources_;
   absl::Mutex mu_;
+  std::vector<std::shared_ptr<HostBuffer>> sources_ ABSL_GUARDED_BY(mu_);
   std::vector<DeviceTarget> targets_ ABSL_GUARDED_BY(mu_);
-  void* stream_ = nullptr;     // cudaStream_t
-  std::vector<void*> events_;  // cudaEvent_t, one per parameter
+  void* stream_ = nullptr;                             // cudaStream_t
+  std::vector<void*> events_ ABSL_GUARDED_BY(mu_);     // cudaEvent_t, one per parameter
   std::vector<bool> pending_ ABSL_GUARDED_BY(mu_);
 };
 

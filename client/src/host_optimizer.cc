@@ -45,6 +45,16 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
     return impl.channel().stub().CreateOptimizer(c, create, &info);
   }));
 
+  auto optimizer = std::unique_ptr<HostOptimizer>(new HostOptimizer(session));
+  ASSIGN_OR_RETURN(Registered reply, optimizer->Register(params));
+  optimizer->initialize_ = reply.initialize;
+  optimizer->attached_at_ = reply.step;
+  return optimizer;
+}
+
+absl::StatusOr<HostOptimizer::Registered> HostOptimizer::Register(
+    const std::vector<ParameterInfo>& params) {
+  Session::Impl& impl = *session_.impl_;
   v1::RegisterParametersRequest reg;
   reg.set_session_id(impl.id());
   for (const ParameterInfo& p : params) {
@@ -59,10 +69,9 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
   RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().RegisterParameters(c, reg, &reply);
   }, kLongCallTimeout));
-  auto optimizer = std::unique_ptr<HostOptimizer>(new HostOptimizer(session));
-  optimizer->initialize_ = reply.initialize();
-  optimizer->attached_at_ = reply.step();
+  // Map the buffers of parameters this process has not seen yet (all of them the first time).
   for (const v1::ParameterBuffers& b : reply.params()) {
+    if (b.index() < params_.size()) continue;
     ParameterBuffers mapped;
     mapped.index = b.index();
     ASSIGN_OR_RETURN(mapped.master, impl.MapBuffer(FromProto(b.master())));
@@ -75,9 +84,28 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
     if (b.has_reduce()) {
       ASSIGN_OR_RETURN(mapped.reduce, impl.MapBuffer(FromProto(b.reduce())));
     }
-    optimizer->params_.push_back(std::move(mapped));
+    params_.push_back(std::move(mapped));
   }
-  return optimizer;
+  return Registered{reply.initialize(), reply.step(), reply.first_added()};
+}
+
+absl::StatusOr<uint32_t> HostOptimizer::AddParameters(const std::vector<ParameterInfo>& all) {
+  if (all.size() <= params_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d parameters given; the optimizer already has %d: pass the whole list, new ones last",
+        all.size(), params_.size()));
+  }
+  ASSIGN_OR_RETURN(Registered reply, Register(all));
+  return reply.first_added;
+}
+
+absl::Status HostOptimizer::AddDeviceTargets(std::vector<DeviceTarget> targets) {
+  if (device_return_ == nullptr) return absl::FailedPreconditionError("no device returns");
+  std::vector<std::shared_ptr<HostBuffer>> sources;
+  for (size_t i = params_.size() - targets.size(); i < params_.size(); ++i) {
+    sources.push_back(params_[i].param ? params_[i].param : params_[i].master);
+  }
+  return device_return_->Extend(std::move(sources), std::move(targets));
 }
 
 absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uint32_t micro,

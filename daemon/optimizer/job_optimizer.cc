@@ -169,6 +169,7 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     }
   }
   RegistrationResult result;
+  size_t first_added = params.size();
   if (!registered_) {
     params_.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -183,12 +184,12 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     registered_ = true;
     result.initialize = true;
   } else {
-    if (params.size() != params_.size()) {
+    if (params.size() < params_.size()) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "ranks do not agree: this rank registers %d parameters, the job has %d",
           params.size(), params_.size()));
     }
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i = 0; i < params_.size(); ++i) {
       if (!(params[i] == params_[i].desc)) {
         const ParameterDescription& mine = params_[i].desc;
         return absl::FailedPreconditionError(absl::StrFormat(
@@ -198,7 +199,12 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
             mine.name, mine.numel, kernels::ScalarTypeName(mine.param_type)));
       }
     }
+    if (params.size() > params_.size()) {
+      first_added = params_.size();
+      RETURN_IF_ERROR(AddParametersLocked(params, session_id));
+    }
   }
+  result.first_added = result.initialize ? 0 : static_cast<uint32_t>(first_added);
   if (auto it = rank_sessions_.find(rank); it != rank_sessions_.end() && it->second != session_id) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "rank %d of job '%s' is already attached (session %s)", rank, job_.job_id, it->second));
@@ -237,6 +243,33 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   result.iteration = iteration_;
   last_activity_ = absl::Now();
   return result;
+}
+
+absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescription>& params,
+                                              const std::string& session_id) {
+  if (InProgressLocked()) {
+    return absl::FailedPreconditionError(
+        "parameters can be added only between steps (after step(), before the next backward)");
+  }
+  const size_t before = params_.size();
+  params_.resize(params.size());
+  for (size_t i = before; i < params.size(); ++i) {
+    params_[i].desc = params[i];
+    absl::Status allocated = AllocateParameterLocked(params_[i], static_cast<uint32_t>(i));
+    if (!allocated.ok()) {
+      params_.resize(before);
+      return allocated;
+    }
+  }
+  uint64_t added = 0;
+  for (size_t i = before; i < params.size(); ++i) added += params[i].numel;
+  deps_.events->Emit("optimizer.extended",
+                     absl::StrFormat("job '%s' added %d tensors (%d elements) at iteration %d",
+                                     job_.job_id, params.size() - before, added, iteration_),
+                     {{"tensors", static_cast<double>(params.size() - before)},
+                      {"elements", static_cast<double>(added)}},
+                     session_id, job_.uid);
+  return absl::OkStatus();
 }
 
 void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message) {
@@ -684,9 +717,9 @@ absl::Status JobOptimizer::SetGroups(const std::vector<GroupHyperParameters>& gr
         absl::StrFormat("max_grad_norm %g is not a finite value >= 0", max_grad_norm));
   }
   absl::MutexLock lock(&mu_);
-  if (groups.size() != settings_.groups.size()) {
+  if (groups.size() < settings_.groups.size()) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%d groups given; the optimizer has %d (add groups by creating a new optimizer)",
+        "%d groups given; the optimizer has %d (groups can be added, not removed)",
         groups.size(), settings_.groups.size()));
   }
   if ((max_grad_norm > 0) != (settings_.max_grad_norm > 0)) {

@@ -40,6 +40,7 @@ struct RegistrationResult {
   std::vector<ParameterSlots> params;
   bool initialize = false;  // the caller created the state and writes the initial master
   uint64_t iteration = 0;
+  uint32_t first_added = 0;  // parameters from here on are new (the caller initialises them)
 };
 
 struct StepReport {
@@ -150,6 +151,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
   void ClearInParallel(uint8_t* data, uint64_t bytes);
+  // A registration whose list extends the job's: allocates the new parameters' state.
+  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
+                                   const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AllocateParameterLocked(Parameter& p, uint32_t index)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<BufferRecord> AllocateLocked(const std::string& name, uint64_t bytes,

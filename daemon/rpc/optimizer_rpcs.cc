@@ -86,6 +86,7 @@ grpc::Status TrainStreamService::RegisterParameters(grpc::ServerContext* context
     if (slots.reduce) ToProto(*slots.reduce, out->mutable_reduce());
   }
   reply->set_initialize(result->initialize);
+  reply->set_first_added(result->initialize ? 0 : result->first_added);
   reply->set_step(result->iteration);
   OptimizerReport report = optimizer->Report();
   events_->Emit("optimizer.registered",

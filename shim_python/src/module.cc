@@ -192,6 +192,23 @@ PYBIND11_MODULE(_trainstream, m) {
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
              Released([&] { return o.WaitGradientConsumed(index, iteration, timeout_ms); });
            })
+      .def("add_parameters",
+           [](HostOptimizer& o, py::list params) {
+             std::vector<tc::ParameterInfo> infos;
+             for (py::handle p : params) {
+               py::tuple t = p.cast<py::tuple>();
+               infos.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>(),
+                                static_cast<tc::DType>(t[2].cast<int>()),
+                                static_cast<tc::DType>(t[3].cast<int>()), t[4].cast<uint32_t>()});
+             }
+             return Released([&] { return o.AddParameters(infos); });
+           })
+      .def("add_device_targets",
+           [](HostOptimizer& o, std::vector<std::pair<uintptr_t, uint64_t>> targets) {
+             std::vector<tc::DeviceTarget> ts;
+             for (const auto& [ptr, bytes] : targets) ts.push_back({ptr, bytes});
+             Released([&] { return o.AddDeviceTargets(std::move(ts)); });
+           })
       .def("wait_reduce_ready",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
              Released([&] { return o.WaitReduceReady(index, iteration, timeout_ms); });

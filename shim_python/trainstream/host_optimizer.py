@@ -28,6 +28,17 @@ def _dtype_code(dtype: Any) -> int:
     return codes[dtype]
 
 
+def _natives(params: Sequence["ParameterSpec"]) -> list:
+    import torch
+
+    out = []
+    for p in params:
+        dtype = p.dtype or torch.float32
+        out.append((p.name, p.numel, _dtype_code(dtype), _dtype_code(p.grad_dtype or dtype),
+                    p.group))
+    return out
+
+
 @dataclass(frozen=True)
 class ParameterSpec:
     """One tensor the optimizer updates."""
@@ -77,14 +88,9 @@ class HostOptimizer:
                 "max_grad_norm": self._max_grad_norm, "report_grad_norm": bool(report_grad_norm),
                 "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
                 "machines": int(machines), "groups": self._groups}
-        natives = []
-        for p in self.params:
-            dtype = p.dtype or torch.float32
-            natives.append((p.name, p.numel, _dtype_code(dtype),
-                            _dtype_code(p.grad_dtype or dtype), p.group))
         from . import _trainstream
 
-        self._native = _trainstream.HostOptimizer(client._native, spec, natives)
+        self._native = _trainstream.HostOptimizer(client._native, spec, _natives(self.params))
         self.client = client
         self.moment_dtype = moment_dtype
         self.accumulation_steps = int(accumulation_steps)
@@ -119,6 +125,17 @@ class HostOptimizer:
         if reduce is not None:
             views["reduce"] = Buffer(reduce).tensor(torch.float32, shape)
         return views
+
+    def add_parameters(self, params: Sequence[ParameterSpec], groups: Sequence[dict]) -> int:
+        """Adds parameters between steps (torch's ``add_param_group``): ``groups`` is the whole
+        list of groups (new ones last), ``params`` the new parameters. Returns the index of the
+        first parameter this rank must initialise with :meth:`load_weights`: the first new one,
+        or the count of parameters when another rank of the job added them already."""
+        self.set_groups(groups)
+        first = self._native.add_parameters(_natives(self.params + list(params)))
+        self.params = self.params + list(params)
+        self._views += [self._make_views(i) for i in range(len(self._views), len(self.params))]
+        return first
 
     def master(self, i: int):
         """The fp32 master weights of parameter ``i`` (a view of shared memory)."""
@@ -158,9 +175,10 @@ class HostOptimizer:
     def exp_avg_sq(self, i: int):
         return self._views[i]["exp_avg_sq"]
 
-    def load_weights(self, tensors: Sequence[Any]) -> None:
-        """Writes starting values into the master weights (and the model-dtype copies)."""
-        for i, t in enumerate(tensors):
+    def load_weights(self, tensors: Sequence[Any], first: int = 0) -> None:
+        """Writes starting values into the master weights (and the model-dtype copies) of
+        parameters ``first``, ``first + 1``, ..."""
+        for i, t in enumerate(tensors, start=first):
             self.master(i).copy_(t.detach().reshape(self.params[i].shape))
             if self.param(i).data_ptr() != self.master(i).data_ptr():
                 self.param(i).copy_(self.master(i))

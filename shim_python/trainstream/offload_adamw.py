@@ -122,6 +122,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             gradient_dtype = GRADIENT_DTYPES[gradient_dtype]
         # The dtype gradients cross PCIe in and reach the host optimizer in (cast on the GPU,
         # on the copy stream); the master weights and moments keep their own precision.
+        self._gradient_dtype = gradient_dtype
+        self._names = names
         self._grad_dtypes = [gradient_dtype or p.dtype for p in self._params]
         specs = [ParameterSpec(_safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
                                self._grad_dtypes[i], group_of[id(p)])
@@ -176,13 +178,20 @@ class OffloadAdamW(torch.optim.Optimizer):
                 first.device.index if first.device.index is not None else
                 torch.cuda.current_device(),
                 [(p.data_ptr(), p.numel() * p.element_size()) for p in self._params])
+        self._hooked_modules: set[int] = set()
+        self._hooked_dicts: set[int] = set()
+        self._model: Any = None
         for i, p in enumerate(self._params):
-            if not self._cuda:
-                # The weights live in the daemon's shared memory: its updates land in place.
-                p.data = self._host.param(i)
-                p.grad = self._host.grad(i)
-                p.grad.zero_()
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+            self._take_over(i, p)
+
+    def _take_over(self, i: int, p: torch.Tensor) -> None:
+        """Routes parameter ``i``'s gradients to the daemon (and, on a CPU, its storage)."""
+        if not self._cuda:
+            # The weights live in the daemon's shared memory: its updates land in place.
+            p.data = self._host.param(i)
+            p.grad = self._host.grad(i)
+            p.grad.zero_()
+        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient))
 
     # -- gradients out, weights back ----------------------------------------------------------
 
@@ -255,10 +264,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Makes each module's forward wait for its own parameters' new values (CUDA only)."""
         if not self._cuda:
             return
+        self._model = model
         for module in model.modules():
+            if id(module) in self._hooked_modules:
+                continue
             if next(module.parameters(recurse=False), None) is not None:
+                self._hooked_modules.add(id(module))
                 self._hooks.append(module.register_forward_pre_hook(self._wait_for_own_parameters))
-        if hasattr(model, "register_state_dict_pre_hook"):
+        self._module_indices.clear()  # parameters may have been added since
+        if hasattr(model, "register_state_dict_pre_hook") and id(model) not in self._hooked_dicts:
+            self._hooked_dicts.add(id(model))
             # A checkpoint reads every weight outside forward: let the copies land first.
             self._hooks.append(model.register_state_dict_pre_hook(
                 lambda module, prefix, keep_vars: self.synchronize()))
@@ -418,6 +433,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             p.grad = None
         self._gpu_optimizer = gpu
         self.state = gpu.state
+        self.param_groups = gpu.param_groups  # one list: groups added later reach both
 
     @property
     def on_gpu(self) -> bool:
@@ -455,13 +471,53 @@ class OffloadAdamW(torch.optim.Optimizer):
                 p.grad = self._host.grad(i)  # backward accumulates into the shared slot
 
     def add_param_group(self, param_group: dict) -> None:
+        """Adds a group between steps (a layer unfrozen mid-run): its parameters get their state
+        in the daemon, starting from their current values, and train from the next step."""
         if getattr(self, "_host", None) is None:  # torch's constructor adds the first groups
             super().add_param_group(param_group)
             return
-        raise FailedPreconditionError(
-            "trainstream: the daemon's optimizer is created with its parameter groups; pass "
-            "every group when building the optimizer (add_param_group after that is not "
-            "supported yet)")
+        if self._gpu_optimizer is not None:
+            self._gpu_optimizer.add_param_group(param_group)
+            return
+        if self._world_size > 1 or self._machines > 1:
+            raise FailedPreconditionError(
+                "add_param_group in a data-parallel job is not supported: pass every group when "
+                "building the optimizer")
+        if any(self._backwards):
+            raise FailedPreconditionError(
+                "add_param_group between backward and step(): add groups between steps")
+        super().add_param_group(param_group)  # torch's checks and defaults
+        group = self.param_groups[-1]
+        new = [p for p in group["params"] if p.requires_grad]
+        for p in new:
+            if p.device != self._params[0].device:
+                self.param_groups.pop()
+                raise InvalidArgumentError(
+                    f"the new group has a parameter on {p.device}; the others are on "
+                    f"{self._params[0].device}")
+        start = len(self._params)
+        self._all += group["params"]
+        self._params += new
+        for i, p in enumerate(new, start=start):
+            self._index[id(p)] = i
+        grad_dtypes = [self._gradient_dtype or p.dtype for p in new]
+        self._grad_dtypes += grad_dtypes
+        specs = [ParameterSpec(_safe_name(self._names.get(p, f"param{i}")), tuple(p.shape),
+                               p.dtype, grad_dtypes[k], len(self.param_groups) - 1)
+                 for k, (i, p) in enumerate(zip(range(start, start + len(new)), new))]
+        first = self._host.add_parameters(specs, [_group(g) for g in self.param_groups])
+        self._pushed = [_group(g) for g in self.param_groups]
+        if first <= start:
+            self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
+        self._backwards += [0] * len(new)
+        if self._device_return:
+            self._targets += [p.data_ptr() for p in new]
+            self._host._native.add_device_targets(
+                [(p.data_ptr(), p.numel() * p.element_size()) for p in new])
+        for i, p in enumerate(new, start=start):
+            self._take_over(i, p)
+        if self._model is not None:
+            self.attach_forward_waits(self._model)
 
     def state_dict(self) -> dict:
         """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""

@@ -240,3 +240,36 @@ def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
     train(ours, opt, 20)
     # bf16 keeps 8 bits of mantissa: each update is off by about 2^-9 of its size.
     assert 0 < max_diff(ref, ours) <= 2e-3
+
+
+def test_add_param_group_mid_run_matches_stock_adamw(daemon_socket):
+    # Train the blocks first, then unfreeze the embeddings and head with their own lr, as a
+    # fine-tune that thaws layers does; stock AdamW does the same.
+    def frozen_start(model):
+        for p in (model.wte.weight, model.wpe.weight):
+            p.requires_grad_(False)
+        rest = [p for p in model.parameters() if p.requires_grad]
+        return rest, [model.wte.weight, model.wpe.weight]
+
+    torch.manual_seed(9)
+    ref = TinyGPT().to(DEVICE)
+    ours = copy.deepcopy(ref)
+    ref_rest, ref_thawed = frozen_start(ref)
+    our_rest, our_thawed = frozen_start(ours)
+    ref_opt = torch.optim.AdamW(ref_rest, lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(our_rest, lr=3e-3), offload=True)
+    train(ref, ref_opt, 3)
+    train(ours, opt, 3)
+    for p in ref_thawed + our_thawed:
+        p.requires_grad_(True)
+    ref_opt.add_param_group(dict(params=ref_thawed, lr=1e-3, weight_decay=0.0))
+    opt.add_param_group(dict(params=our_thawed, lr=1e-3, weight_decay=0.0))
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 1e-3
+    train(ref, ref_opt, 5, start=3)
+    train(ours, opt, 5, start=3)
+    assert max_diff(ref, ours) <= 1e-5
+    assert opt.state_dict()["state"][len(our_rest)]["step"].item() == 5
+    kinds = [e["kind"] for e in trainstream.memory_report(ours)["events"]]
+    assert "optimizer.extended" in kinds
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        opt.add_param_group(dict(params=our_thawed))

@@ -121,6 +121,14 @@ class HostOptimizer {
   // Blocks until every returning copy has landed.
   absl::Status SynchronizeDeviceReturns();
 
+  // Parameters added between steps (torch's add_param_group): `all` is the whole list, the
+  // current parameters first; their groups must exist (SetGroups with the new group first).
+  // Returns the index of the first parameter this rank must initialise (the new ones, or the
+  // list's length when another rank of the job added them already).
+  absl::StatusOr<uint32_t> AddParameters(const std::vector<ParameterInfo>& all);
+  // Device targets of the parameters AddParameters() just added, in order.
+  absl::Status AddDeviceTargets(std::vector<DeviceTarget> targets);
+
   absl::Status SetGroups(const std::vector<OptimizerGroup>& groups, double max_grad_norm);
   absl::Status SetStep(uint64_t iteration, const std::vector<uint64_t>& param_steps);
   // Checkpoint by the daemon (atomic rename); returns bytes written.
@@ -131,6 +139,13 @@ class HostOptimizer {
 
  private:
   explicit HostOptimizer(Session& session);
+  struct Registered {
+    bool initialize = false;
+    uint64_t step = 0;
+    uint32_t first_added = 0;
+  };
+  // RegisterParameters with `params`; maps the buffers of parameters not mapped yet.
+  absl::StatusOr<Registered> Register(const std::vector<ParameterInfo>& params);
   absl::Status ExplainFailure();
   absl::StatusOr<Notice> NextNotice(int timeout_ms);
   // Waits for the notice (kind, index, iteration), holding others for later waits.
