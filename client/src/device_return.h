@@ -31,13 +31,18 @@ class DeviceReturn {
 
   // Enqueues parameter `index`'s copy and marks it pending for readers.
   absl::Status Copy(uint32_t index);
-  // Makes `stream` wait for the pending copies among `indices` (then no longer pending).
+  // Makes `stream` wait for the pending copies among `indices` (then no longer pending: a
+  // second stream reading the same parameters must be ordered after the first).
   absl::Status WaitOnStream(const std::vector<uint32_t>& indices, void* stream);
   // Parameters added to the optimizer: their sources and targets, in order after the others.
   absl::Status Extend(std::vector<std::shared_ptr<HostBuffer>> sources,
                       std::vector<DeviceTarget> targets);
   // A tensor moved (its storage was replaced): later copies go to the new address.
   absl::Status Retarget(uint32_t index, DeviceTarget target);
+  size_t size() {
+    absl::MutexLock lock(&mu_);
+    return sources_.size();
+  }
   // Blocks until every enqueued copy has landed.
   absl::Status Synchronize();
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "device_return.h"
 #include "session_impl.h"
 
@@ -101,8 +102,14 @@ absl::StatusOr<uint32_t> HostOptimizer::AddParameters(const std::vector<Paramete
 
 absl::Status HostOptimizer::AddDeviceTargets(std::vector<DeviceTarget> targets) {
   if (device_return_ == nullptr) return absl::FailedPreconditionError("no device returns");
+  const size_t have = device_return_->size();
+  if (have + targets.size() != params_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d device targets given; parameters %d to %d have none", targets.size(), have,
+        params_.size() - 1));
+  }
   std::vector<std::shared_ptr<HostBuffer>> sources;
-  for (size_t i = params_.size() - targets.size(); i < params_.size(); ++i) {
+  for (size_t i = have; i < params_.size(); ++i) {
     sources.push_back(params_[i].param ? params_[i].param : params_[i].master);
   }
   return device_return_->Extend(std::move(sources), std::move(targets));
@@ -170,12 +177,17 @@ void HostOptimizer::RouteNotices() {
       // iteration, every copy of it is on the stream.
       failed = device_return_->Copy(static_cast<uint32_t>(next->id));
     }
-    absl::MutexLock lock(&inbox_mu_);
-    if (!failed.ok()) {
-      router_error_ = failed;
-      return;
+    {
+      absl::MutexLock lock(&inbox_mu_);
+      // A failure is kept for the waits (until SetStep or Load starts over) and the thread
+      // goes on: later notices and copies still flow.
+      if (!failed.ok()) {
+        router_error_ = failed;
+      } else {
+        inbox_.push_back(*next);
+      }
     }
-    inbox_.push_back(*next);
+    if (!next.ok()) absl::SleepFor(absl::Milliseconds(50));  // the session itself is failing
   }
 }
 
@@ -213,26 +225,34 @@ absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iterat
                        "posted it?)");
 }
 
-absl::Status HostOptimizer::WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms) {
-  return WaitForNotice(Kind(ipc::DoorbellKind::kReduceReady), index, iteration, timeout_ms,
-                       "parameter %d's machine-summed gradient did not arrive in time (has every "
-                       "rank of this machine posted it?)");
+absl::StatusOr<bool> HostOptimizer::WaitReduceReady(uint32_t index, uint64_t iteration,
+                                                    int timeout_ms) {
+  uint64_t had_gradient = 0;
+  RETURN_IF_ERROR(WaitForNotice(Kind(ipc::DoorbellKind::kReduceReady), index, iteration,
+                                timeout_ms,
+                                "parameter %d's machine-summed gradient did not arrive in time "
+                                "(has every rank of this machine posted it?)",
+                                &had_gradient));
+  return had_gradient != 0;
 }
 
-absl::Status HostOptimizer::PostReduced(uint32_t index, uint64_t iteration) {
+absl::Status HostOptimizer::PostReduced(uint32_t index, uint64_t iteration, bool any_gradient) {
   if (index >= params_.size() || params_[index].reduce == nullptr) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "parameter %d has no reduce buffer here (only a multi-machine job's rank 0 has them)",
         index));
   }
-  return session_.Ring({Kind(ipc::DoorbellKind::kReduced), index, iteration, 0, 0u});
+  return session_.Ring(
+      {Kind(ipc::DoorbellKind::kReduced), index, iteration, any_gradient ? 1u : 0u, 0u});
 }
 
 absl::Status HostOptimizer::WaitForNotice(uint32_t kind, uint32_t index,
                                           uint64_t iteration, int timeout_ms,
-                                          const absl::FormatSpec<uint32_t>& late) {
+                                          const absl::FormatSpec<uint32_t>& late,
+                                          uint64_t* value) {
   for (auto it = held_.begin(); it != held_.end(); ++it) {
     if (it->kind == kind && it->id == index && it->step == iteration) {
+      if (value != nullptr) *value = it->value;
       held_.erase(it);
       return absl::OkStatus();
     }
@@ -245,6 +265,7 @@ absl::Status HostOptimizer::WaitForNotice(uint32_t kind, uint32_t index,
     if (next.status().code() == absl::StatusCode::kDeadlineExceeded) continue;  // explained above
     ASSIGN_OR_RETURN(Notice notice, std::move(next));
     if (notice.kind == kind && notice.id == index && notice.step == iteration) {
+      if (value != nullptr) *value = notice.value;
       return absl::OkStatus();
     }
     held_.push_back(notice);
@@ -318,6 +339,7 @@ absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64
   {
     absl::MutexLock lock(&inbox_mu_);
     inbox_.clear();
+    router_error_ = absl::OkStatus();
   }
   return impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().SetOptimizerStep(c, request, &reply);
@@ -346,6 +368,7 @@ absl::Status HostOptimizer::Load(const std::string& path) {
   {
     absl::MutexLock lock(&inbox_mu_);
     inbox_.clear();
+    router_error_ = absl::OkStatus();
   }
   return impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().LoadCheckpoint(c, request, &reply);

@@ -245,6 +245,20 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   return result;
 }
 
+void JobOptimizer::ReleaseParameterLocked(Parameter& p) {
+  auto release = [&](const std::optional<BufferRecord>& record) {
+    if (record && record->buffer_id != 0) {
+      deps_.arena->Free(job_, owner_, record->buffer_id).IgnoreError();
+    }
+  };
+  release(p.master);
+  release(p.exp_avg);
+  release(p.exp_avg_sq);
+  release(p.param);
+  release(p.accum);
+  for (const auto& [rank, grad] : p.grads) release(grad);
+}
+
 absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescription>& params,
                                               const std::string& session_id) {
   if (InProgressLocked()) {
@@ -257,6 +271,8 @@ absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescri
     params_[i].desc = params[i];
     absl::Status allocated = AllocateParameterLocked(params_[i], static_cast<uint32_t>(i));
     if (!allocated.ok()) {
+      // Give back what the new parameters got, so a retry (after freeing memory) starts clean.
+      for (size_t k = before; k <= i; ++k) ReleaseParameterLocked(params_[k]);
       params_.resize(before);
       return allocated;
     }
@@ -389,7 +405,19 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
     return;
   }
   const uint32_t index = static_cast<uint32_t>(message.id);
-  params_[index].any_gradient = true;
+  Parameter& p = params_[index];
+  if (message.value == 0) {
+    // No machine had a gradient for it: like torch, leave it (and its step) alone.
+    p.phase = Phase::kDone;
+    ++params_done_;
+    ++params_with_stats_;
+    SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
+                      ipc::kFlagNoGradient));
+    if (settings_.deferred()) MaybeDecideLocked();
+    MaybeFinishIterationLocked();
+    return;
+  }
+  p.any_gradient = true;
   if (settings_.deferred()) {
     StartStatsLocked(index);
   } else {
@@ -401,6 +429,7 @@ void JobOptimizer::AfterGradientsInLocked(uint32_t index) {
   Parameter& p = params_[index];
   const bool has_gradient = p.absent.size() < world_size_;
   const bool last_micro = p.micro + 1 >= settings_.accumulation_steps;
+  if (has_gradient) p.machine_gradient = true;
   if (settings_.machines > 1 && last_micro) {
     // Every parameter goes out to the all-reduce every step, gradient or not (zeros then), so
     // the machines' collectives line up, as DistributedDataParallel's do.
@@ -473,7 +502,10 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
       if (--q.chunks_left != 0 || !self->failure_.empty()) return;
       if (final_micro && self->settings_.machines > 1) {
         q.phase = Phase::kCrossMachine;
-        self->SendToRank(0, Message(ipc::DoorbellKind::kReduceReady, index, self->iteration_ + 1));
+        // value: whether any rank of this machine had a gradient (the leaders combine these,
+        // so a parameter no machine had a gradient for is left alone, as on one machine).
+        self->SendToRank(0, Message(ipc::DoorbellKind::kReduceReady, index, self->iteration_ + 1,
+                                    q.machine_gradient ? 1 : 0));
         return;
       }
       if (final_micro) {
@@ -670,6 +702,7 @@ void JobOptimizer::ResetProgressLocked() {
     p.arrived.clear();
     p.absent.clear();
     p.any_gradient = false;
+    p.machine_gradient = false;
     p.stats = {};
     p.chunks_left = 0;
   }
@@ -717,10 +750,13 @@ absl::Status JobOptimizer::SetGroups(const std::vector<GroupHyperParameters>& gr
         absl::StrFormat("max_grad_norm %g is not a finite value >= 0", max_grad_norm));
   }
   absl::MutexLock lock(&mu_);
-  if (groups.size() < settings_.groups.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%d groups given; the optimizer has %d (groups can be added, not removed)",
-        groups.size(), settings_.groups.size()));
+  for (const Parameter& p : params_) {
+    if (p.desc.group >= groups.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%d groups given; parameter '%s' is in group %d (a group can be dropped only when "
+          "no parameter is in it)",
+          groups.size(), p.desc.name, p.desc.group));
+    }
   }
   if ((max_grad_norm > 0) != (settings_.max_grad_norm > 0)) {
     return absl::FailedPreconditionError(

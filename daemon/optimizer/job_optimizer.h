@@ -144,6 +144,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     std::set<uint32_t> arrived;  // ranks
     std::set<uint32_t> absent;   // ranks that had no gradient
     bool any_gradient = false;   // over the micro-steps of this iteration
+    bool machine_gradient = false;  // multi-machine jobs: some rank here had one this iteration
     kernels::GradientStats stats;
     size_t chunks_left = 0;
   };
@@ -151,6 +152,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
   void ClearInParallel(uint8_t* data, uint64_t bytes);
+  // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
+  void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A registration whose list extends the job's: allocates the new parameters' state.
   absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
                                    const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -211,11 +211,11 @@ PYBIND11_MODULE(_trainstream, m) {
            })
       .def("wait_reduce_ready",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
-             Released([&] { return o.WaitReduceReady(index, iteration, timeout_ms); });
+             return Released([&] { return o.WaitReduceReady(index, iteration, timeout_ms); });
            })
       .def("post_reduced",
-           [](HostOptimizer& o, uint32_t index, uint64_t iteration) {
-             Released([&] { return o.PostReduced(index, iteration); });
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration, bool any_gradient) {
+             Released([&] { return o.PostReduced(index, iteration, any_gradient); });
            })
       .def("wait_iteration",
            [](HostOptimizer& o, uint64_t iteration, int timeout_ms) {

@@ -162,12 +162,15 @@ class HostOptimizer:
         machine's ranks (after :meth:`wait_reduce_ready`), to all-reduce in place."""
         return self._views[i]["reduce"]
 
-    def wait_reduce_ready(self, i: int) -> None:
-        self._native.wait_reduce_ready(i, self.iteration + 1, self.timeout_ms)
+    def wait_reduce_ready(self, i: int) -> bool:
+        """Waits for parameter ``i``'s machine sum; returns whether any rank here had a
+        gradient for it."""
+        return self._native.wait_reduce_ready(i, self.iteration + 1, self.timeout_ms)
 
-    def post_reduced(self, i: int) -> None:
-        """The reduce buffer of ``i`` holds every machine's sum: the daemon may update it."""
-        self._native.post_reduced(i, self.iteration + 1)
+    def post_reduced(self, i: int, any_gradient: bool = True) -> None:
+        """The reduce buffer of ``i`` holds every machine's sum: the daemon may update it (or,
+        when no machine had a gradient for it, leave it alone)."""
+        self._native.post_reduced(i, self.iteration + 1, any_gradient)
 
     def exp_avg(self, i: int):
         return self._views[i]["exp_avg"]

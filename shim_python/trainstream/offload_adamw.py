@@ -147,6 +147,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
+        self._max_grad_norm = float(max_grad_norm or 0.0)
+        self._nonfinite = nonfinite
         self._pushed = [_group(g) for g in self.param_groups]
         self._backwards = [0] * len(self._params)
         self._hooks: list = []
@@ -162,6 +164,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._vram_headroom = float(vram_headroom)
         self._on_decision = on_decision or (lambda kind, message, **numbers: None)
         self._gpu_optimizer: torch.optim.Optimizer | None = None
+        self._steps_at_switch = 0
         self._steps_on_gpu = 0
         self._step_times: list[float] = []
         self._last_step_end: float | None = None
@@ -238,11 +241,15 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _check_targets(self) -> None:
         if not self._device_return:
             return
-        for i, p in enumerate(self._params):
-            if p.data_ptr() != self._targets[i]:
-                # Someone gave the parameter new storage (p.data = ...): copy there from now on.
-                self._host._native.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
-                self._targets[i] = p.data_ptr()
+        moved = [i for i, p in enumerate(self._params) if p.data_ptr() != self._targets[i]]
+        if moved:
+            # The old storage may be reused already: nothing may still be copying into it.
+            self._host._native.synchronize_device_returns()
+        for i in moved:
+            # Someone gave the parameter new storage (p.data = ...): copy there from now on.
+            p = self._params[i]
+            self._host._native.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
+            self._targets[i] = p.data_ptr()
 
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
         for p in module.parameters(recurse=False):
@@ -313,7 +320,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Waits for every parameter's update (most finished during backward) and starts the
         copies of the new weights back to the GPU."""
         if self._gpu_optimizer is not None:
-            loss = self._gpu_optimizer.step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._reports_norm:
+                # What the daemon did before the switch: clip (or only measure) the global norm.
+                norm = torch.nn.utils.clip_grad_norm_(self._params,
+                                                      self._max_grad_norm or float("inf"))
+                self.last_grad_norm = float(norm)
+            self._gpu_optimizer.step()
             self._steps_on_gpu += 1
             return loss
         if grad_scaler is not None or kwargs:
@@ -376,6 +392,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._on_decision("wrap.offload", "data parallel job: the optimizer stays in "
                               "trainstreamd (one state for every rank)", parameters=numel)
             return
+        if self._nonfinite != "ignore":
+            self._on_decision("wrap.offload", f"nonfinite={self._nonfinite!r}: the optimizer "
+                              "stays in trainstreamd, which checks every gradient before a step",
+                              parameters=numel)
+            return
         odd = sorted({str(p.dtype) for p in self._params if p.dtype != torch.float32})
         if odd:
             self._on_decision("wrap.offload", f"parameters in {', '.join(odd)}: the optimizer "
@@ -417,23 +438,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._poster is not None:
             self._poster.close()
             self._poster = None
-        info = self._host.info()
-        steps = info.get("param_steps", [0] * len(self._params))
         cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
         # The same group dicts: a scheduler that holds this optimizer keeps working.
         gpu = cls(self.param_groups, fused=True)
+        self._gpu_optimizer = gpu
+        self._steps_at_switch = self._host.iteration
+        self._load_gpu_state_from_daemon()
+        for p in self._params:
+            p.grad = None
+        self.state = gpu.state
+        self.param_groups = gpu.param_groups  # one list: groups added later reach both
+
+    def _load_gpu_state_from_daemon(self) -> None:
+        steps = self._host.info().get("param_steps", [0] * len(self._params))
+        self._gpu_optimizer.state.clear()
         for i, p in enumerate(self._params):
             if steps[i] == 0:
                 continue
-            gpu.state[p] = {
+            self._gpu_optimizer.state[p] = {
                 "step": torch.tensor(float(steps[i]), dtype=torch.float32, device=p.device),
                 "exp_avg": self._host.exp_avg(i).to(p.device, torch.float32, copy=True),
                 "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
             }
-            p.grad = None
-        self._gpu_optimizer = gpu
-        self.state = gpu.state
-        self.param_groups = gpu.param_groups  # one list: groups added later reach both
 
     @property
     def on_gpu(self) -> bool:
@@ -446,10 +472,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         up), then lets the daemon update each."""
         import torch.distributed as dist
 
-        for i in reversed(range(len(self._params))):  # backward's order: the first ready first
-            self._host.wait_reduce_ready(i)
-            dist.all_reduce(self._host.reduce(i), group=self._machine_group)
-            self._host.post_reduced(i)
+        order = list(reversed(range(len(self._params))))  # backward's: the first ready first
+        had = torch.tensor([float(self._host.wait_reduce_ready(i)) for i in order])
+        # Which parameters any machine had a gradient for: the others are left alone, as on
+        # one machine, and need no all-reduce.
+        dist.all_reduce(had, op=dist.ReduceOp.MAX, group=self._machine_group)
+        for i, any_gradient in zip(order, had.tolist()):
+            if any_gradient:
+                dist.all_reduce(self._host.reduce(i), group=self._machine_group)
+            self._host.post_reduced(i, bool(any_gradient))
 
     def _push_hyperparameters(self) -> None:
         # A scheduler changes lr between steps: the daemon gets it before the next updates.
@@ -489,24 +520,36 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)  # torch's checks and defaults
         group = self.param_groups[-1]
         new = [p for p in group["params"] if p.requires_grad]
-        for p in new:
-            if p.device != self._params[0].device:
-                self.param_groups.pop()
-                raise InvalidArgumentError(
-                    f"the new group has a parameter on {p.device}; the others are on "
-                    f"{self._params[0].device}")
+        bad = [p for p in new if p.device != self._params[0].device]
+        if bad:
+            self.param_groups.pop()
+            raise InvalidArgumentError(
+                f"the new group has a parameter on {bad[0].device}; the others are on "
+                f"{self._params[0].device}")
         start = len(self._params)
+        grad_dtypes = [self._gradient_dtype or p.dtype for p in new]
+        specs = [ParameterSpec(_safe_name(self._names.get(p, f"param{i}")), tuple(p.shape),
+                               p.dtype, grad_dtypes[k], len(self.param_groups) - 1)
+                 for k, (i, p) in enumerate(zip(range(start, start + len(new)), new))]
+        groups = [_group(g) for g in self.param_groups]
+        if not new:  # only frozen parameters: the daemon just learns the group
+            self._host.set_groups(groups)
+            self._pushed = groups
+            self._all += group["params"]
+            return
+        try:
+            first = self._host.add_parameters(specs, groups)
+        except BaseException:
+            # Back to the groups the daemon had (it drops a group no parameter is in).
+            self.param_groups.pop()
+            self._host.set_groups(self._pushed)
+            raise
+        self._pushed = groups
         self._all += group["params"]
         self._params += new
         for i, p in enumerate(new, start=start):
             self._index[id(p)] = i
-        grad_dtypes = [self._gradient_dtype or p.dtype for p in new]
         self._grad_dtypes += grad_dtypes
-        specs = [ParameterSpec(_safe_name(self._names.get(p, f"param{i}")), tuple(p.shape),
-                               p.dtype, grad_dtypes[k], len(self.param_groups) - 1)
-                 for k, (i, p) in enumerate(zip(range(start, start + len(new)), new))]
-        first = self._host.add_parameters(specs, [_group(g) for g in self.param_groups])
-        self._pushed = [_group(g) for g in self.param_groups]
         if first <= start:
             self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
         self._backwards += [0] * len(new)
@@ -569,6 +612,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Brings the model's weights to the daemon's (after a load, or when joining a job whose
         state another rank created). CPU weights are the daemon's memory already."""
         if self._cuda:
+            if self._device_return:
+                # A returning copy still in flight must not land after these.
+                self._host._native.synchronize_device_returns()
             for i, p in enumerate(self._params):
                 self._host.param_buffer(i).copy_to_device(p.data, stream=self._copy_stream)
             self._copy_stream.synchronize()
@@ -577,20 +623,32 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Checkpoints the optimizer state by the daemon (atomic rename)."""
         if self._gpu_optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
-            state = self._gpu_optimizer.state_dict()
-            steps = [int(state["state"][k]["step"]) for k in state["state"]]
-            self._host.load_state_dict(dict(
-                state, master=[p.detach().float().cpu() for p in self._params],
-                iteration=max(steps) if steps else 0))
+            param_steps = []
+            for i, p in enumerate(self._params):
+                entry = self._gpu_optimizer.state.get(p, {})
+                param_steps.append(int(entry["step"]) if entry else 0)
+                if entry:
+                    self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
+                    self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
+                self._host.master(i).copy_(p.detach().reshape(p.shape))
+            self._host.set_groups([_group(g) for g in self.param_groups])
+            self._host.set_step(self.steps, param_steps)
+            self._steps_at_switch, self._steps_on_gpu = self.steps, 0
         return self._host.save(path)
 
     def load(self, path: str) -> None:
         self._host.load(path)
         self.refresh_weights()
+        if self._gpu_optimizer is not None:
+            # The GPU optimizer continues from the checkpoint's moments and steps.
+            self._load_gpu_state_from_daemon()
+            self._steps_at_switch, self._steps_on_gpu = self._host.iteration, 0
 
     @property
     def steps(self) -> int:
-        return self._host.iteration + self._steps_on_gpu
+        if self._gpu_optimizer is not None:
+            return self._steps_at_switch + self._steps_on_gpu
+        return self._host.iteration
 
     def stats(self) -> dict:
         """The daemon's figures for this job's optimizer (and where the optimizer runs now)."""

@@ -125,7 +125,9 @@ def _distributed(option: Any) -> _Topology:
     group = None
     if machines > 1:
         # Collective: every rank creates it, only each machine's rank 0 uses it.
-        group = dist.new_group([m * local_world for m in range(machines)])
+        # gloo: the group all-reduces the daemon's shared-memory (CPU) buffers, whatever backend
+        # the job trains with.
+        group = dist.new_group([m * local_world for m in range(machines)], backend="gloo")
     return _Topology(local_rank, local_world, machines, group, f"torchrun-{run}")
 
 

@@ -347,21 +347,31 @@ def test_cross_machine_reduction_updates_with_every_machines_gradient(daemon):
             enumerate(ref)]
     theirs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)) for i, p in
               enumerate(ref)]
+    unused = len(ref) - 1  # no machine has a gradient for the last parameter
     with trainstream.connect(daemon.socket, job_id="machines") as c:
         opt = HostOptimizer(c, specs(ref), groups=[dict(lr=1e-2, weight_decay=0.1)], machines=2)
         opt.load_weights([p.detach() for p in ref])
         for i, g in enumerate(mine):
+            if i == unused:
+                opt.post(i, no_grad=True)
+                continue
             opt.grad(i).copy_(g)
             opt.post(i)
         for i, g in enumerate(theirs):
-            opt.wait_reduce_ready(i)
+            had = opt.wait_reduce_ready(i)
+            assert had == (i != unused)
+            if i == unused:
+                opt.post_reduced(i, any_gradient=False)
+                continue
             assert torch.equal(opt.reduce(i), mine[i])  # this machine's sum
             opt.reduce(i).add_(g)
             opt.post_reduced(i)
-        opt.wait()
+        result = opt.wait()
+        assert result["updated"] == [True] * unused + [False]
+        assert opt.info()["param_steps"][unused] == 0
     torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-    for p, a, b in zip(ref, mine, theirs):
-        p.grad = (a + b) / 2  # the mean over both machines' ranks
+    for i, (p, a, b) in enumerate(zip(ref, mine, theirs)):
+        p.grad = None if i == unused else (a + b) / 2  # the mean over both machines' ranks
     torch_opt.step()
     assert max_diff(opt, ref) <= 1e-6
 
@@ -375,4 +385,4 @@ def test_a_reduction_announced_out_of_turn_fails_the_job_clearly(daemon):
         with pytest.raises(trainstream.FailedPreconditionError, match="not out for reduction"):
             opt.wait()
         with pytest.raises(trainstream.InvalidArgumentError, match="no reduce buffer"):
-            opt._native.post_reduced(99, 1)
+            opt._native.post_reduced(99, 1, True)

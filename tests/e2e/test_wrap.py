@@ -273,3 +273,30 @@ def test_add_param_group_mid_run_matches_stock_adamw(daemon_socket):
     assert "optimizer.extended" in kinds
     with pytest.raises(ValueError, match="some parameters appear in more than one"):
         opt.add_param_group(dict(params=our_thawed))
+
+
+def test_after_the_switch_clipping_steps_and_checkpoints_carry_on(daemon_socket, tmp_path):
+    # The GPU switch's bookkeeping, exercised on a CPU model (torch's fused AdamW runs on the
+    # CPU too): clipping keeps happening, step counts continue, and a daemon checkpoint taken
+    # after the switch restores the same trajectory.
+    torch.manual_seed(10)
+    ref = TinyGPT()
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True, max_grad_norm=0.5, device="cpu")
+    train(ref, ref_opt, 2, clip=0.5, device="cpu")
+    train(ours, opt, 2, device="cpu")
+    opt._switch_to_gpu()
+    assert opt.on_gpu and opt.steps == 2
+    train(ref, ref_opt, 3, clip=0.5, start=2, device="cpu")
+    train(ours, opt, 3, start=2, device="cpu")
+    assert max_diff(ref, ours) <= 1e-5 and opt.steps == 5 and opt.last_grad_norm > 0
+    opt.save(str(tmp_path / "opt.safetensors"))
+    assert opt.steps == 5
+    train(ours, opt, 2, start=5, device="cpu")
+    after = [p.detach().clone() for p in ours.parameters()]
+    opt.load(str(tmp_path / "opt.safetensors"))  # weights, moments and steps of step 5
+    assert opt.steps == 5
+    train(ours, opt, 2, start=5, device="cpu")
+    assert max((a - p.detach()).abs().max().item() for a, p in zip(after, ours.parameters())) == 0

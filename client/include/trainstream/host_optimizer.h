@@ -105,10 +105,13 @@ class HostOptimizer {
   // Multi-machine jobs, rank 0: waits until `index`'s reduce buffer holds this machine's sum
   // for `iteration`; after all-reducing it with the other machines, PostReduced() lets the
   // daemon update the parameter.
-  absl::Status WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms);
-  absl::Status PostReduced(uint32_t index, uint64_t iteration);
+  // Returns whether any rank of this machine had a gradient for it; PostReduced passes on
+  // whether any machine had one (when none had, the daemon leaves the parameter alone).
+  absl::StatusOr<bool> WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms);
+  absl::Status PostReduced(uint32_t index, uint64_t iteration, bool any_gradient);
 
-  // From now on, a thread of this object takes the daemon's notices as they arrive and copies
+  // From now on, a thread of this object takes the daemon's notices as they arrive (so
+  // Session::Wait and Ping must not be used on this session any more) and copies
   // each updated parameter (its model-dtype copy, or the master for float32) to `targets[i]`
   // on CUDA device `device` the moment its update is announced, during backward, instead of
   // after the whole step. The waits above then read the notices that thread passes on.
@@ -150,7 +153,8 @@ class HostOptimizer {
   absl::StatusOr<Notice> NextNotice(int timeout_ms);
   // Waits for the notice (kind, index, iteration), holding others for later waits.
   absl::Status WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration,
-                             int timeout_ms, const absl::FormatSpec<uint32_t>& late);
+                             int timeout_ms, const absl::FormatSpec<uint32_t>& late,
+                             uint64_t* value = nullptr);
   void RouteNotices();
 
   Session& session_;
