@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// tsctl memory: the budget, then who holds what (by uid, by session, by tag).
+// tsctl memory: the budget, the jobs' plans, then who holds what (by uid, by session, by tag).
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -44,9 +44,23 @@ absl::Status RunMemory(const Invocation& invocation) {
   std::cout << RenderFields({
       {"budget", HumanBytes(reply.budget_bytes())},
       {"reserved", HumanBytes(reply.reserved_bytes())},
+      {"committed", absl::StrCat(HumanBytes(reply.committed_bytes()),
+                                 " (reserved, plus planned and not yet reserved)")},
       {"uid quota", reply.uid_quota_bytes() == 0 ? "none" : HumanBytes(reply.uid_quota_bytes())},
       {"segments", absl::StrCat(reply.segments())},
   });
+  std::cout << "\nplans by job:\n";
+  if (reply.plans().empty()) {
+    std::cout << "(none)\n";
+  } else {
+    Table table({{"UID", Align::kRight}, {"JOB"}, {"PLANNED", Align::kRight},
+                 {"HELD", Align::kRight}});
+    for (const v1::JobPlan& plan : reply.plans()) {
+      table.AddRow({absl::StrCat(plan.uid()), plan.job_id(), HumanBytes(plan.planned_bytes()),
+                    HumanBytes(plan.used_bytes())});
+    }
+    std::cout << table.Render();
+  }
   PrintUsage("by uid", "UID", "RESERVED", reply.by_uid());
   PrintUsage("by session", "SESSION", "BYTES", reply.by_session());
   PrintUsage("by tag", "TAG", "BYTES", reply.by_tag());

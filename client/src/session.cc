@@ -61,6 +61,10 @@ absl::StatusOr<std::string> Session::EventsJson(uint64_t since_seq) {
   return impl_->EventsJson(since_seq);
 }
 
+absl::StatusOr<std::string> Session::PlanHostMemory(uint64_t bytes, absl::Duration wait) {
+  return impl_->PlanHostMemory(bytes, wait);
+}
+
 absl::StatusOr<uint64_t> Session::ReportEvent(
     const std::string& kind, const std::string& message,
     const std::vector<std::pair<std::string, double>>& numbers) {

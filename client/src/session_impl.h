@@ -230,6 +230,19 @@ class Session::Impl {
     return out + "]";
   }
 
+  absl::StatusOr<std::string> PlanHostMemory(uint64_t bytes, absl::Duration wait) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::PlanHostMemoryRequest request;
+    request.set_session_id(id_);
+    request.set_bytes(bytes);
+    request.set_wait_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(wait)));
+    v1::HostPlan reply;
+    RETURN_IF_ERROR(channel_.CallWithTimeout(
+        [&](grpc::ClientContext* c) { return channel_.stub().PlanHostMemory(c, request, &reply); },
+        wait + absl::Seconds(10)));
+    return ToJson(reply);
+  }
+
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
                                        const std::vector<std::pair<std::string, double>>& numbers) {
     RETURN_IF_ERROR(CheckUsable());

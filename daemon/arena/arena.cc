@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "trainstream/status_macros.h"
@@ -34,11 +35,20 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
 absl::StatusOr<Arena::SegmentEntry*> Arena::NewSegmentLocked(const JobKey& job, uint64_t bytes,
                                                              bool dedicated,
                                                              const std::string& for_name) {
-  if (reserved_ + bytes > options_.budget_bytes) {
+  // Other jobs' plans count as held; this job's own plan covers this segment if it can.
+  const uint64_t others_planned = OutstandingPlansLocked(&job);
+  const uint64_t used_after = UsedLocked(job) + bytes;
+  const auto own_plan = plans_.find(job);
+  const uint64_t own_outstanding =
+      own_plan != plans_.end() && own_plan->second > used_after ? own_plan->second - used_after : 0;
+  if (reserved_ + bytes + others_planned + own_outstanding > options_.budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "host memory budget exhausted: buffer '%s' needs a %s segment, but %s of the "
-        "daemon's %s budget is already reserved; free buffers or raise --memory_budget",
-        for_name, Mib(bytes), Mib(reserved_), Mib(options_.budget_bytes)));
+        "daemon's %s budget is already reserved%s; free buffers or raise --memory_budget",
+        for_name, Mib(bytes), Mib(reserved_), Mib(options_.budget_bytes),
+        others_planned > 0 ? absl::StrFormat(" and %s more is planned by other jobs",
+                                             Mib(others_planned))
+                           : ""));
   }
   uint64_t uid_reserved = reserved_by_uid_.contains(job.uid) ? reserved_by_uid_[job.uid] : 0;
   if (options_.uid_quota_bytes != 0 && uid_reserved + bytes > options_.uid_quota_bytes) {
@@ -51,6 +61,7 @@ absl::StatusOr<Arena::SegmentEntry*> Arena::NewSegmentLocked(const JobKey& job, 
   ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment, Segment::Create(id, bytes));
   reserved_ += bytes;
   reserved_by_uid_[job.uid] += bytes;
+  reserved_by_job_[job] += bytes;
   auto [it, inserted] = segments_.emplace(
       id, SegmentEntry{std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
   return &it->second;
@@ -150,6 +161,7 @@ void Arena::ReleaseBufferLocked(uint64_t buffer_id) {
     uint64_t bytes = entry.segment->bytes();
     reserved_ -= bytes;
     if ((reserved_by_uid_[job.uid] -= bytes) == 0) reserved_by_uid_.erase(job.uid);
+    if ((reserved_by_job_[job] -= bytes) == 0) reserved_by_job_.erase(job);
     segments_.erase(record.segment_id);
   }
 }
@@ -188,6 +200,8 @@ uint64_t Arena::ReleaseSession(const JobKey& job, const std::string& session_id)
     released += buffers_.at(id).bytes;
     ReleaseBufferLocked(id);
   }
+  // A job that holds nothing any more has ended: its plan goes with it.
+  if (!reserved_by_job_.contains(job)) plans_.erase(job);
   return released;
 }
 
@@ -226,6 +240,13 @@ ArenaUsage Arena::Usage() const {
   usage.budget_bytes = options_.budget_bytes;
   usage.uid_quota_bytes = options_.uid_quota_bytes;
   usage.reserved_bytes = reserved_;
+  usage.committed_bytes = reserved_ + OutstandingPlansLocked(nullptr);
+  for (const auto& [job, planned] : plans_) {
+    usage.plans.push_back(HostPlanRow{job, planned, UsedLocked(job)});
+  }
+  std::sort(usage.plans.begin(), usage.plans.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.job.uid, a.job.job_id) < std::tie(b.job.uid, b.job.job_id);
+  });
   usage.segments = segments_.size();
   std::map<std::string, UsageRow> by_uid, by_session, by_tag;
   for (const auto& [uid, bytes] : reserved_by_uid_) {

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "arena/offset_allocator.h"
 #include "arena/segment.h"
 #include "ipc/unique_fd.h"
@@ -66,8 +67,25 @@ struct UsageRow {
   uint32_t buffers = 0;
 };
 
+// A job's declared host-memory plan (admission) beside what it holds.
+struct HostPlanRow {
+  JobKey job;
+  uint64_t planned_bytes = 0;
+  uint64_t used_bytes = 0;
+};
+
+// The outcome of Arena::Plan, in bytes.
+struct PlanOutcome {
+  uint64_t planned = 0;
+  uint64_t used = 0;       // segments the job holds now
+  uint64_t budget = 0;
+  uint64_t committed = 0;  // held or planned by every job, this plan included
+};
+
 struct ArenaUsage {
   uint64_t budget_bytes = 0;
+  uint64_t committed_bytes = 0;      // held, plus planned and not yet held
+  std::vector<HostPlanRow> plans;
   uint64_t uid_quota_bytes = 0;
   uint64_t reserved_bytes = 0;
   uint64_t segments = 0;
@@ -108,6 +126,14 @@ class Arena {
   // The daemon's own view of a buffer's bytes (read-only once sealed). Valid until freed.
   absl::StatusOr<uint8_t*> BufferData(const JobKey& job, uint64_t buffer_id) const;
 
+  // Admission: records that `job` will hold up to `bytes` of host memory in all (0 drops its
+  // plan). The machine then keeps that much for it: other jobs' allocations and plans cannot
+  // take it, and its own allocations within the plan cannot be refused for lack of budget. A
+  // plan that does not fit next to what the other jobs hold or planned is RESOURCE_EXHAUSTED,
+  // naming those jobs and the numbers; with `wait` above zero, it waits that long for room
+  // first. The plan ends with the job's last buffer released by ReleaseSession.
+  absl::StatusOr<PlanOutcome> Plan(const JobKey& job, uint64_t bytes, absl::Duration wait);
+
   ArenaUsage Usage() const;
   uint64_t reserved_bytes() const;
 
@@ -124,6 +150,9 @@ class Arena {
                                                  bool dedicated, const std::string& for_name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseBufferLocked(uint64_t buffer_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes planned and not yet held, over every job but `except` (none: all jobs).
+  uint64_t OutstandingPlansLocked(const JobKey* except) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint64_t UsedLocked(const JobKey& job) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const BufferRecord*> FindOwnedLocked(const JobKey& job,
                                                       const std::string& session_id,
                                                       uint64_t buffer_id) const
@@ -135,6 +164,8 @@ class Arena {
   uint64_t next_buffer_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uid_t, uint64_t> reserved_by_uid_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<JobKey, uint64_t> reserved_by_job_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<JobKey, uint64_t> plans_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, SegmentEntry> segments_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, BufferRecord> buffers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, JobKey> buffer_jobs_ ABSL_GUARDED_BY(mu_);

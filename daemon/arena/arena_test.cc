@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <thread>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "ipc/shared_mapping.h"
 
@@ -174,6 +176,76 @@ TEST(ArenaTest, UsageIsAccountedBySessionTagAndUid) {
   ASSERT_EQ(usage.by_uid.size(), 2u);
   EXPECT_EQ(usage.by_uid[0].bytes, 4 * kMiB);
   EXPECT_EQ(usage.reserved_bytes, 8 * kMiB);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon
+
+namespace trainstream::daemon {
+namespace {
+
+AllocationRequest ForJob(const JobKey& job, std::string name, uint64_t bytes) {
+  AllocationRequest r;
+  r.job = job;
+  r.session_id = job.job_id + "-session";
+  r.name = std::move(name);
+  r.bytes = bytes;
+  return r;
+}
+
+TEST(ArenaPlanTest, APlanThatDoesNotFitIsRefusedNamingWhoHoldsTheMemory) {
+  auto arena = MakeArena(/*budget=*/64 * kMiB);
+  const JobKey a{1000, "a"}, b{1001, "b"}, mine{1001, "mine"};
+  ASSERT_TRUE(arena->Plan(a, 32 * kMiB, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(arena->Plan(mine, 8 * kMiB, absl::ZeroDuration()).ok());
+  absl::Status refused = arena->Plan(b, 32 * kMiB, absl::ZeroDuration()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  // The caller's own jobs are named; another user's only counted.
+  for (const char* words : {"job 'b' plans 0.03 GiB", "a job of another user: 0.03 GiB",
+                            "your job 'mine': 0.01 GiB planned", "leaving 0.02 GiB"}) {
+    EXPECT_NE(refused.message().find(words), std::string::npos) << refused;
+  }
+  EXPECT_EQ(refused.message().find("'a'"), std::string::npos) << refused;
+  EXPECT_TRUE(arena->Plan(b, 24 * kMiB, absl::ZeroDuration()).ok());
+  EXPECT_EQ(arena->Usage().committed_bytes, 64 * kMiB);
+}
+
+TEST(ArenaPlanTest, PlannedMemoryIsKeptForItsJob) {
+  auto arena = MakeArena(/*budget=*/64 * kMiB);
+  const JobKey a{1000, "a"}, c{1002, "c"};
+  ASSERT_TRUE(arena->Plan(a, 48 * kMiB, absl::ZeroDuration()).ok());
+  // Another job, with no plan, cannot take what job a planned...
+  absl::Status refused = arena->Allocate(ForJob(c, "x", 20 * kMiB)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("planned by other jobs"), std::string::npos) << refused;
+  EXPECT_TRUE(arena->Allocate(ForJob(c, "x", 12 * kMiB)).ok());
+  // ...while job a's own allocations inside its plan go through.
+  EXPECT_TRUE(arena->Allocate(ForJob(a, "w", 44 * kMiB)).ok());
+  ArenaUsage usage = arena->Usage();
+  ASSERT_EQ(usage.plans.size(), 1u);
+  EXPECT_EQ(usage.plans[0].planned_bytes, 48 * kMiB);
+  EXPECT_EQ(usage.plans[0].used_bytes, 44 * kMiB);
+}
+
+TEST(ArenaPlanTest, AWaitingPlanIsAdmittedWhenTheOtherJobEnds) {
+  auto arena = MakeArena(/*budget=*/64 * kMiB);
+  const JobKey a{1000, "a"}, b{1001, "b"};
+  ASSERT_TRUE(arena->Plan(a, 48 * kMiB, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(arena->Allocate(ForJob(a, "w", 40 * kMiB)).ok());
+  std::thread finisher([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    arena->ReleaseSession(a, "a-session");  // job a ends: its buffers and its plan go
+  });
+  const absl::Time start = absl::Now();
+  absl::StatusOr<PlanOutcome> admitted = arena->Plan(b, 40 * kMiB, absl::Seconds(10));
+  finisher.join();
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(150));
+  EXPECT_TRUE(arena->Usage().plans.size() == 1 && arena->Usage().plans[0].job == b);
+  // A wait that runs out still says why.
+  absl::Status late = arena->Plan(a, 40 * kMiB, absl::Milliseconds(50)).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(late.message().find("after waiting"), std::string::npos) << late;
 }
 
 }  // namespace

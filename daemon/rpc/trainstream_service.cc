@@ -270,6 +270,15 @@ grpc::Status TrainStreamService::GetMemory(grpc::ServerContext* context,
     usage.by_session = sessions;
     usage.by_tag.clear();  // tags are not attributed per uid; only admins see the totals
   }
+  reply->set_committed_bytes(usage.committed_bytes);
+  for (const HostPlanRow& plan : usage.plans) {
+    if (!caller->admin && plan.job.uid != caller->uid) continue;  // others' jobs stay private
+    v1::JobPlan* row = reply->add_plans();
+    row->set_uid(plan.job.uid);
+    row->set_job_id(plan.job.job_id);
+    row->set_planned_bytes(plan.planned_bytes);
+    row->set_used_bytes(plan.used_bytes);
+  }
   FillRows(usage.by_uid, reply->mutable_by_uid());
   FillRows(usage.by_session, reply->mutable_by_session());
   FillRows(usage.by_tag, reply->mutable_by_tag());

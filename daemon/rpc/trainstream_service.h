@@ -65,6 +65,9 @@ class TrainStreamService final : public v1::TrainStream::Service {
                          v1::MemoryReport*) override;
   grpc::Status StreamEvents(grpc::ServerContext*, const v1::StreamEventsRequest*,
                             grpc::ServerWriter<v1::Event>*) override;
+  // plan_host_memory_rpc.cc
+  grpc::Status PlanHostMemory(grpc::ServerContext*, const v1::PlanHostMemoryRequest*,
+                              v1::HostPlan*) override;
   // report_event_rpc.cc
   grpc::Status ReportEvent(grpc::ServerContext*, const v1::ReportEventRequest*,
                            v1::ReportEventReply*) override;

@@ -143,6 +143,10 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("events_json", [](Session& s, uint64_t since) {
         return Released([&] { return s.EventsJson(since); });
       })
+      .def("plan_host_memory",
+           [](Session& s, uint64_t bytes, double wait_s) {
+             return Released([&] { return s.PlanHostMemory(bytes, absl::Seconds(wait_s)); });
+           })
       .def("report_event", [](Session& s, const std::string& kind, const std::string& message,
                               const std::vector<std::pair<std::string, double>>& numbers) {
         return Released([&] { return s.ReportEvent(kind, message, numbers); });

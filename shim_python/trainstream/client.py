@@ -172,6 +172,12 @@ class Client:
     def events(self, since: int = 0) -> list:
         return _loads(self._native.events_json(since))
 
+    def plan_host_memory(self, nbytes: int, wait_s: float = 0.0) -> dict:
+        """Admission: declares all the host memory this job will hold (0 drops the plan). The
+        daemon keeps it for the job, or raises :class:`ResourceExhaustedError` with the numbers
+        (after waiting up to ``wait_s`` for other jobs to make room)."""
+        return _loads(self._native.plan_host_memory(int(nbytes), float(wait_s)))
+
     def report_event(self, kind: str, message: str, **numbers: float) -> int:
         """Records a decision in the daemon's event log under this session (as
         ``client.<kind>``), where ``tsctl events`` shows it; returns its sequence number."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import client as _client
-from .errors import FailedPreconditionError
+from .errors import FailedPreconditionError, ResourceExhaustedError
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
 
 # Options wrap() accepts now, with the values each takes. Later milestones add the paging and
@@ -34,6 +34,8 @@ _ACCEPTED = {
     "socket": "a trainstreamd socket path",
     "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
     "gradient_dtype": (None, "float32", "fp32", "bfloat16", "bf16"),
+    "check_memory": (True, False),
+    "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
 }
 
 
@@ -83,6 +85,9 @@ def _check_options(options: dict) -> None:
     steps = options.get("accumulation_steps", 1)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
+    wait = options.get("memory_wait_s", 0.0)
+    if not (isinstance(wait, (int, float)) and 0 <= wait <= 3600):
+        raise ValueError(f"trainstream.wrap: memory_wait_s={wait!r} must be seconds in [0, 3600]")
     headroom = options.get("vram_headroom", 0.10)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
@@ -98,6 +103,37 @@ class _Topology:
     machines: int = 1
     machine_group: Any = None  # the process group of every machine's rank 0
     job: str = ""
+
+
+def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
+                machines: int) -> int:
+    """The host memory the daemon will hold for this job: per trainable tensor, the fp32
+    master, both moments, a model-dtype copy unless fp32, one gradient slot per rank, and an
+    fp32 sum buffer with accumulation (CUDA) or across machines; each buffer rounded up as the
+    daemon's segments are, plus one shared segment's worth."""
+    from .offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
+
+    moment_bytes = torch.tensor([], dtype=MOMENT_DTYPES[moment]).element_size()
+    grad_dtype = GRADIENT_DTYPES.get(config["gradient_dtype"]) if config["gradient_dtype"] else None
+    cuda = next(model.parameters()).is_cuda
+    accum = machines > 1 or (cuda and config["accumulation_steps"] > 1)
+    granularity, shared = 2 << 20, 64 << 20
+    total = shared
+    seen = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        grad = torch.tensor([], dtype=grad_dtype or p.dtype).element_size()
+        buffers = [4 * n, moment_bytes * n, moment_bytes * n] + [grad * n] * ranks
+        if p.dtype != torch.float32:
+            buffers.append(p.element_size() * n)
+        if accum:
+            buffers.append(4 * n)
+        total += sum((b + granularity - 1) // granularity * granularity if b >= shared // 2
+                     else b + 64 for b in buffers)
+    return total
 
 
 def _distributed(option: Any) -> _Topology:
@@ -144,7 +180,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
-              "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None}
+              "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
+              "check_memory": True, "memory_wait_s": 0.0}
     config.update(options)
     events: list = []
 
@@ -172,6 +209,22 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names)
+
+    if config["check_memory"]:
+        # Admission before anything is allocated: the whole job's host memory is planned with
+        # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
+        planned = _host_bytes(model, moment, config, world, topology.machines)
+        try:
+            client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
+        except ResourceExhaustedError as e:
+            client.close()
+            raise ResourceExhaustedError(
+                f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
+                f"trainstreamd and the machine cannot give it: {e}. Options: "
+                "moment_dtype='bfloat16' (4 bytes a parameter less), memory_wait_s= to wait for "
+                "other jobs, or check_memory=False to allocate as it goes") from None
+        events.append(("wrap.admitted", f"host memory planned: {planned / 2**30:.2f} GiB for "
+                                        f"job {job_id}"))
 
     if optimizer is None:
         groups = [p for p in model.parameters() if p.requires_grad]

@@ -26,6 +26,7 @@ def test_malformed_requests(stub, pb, session_id):
                grpc.StatusCode.RESOURCE_EXHAUSTED)
     A = pb.AllocateBufferRequest
     E = pb.ReportEventRequest
+    P = pb.PlanHostMemoryRequest
     cases = [
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="", bytes=8)), I, "name is empty"),
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="a b", bytes=8)), I, "letters"),
@@ -60,6 +61,10 @@ def test_malformed_requests(stub, pb, session_id):
         (lambda: stub.ReportEvent(E(session_id=session_id, kind="w", numbers={"x": float("nan")})),
          I, "finite"),
         (lambda: stub.ReportEvent(E(session_id="s-0000000000000000", kind="w")), N, "no session"),
+        (lambda: stub.PlanHostMemory(P(session_id=session_id, bytes=2**50)), I, "16 TiB"),
+        (lambda: stub.PlanHostMemory(P(session_id=session_id, bytes=1, wait_ms=4_000_000)), I,
+         "longer than an hour"),
+        (lambda: stub.PlanHostMemory(P(session_id=session_id, bytes=2**40)), R, "plans 1024.00 GiB"),
     ]
     for call, code, *words in cases:
         expect(call, code, *words)

@@ -47,6 +47,8 @@ ATTACK = textwrap.dedent("""
     out["close"] = code(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=victim)))
     out["heartbeat"] = code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id=victim)))
     out["report"] = code(lambda: stub.ReportEvent(pb.ReportEventRequest(session_id=victim, kind="forged")))
+    out["plan"] = code(lambda: stub.PlanHostMemory(pb.PlanHostMemoryRequest(session_id=victim, bytes=1)))
+    out["plan_rows"] = [p.job_id for p in stub.GetMemory(pb.GetMemoryRequest()).plans]
     out["sessions"] = [s.session_id for s in stub.ListSessions(pb.ListSessionsRequest()).sessions]
     out["memory_uids"] = [r.key for r in stub.GetMemory(pb.GetMemoryRequest()).by_uid]
     out["events"] = [e.session_id for e in stub.StreamEvents(pb.StreamEventsRequest()) if e.session_id]
@@ -70,15 +72,17 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
     d = start_daemon("--memory_budget=128M", socket_mode="0666")
     with trainstream.connect(d.socket, job_id="job") as owner:
         owner.allocate("secret", 4096).memoryview()[:6] = b"secret"
+        owner.plan_host_memory(1 << 20)  # the owner's plan is not the other user's to see
         result = subprocess.run(
             [sys.executable, "-c", ATTACK, d.socket, owner.session_id, proto_modules],
             user=other_user, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
-        for op in ("lookup", "alloc", "close", "heartbeat", "report"):
+        for op in ("lookup", "alloc", "close", "heartbeat", "report", "plan"):
             assert out[op].startswith("PERMISSION_DENIED"), (op, out[op])
         assert out["sessions"] == []
         assert out["memory_uids"] == []
+        assert out["plan_rows"] == []
         assert owner.session_id not in out["events"]
         assert out["attach"] == 7  # PERMISSION_DENIED
         assert out["segment"] == 9  # FAILED_PRECONDITION: not attached, nothing handed out

@@ -113,6 +113,10 @@ class Session {
   absl::StatusOr<std::string> MemoryJson();
   // Events after `since_seq`, as a JSON array.
   absl::StatusOr<std::string> EventsJson(uint64_t since_seq);
+  // Admission: declares all the host memory this session's job will hold (0 drops the plan),
+  // waiting up to `wait` for room; RESOURCE_EXHAUSTED with the numbers when it does not fit.
+  // Returns the plan as JSON (HostPlan).
+  absl::StatusOr<std::string> PlanHostMemory(uint64_t bytes, absl::Duration wait);
   // Records a decision of this client in the daemon's event log (kind stored as
   // "client.<kind>"); returns the event's sequence number.
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,

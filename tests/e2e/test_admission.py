@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Admission: jobs plan their host memory with the daemon before allocating it; a plan that
+does not fit is refused with the numbers (or waits for room), and wrap() plans its job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from tiny_gpt import TinyGPT  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_competing_plans_are_refused_then_admitted_when_room_frees(start_daemon, tsctl_binary):
+    d = start_daemon("--memory_budget=512M")
+    first = trainstream.connect(d.socket, job_id="first")
+    second = trainstream.connect(d.socket, job_id="second")
+    plan = first.plan_host_memory(300 * MiB)
+    assert plan["planned_bytes"] == str(300 * MiB) or int(plan["planned_bytes"]) == 300 * MiB
+    with pytest.raises(trainstream.ResourceExhaustedError) as refused:
+        second.plan_host_memory(300 * MiB)
+    message = str(refused.value)
+    assert "job 'second' plans 0.29 GiB" in message and "your job 'first'" in message
+    assert "leaving 0.21 GiB" in message
+    # The planned memory is the first job's: the second cannot allocate into it either.
+    with pytest.raises(trainstream.ResourceExhaustedError, match="planned by other jobs"):
+        second.allocate("big", 256 * MiB)
+    shown = subprocess.run([tsctl_binary, f"--socket={d.socket}", "memory"], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert "plans by job" in shown and "first" in shown
+    # The first job ends a moment later; a second plan that waits is admitted then.
+    threading.Timer(0.5, first.close).start()
+    start = time.monotonic()
+    second.plan_host_memory(300 * MiB, wait_s=10)
+    assert 0.3 < time.monotonic() - start < 8
+    kinds = [e["kind"] for e in second.events()]
+    assert "arena.plan_refused" in kinds and "arena.plan" in kinds
+    second.close()
+
+
+def test_wrap_is_refused_up_front_when_the_machine_cannot_hold_the_job(start_daemon, monkeypatch):
+    d = start_daemon("--memory_budget=128M")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
+    other = trainstream.connect(d.socket, job_id="other")
+    other.plan_host_memory(100 * MiB)
+    with pytest.raises(MemoryError, match="trainstream.wrap: this run needs .* GiB of host memory"):
+        trainstream.wrap(TinyGPT(), device="cpu", job_id="refused")
+    # Nothing of the refused job stays behind.
+    assert [p["job_id"] for p in other.memory().get("plans", [])] == ["other"]
+    other.close()
+    model, opt = trainstream.wrap(TinyGPT(), device="cpu", job_id="admitted")
+    kinds = [e["kind"] for e in trainstream.memory_report(model)["events"]]
+    assert "client.wrap.admitted" in kinds and "arena.plan" in kinds
+    trainstream.unwrap(model)
