@@ -8,7 +8,9 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
+from .blocks import find_blocks
 from .offload_adamw import OffloadAdamW
+from .planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .wrap import TrainStreamSession, memory_report, unwrap, wrap
 from .errors import (
     AlreadyExistsError,
@@ -36,5 +38,6 @@ __all__ = [
     "FailedPreconditionError", "HostOptimizer", "InternalError", "OffloadAdamW", "ParameterSpec",
     "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
-    "cuda_available",
+    "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
+    "PlanInputs", "plan_memory",
 ]

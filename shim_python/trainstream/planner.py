@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plan: from measured sizes and budgets, which blocks keep their weights in VRAM and
+which stream them from host memory, which blocks' activations stay, go to host memory or are
+recomputed, and the moments' precision. A pure function of its inputs (tested on synthetic
+budgets); ``wrap()`` feeds it measurements and says every decision in an event.
+
+Order of preference, cheapest first for a step's time: keep everything; page saved activations
+to host memory (their copies overlap compute); recompute the blocks host memory cannot take;
+stream block weights (each crosses PCIe twice a step); and on the host side, bf16 moments before
+giving up. A plan that cannot fit raises :class:`MemoryPlanError` with the numbers and what would
+make it fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ResourceExhaustedError
+
+GiB = float(1 << 30)
+
+
+class MemoryPlanError(ResourceExhaustedError):
+    """The run cannot fit in this machine's VRAM or host memory; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class BlockFacts:
+    """One block of the repeated stack, as measured."""
+
+    weight_bytes: int        # its weights as held on the GPU
+    activation_bytes: int    # what its forward saves for backward
+    input_bytes: int = 0     # what recomputing it keeps instead (its input)
+    trainable: int = 0       # trainable elements (their optimizer state lives on the host)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    blocks: tuple[BlockFacts, ...]
+    other_weight_bytes: int      # weights outside the block stack (embeddings, head)
+    other_trainable: int         # trainable elements outside the stack
+    working_bytes: int           # VRAM a step needs beyond weights and saved activations
+    vram_budget: int             # usable VRAM for this process, headroom already taken off
+    host_budget: int             # host memory the daemon can give this job
+    grad_bytes: int = 4          # per trainable element, one gradient slot
+    ranks: int = 1               # gradient slots per element
+    moment_dtype: str = "auto"   # "auto", "float32" or "bfloat16"
+    param_offload: object = "auto"       # "auto", True, False, fraction, or block indices
+    activation_offload: object = "auto"  # "auto", True, False, or fraction
+    prefetch_depth: int = 1
+
+
+@dataclass
+class MemoryPlan:
+    paged_blocks: list = field(default_factory=list)     # weights streamed from host memory
+    activation_policy: list = field(default_factory=list)  # per block: keep/offload/recompute
+    moment_dtype: str = "float32"
+    vram_bytes: int = 0          # the plan's VRAM peak estimate
+    host_bytes: int = 0          # optimizer state, paged weights' staging, paged activations
+    pcie_bytes_per_step: int = 0
+    history: list = field(default_factory=list)          # every decision, in words
+
+
+def _host_state(inputs: PlanInputs, moment_bytes: int) -> int:
+    trainable = inputs.other_trainable + sum(b.trainable for b in inputs.blocks)
+    return trainable * (4 + 2 * moment_bytes + inputs.grad_bytes * inputs.ranks)
+
+
+def _wanted_pages(option: object, n: int) -> set | None:
+    """Blocks the user asked to page (None: the planner decides)."""
+    if option == "auto":
+        return None
+    if option is True:
+        return set(range(n))
+    if option is False or option is None:
+        return set()
+    if isinstance(option, float):
+        return set(range(round(option * n)))
+    return set(option)
+
+
+def plan_memory(inputs: PlanInputs) -> MemoryPlan:
+    """Decides the plan, or raises :class:`MemoryPlanError`."""
+    n = len(inputs.blocks)
+    plan = MemoryPlan(activation_policy=["keep"] * n)
+    say = plan.history.append
+
+    # Host side first: the optimizer state must fit, in fp32 moments if it can.
+    moment = inputs.moment_dtype
+    state = _host_state(inputs, 4 if moment in ("auto", "float32") else 2)
+    if moment == "auto":
+        moment = "float32"
+        if state > inputs.host_budget:
+            moment, state = "bfloat16", _host_state(inputs, 2)
+            say(f"moments in bf16: fp32 moments would need {state / GiB:.2f} GiB more host "
+                f"memory than the {inputs.host_budget / GiB:.2f} GiB the daemon can give")
+    plan.moment_dtype = moment
+    if state > inputs.host_budget:
+        raise MemoryPlanError(
+            f"the optimizer state needs {state / GiB:.2f} GiB of host memory with {moment} "
+            f"moments; the daemon can give this job {inputs.host_budget / GiB:.2f} GiB. Free "
+            "host memory, raise the daemon's --memory_budget, or train fewer parameters (LoRA)")
+    host_left = inputs.host_budget - state
+
+    weights = inputs.other_weight_bytes + sum(b.weight_bytes for b in inputs.blocks)
+    activations = [b.activation_bytes for b in inputs.blocks]
+    paged: set = set()
+
+    def vram() -> int:
+        resident = inputs.other_weight_bytes + sum(
+            b.weight_bytes for i, b in enumerate(inputs.blocks) if i not in paged)
+        if paged:  # slots for the blocks being fetched and used
+            biggest = max(inputs.blocks[i].weight_bytes for i in paged)
+            resident += (inputs.prefetch_depth + 1) * biggest
+        saved = 0
+        for i, policy in enumerate(plan.activation_policy):
+            if policy == "keep":
+                saved += activations[i]
+            elif policy == "recompute":
+                saved += inputs.blocks[i].input_bytes
+        # Offloaded activations still pass through VRAM one block at a time.
+        in_flight = max((activations[i] for i, p in enumerate(plan.activation_policy)
+                         if p != "keep"), default=0)
+        return resident + saved + in_flight + inputs.working_bytes
+
+    wanted = _wanted_pages(inputs.param_offload, n)
+    if wanted:
+        paged |= wanted
+        say(f"blocks {sorted(wanted)} stream their weights, as asked (param_offload)")
+
+    # Activations: page them to host memory while it has room, else recompute; the last
+    # block's are used at once by backward and always stay.
+    order = list(range(n - 1))
+    forced = inputs.activation_offload
+    if forced is True or isinstance(forced, float):
+        count = len(order) if forced is True else round(forced * len(order))
+        for i in order[:count]:
+            plan.activation_policy[i] = "offload"
+        say(f"{count} blocks page their activations, as asked (activation_offload)")
+    elif forced == "auto":
+        for i in order:
+            if vram() <= inputs.vram_budget:
+                break
+            if activations[i] <= host_left:
+                plan.activation_policy[i] = "offload"
+                host_left -= activations[i]
+                say(f"block {i} pages its activations ({activations[i] / GiB:.2f} GiB) to host "
+                    "memory: VRAM does not hold every block's")
+            else:
+                plan.activation_policy[i] = "recompute"
+                say(f"block {i} is recomputed in backward: host memory cannot take its "
+                    f"{activations[i] / GiB:.2f} GiB of activations")
+
+    # Weights: stream blocks, first ones first, while VRAM is still short.
+    if wanted is None:
+        for i in range(n):
+            if vram() <= inputs.vram_budget:
+                break
+            paged.add(i)
+            say(f"block {i} streams its weights ({inputs.blocks[i].weight_bytes / GiB:.2f} GiB) "
+                "from host memory: VRAM does not hold them all")
+
+    need = vram()
+    if need > inputs.vram_budget:
+        raise MemoryPlanError(
+            f"this run needs {need / GiB:.2f} GiB of VRAM even with {len(paged)} of {n} blocks "
+            f"streaming their weights and {plan.activation_policy.count('keep')} keeping their "
+            f"activations; {inputs.vram_budget / GiB:.2f} GiB is usable. Lower the batch size "
+            "or sequence length, or let more blocks stream (param_offload=True, "
+            "activation_offload=True)")
+    plan.paged_blocks = sorted(paged)
+    plan.vram_bytes = need
+    paged_activations = sum(activations[i] for i, p in enumerate(plan.activation_policy)
+                            if p == "offload")
+    plan.host_bytes = state + paged_activations
+    plan.pcie_bytes_per_step = (2 * sum(inputs.blocks[i].weight_bytes for i in paged)
+                                + 2 * paged_activations)
+    if not plan.history:
+        say(f"everything stays in VRAM: {need / GiB:.2f} of {inputs.vram_budget / GiB:.2f} GiB "
+            f"({weights / GiB:.2f} GiB of weights)")
+    return plan

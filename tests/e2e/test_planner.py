@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plan on synthetic budgets, and finding a model's block stack."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import trainstream
+from trainstream import BlockFacts, MemoryPlanError, PlanInputs, plan_memory
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from tiny_gpt import TinyGPT  # noqa: E402
+
+GiB = 1 << 30
+
+
+def inputs(vram, host, blocks=8, weight=1 * GiB, activation=2 * GiB, **kw):
+    facts = tuple(BlockFacts(weight_bytes=weight, activation_bytes=activation,
+                             input_bytes=activation // 16, trainable=weight // 4)
+                  for _ in range(blocks))
+    return PlanInputs(blocks=facts, other_weight_bytes=GiB // 2, other_trainable=GiB // 8,
+                      working_bytes=GiB, vram_budget=vram, host_budget=host, **kw)
+
+
+def test_everything_stays_when_it_fits():
+    plan = plan_memory(inputs(vram=80 * GiB, host=200 * GiB))
+    assert plan.paged_blocks == [] and set(plan.activation_policy) == {"keep"}
+    assert plan.moment_dtype == "float32" and plan.pcie_bytes_per_step == 0
+    assert "everything stays in VRAM" in plan.history[0]
+
+
+def test_small_vram_pages_activations_before_weights():
+    # 8.5 GiB of weights + 16 GiB of activations + 1 GiB working set, 16 GiB usable.
+    plan = plan_memory(inputs(vram=16 * GiB, host=200 * GiB))
+    assert plan.paged_blocks == []  # paging activations alone was enough
+    assert plan.activation_policy[-1] == "keep"
+    assert "offload" in plan.activation_policy and "recompute" not in plan.activation_policy
+    assert plan.vram_bytes <= 16 * GiB
+    assert plan.pcie_bytes_per_step == 2 * 2 * GiB * plan.activation_policy.count("offload")
+
+
+def test_smaller_vram_also_streams_weights():
+    plan = plan_memory(inputs(vram=8 * GiB, host=200 * GiB))
+    assert plan.paged_blocks and plan.paged_blocks == list(range(len(plan.paged_blocks)))
+    assert plan.vram_bytes <= 8 * GiB
+    assert any("streams its weights" in h for h in plan.history)
+
+
+def test_small_host_memory_recomputes_instead_and_chooses_bf16_moments():
+    # fp32 state: 2.125 Gi elements x (4 + 8 + 4) B = 34 GiB; bf16 moments: 25.5 GiB.
+    plan = plan_memory(inputs(vram=16 * GiB, host=30 * GiB))
+    assert plan.moment_dtype == "bfloat16"
+    assert "recompute" in plan.activation_policy  # no host room left for activations
+    assert any("moments in bf16" in h for h in plan.history)
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_numbers():
+    # With every block streaming: 0.5 GiB other weights + 2 one-block slots + the last block's
+    # activations + one block's in flight + 1 GiB working set = 7.5 GiB.
+    with pytest.raises(MemoryPlanError, match=r"needs 7\.50 GiB of VRAM even with 8 of 8 blocks"):
+        plan_memory(inputs(vram=3 * GiB, host=200 * GiB))
+    with pytest.raises(MemoryError, match="optimizer state needs .* host memory with bfloat16"):
+        plan_memory(inputs(vram=80 * GiB, host=10 * GiB))
+
+
+def test_user_choices_are_kept():
+    plan = plan_memory(inputs(vram=80 * GiB, host=200 * GiB, param_offload=[0, 2],
+                              activation_offload=True))
+    assert plan.paged_blocks == [0, 2]
+    assert plan.activation_policy == ["offload"] * 7 + ["keep"]
+
+
+def test_find_blocks_returns_the_repeated_stack():
+    model = TinyGPT(layers=3)
+    assert trainstream.find_blocks(model) == list(model.blocks)
+    from gpt import GPT, PRESETS
+
+    gpt = GPT(PRESETS["tiny"])
+    assert trainstream.find_blocks(gpt) == list(gpt.blocks)
+    assert trainstream.find_blocks(torch.nn.Linear(4, 4)) == []
