@@ -26,7 +26,8 @@ absl::Status CheckTargets(const std::vector<std::shared_ptr<HostBuffer>>& source
         "%d device targets for %d parameters", targets.size(), sources.size()));
   }
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (targets[i].bytes != sources[i]->size() || targets[i].device_ptr == 0) {
+    if (targets[i].device_ptr == 0) continue;  // a parameter whose updates are not returned
+    if (targets[i].bytes != sources[i]->size()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "parameter %d: the device tensor holds %d bytes, its buffer '%s' %d", first_index + i,
           targets[i].bytes, sources[i]->info().name, sources[i]->size()));
@@ -96,6 +97,7 @@ absl::Status DeviceReturn::Copy(uint32_t index) {
   // The calling thread may be a fresh one: CUDA's current device is per thread.
   if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
   const DeviceTarget& t = targets_[index];
+  if (t.device_ptr == 0) return absl::OkStatus();  // not returned (paged from host memory)
   absl::Status copied = CopyToDevice(*sources_[index], 0, reinterpret_cast<void*>(t.device_ptr),
                                      t.bytes, stream_);
   if (!copied.ok()) return copied;
@@ -130,7 +132,7 @@ absl::Status DeviceReturn::WaitOnStream(const std::vector<uint32_t>& indices, vo
 absl::Status DeviceReturn::Retarget(uint32_t index, DeviceTarget target) {
   absl::MutexLock lock(&mu_);
   if (index >= targets_.size()) return absl::InvalidArgumentError(absl::StrFormat("no parameter %d", index));
-  if (target.bytes != sources_[index]->size() || target.device_ptr == 0) {
+  if (target.device_ptr != 0 && target.bytes != sources_[index]->size()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "parameter %d: a device tensor of %d bytes cannot take its %d-byte buffer", index,
         target.bytes, sources_[index]->size()));

@@ -37,7 +37,8 @@ class DeviceReturn {
   // Parameters added to the optimizer: their sources and targets, in order after the others.
   absl::Status Extend(std::vector<std::shared_ptr<HostBuffer>> sources,
                       std::vector<DeviceTarget> targets);
-  // A tensor moved (its storage was replaced): later copies go to the new address.
+  // A tensor moved (its storage was replaced): later copies go to the new address; address 0
+  // stops returning that parameter's updates (its weights are read from host memory).
   absl::Status Retarget(uint32_t index, DeviceTarget target);
   size_t size() {
     absl::MutexLock lock(&mu_);

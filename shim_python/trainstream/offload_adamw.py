@@ -156,6 +156,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
+        self._pager: Any = None             # weight paging (trainstream.paging.WeightPager)
+        self._paged_indices: set[int] = set()
         # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
         self._kind = kind
@@ -238,10 +240,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._poster.submit(i, micro, event, grad)
         p.grad = None  # no gradient stays in VRAM
 
+    def page_weights(self, pager: Any) -> None:
+        """Parameters of ``pager``'s blocks are read from host memory at every use: their
+        updates are not copied back, and each step tells the pager the host copies changed."""
+        self.synchronize()
+        self._pager = pager
+        paged = {id(p) for params in pager.params.values() for p in params}
+        self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in paged}
+        for i in self._paged_indices:
+            if self._device_return:
+                self._host._native.retarget_device(i, 0, 0)
+                self._targets[i] = 0
+
     def _check_targets(self) -> None:
         if not self._device_return:
             return
-        moved = [i for i, p in enumerate(self._params) if p.data_ptr() != self._targets[i]]
+        moved = [i for i, p in enumerate(self._params)
+                 if i not in self._paged_indices and p.data_ptr() != self._targets[i]]
         if moved:
             # The old storage may be reused already: nothing may still be copying into it.
             self._host._native.synchronize_device_returns()
@@ -298,6 +313,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
         self.synchronize()
+        if self._pager is not None:
+            self._pager.close()  # paged weights get tensors of their own again
+            self._pager, self._paged_indices = None, set()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -356,6 +374,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._leader:
             self._reduce_across_machines()
         result = self._host.wait()
+        if self._pager is not None:
+            self._pager.weights_changed()
         self._backwards = [0] * len(self._params)
         if self._reports_norm:
             self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]
@@ -391,6 +411,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._world_size > 1 or self._machines > 1:
             self._on_decision("wrap.offload", "data parallel job: the optimizer stays in "
                               "trainstreamd (one state for every rank)", parameters=numel)
+            return
+        if self._pager is not None:
+            self._on_decision("wrap.offload", "weights are paged from host memory: the "
+                              "optimizer stays in trainstreamd, where they are updated",
+                              parameters=numel)
             return
         if self._nonfinite != "ignore":
             self._on_decision("wrap.offload", f"nonfinite={self._nonfinite!r}: the optimizer "
@@ -616,8 +641,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 # A returning copy still in flight must not land after these.
                 self._host._native.synchronize_device_returns()
             for i, p in enumerate(self._params):
+                if i in self._paged_indices:
+                    continue  # read from the host copy at its next use
                 self._host.param_buffer(i).copy_to_device(p.data, stream=self._copy_stream)
             self._copy_stream.synchronize()
+        if self._pager is not None:
+            self._pager.weights_changed()
 
     def save(self, path: str) -> int:
         """Checkpoints the optimizer state by the daemon (atomic rename)."""

@@ -35,6 +35,9 @@ _ACCEPTED = {
     "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
     "gradient_dtype": (None, "float32", "fp32", "bfloat16", "bf16"),
     "check_memory": (True, False),
+    "param_offload": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
+    "blocks": "None or the list of repeated layer modules (found with find_blocks by default)",
+    "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
 }
 
@@ -47,6 +50,7 @@ class TrainStreamSession:
     optimizer: OffloadAdamW
     config: dict
     events: list = field(default_factory=list)
+    pager: Any = None  # trainstream.paging.WeightPager when blocks stream their weights
 
     @property
     def adapting(self) -> bool:
@@ -103,6 +107,54 @@ class _Topology:
     machines: int = 1
     machine_group: Any = None  # the process group of every machine's rank 0
     job: str = ""
+
+
+def _page_weights(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
+                  events: list) -> Any:
+    """Starts weight paging for the blocks param_offload names; returns the pager (or None)."""
+    from .blocks import find_blocks
+    from .paging import WeightPager
+
+    choice = config["param_offload"]
+    if choice == "auto":
+        # The measured plan (planner.plan_memory) takes this decision once activation paging
+        # and the probe step are in place; until then "auto" keeps every block resident.
+        return None
+    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    if choice is False or choice is None:
+        return None
+    if not blocks:
+        raise ValueError("trainstream.wrap: param_offload needs a repeated block stack; none was "
+                         "found (pass blocks=[...])")
+    if choice is True:
+        paged = list(range(len(blocks)))
+    elif isinstance(choice, float):
+        if not 0.0 <= choice <= 1.0:
+            raise ValueError(f"trainstream.wrap: param_offload={choice} must be in [0, 1]")
+        paged = list(range(round(choice * len(blocks))))
+    else:
+        paged = sorted(set(int(i) for i in choice))
+        if paged and not (0 <= paged[0] and paged[-1] < len(blocks)):
+            raise ValueError(f"trainstream.wrap: param_offload={choice!r} names blocks outside "
+                             f"0..{len(blocks) - 1}")
+    if not paged:
+        return None
+    frozen = [n for b in paged for n, p in blocks[b].named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ValueError("trainstream.wrap: paging frozen weights arrives with shared bases; "
+                         f"block parameters without gradients: {frozen[:3]}")
+    depth = int(config["prefetch_depth"])
+    if depth < 1:
+        raise ValueError(f"trainstream.wrap: prefetch_depth={depth} must be >= 1")
+    index = offload._index
+    pager = WeightPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth)
+    offload.page_weights(pager)
+    moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
+    events.append(("wrap.param_offload",
+                   f"{len(paged)} of {len(blocks)} blocks stream their weights from host memory "
+                   f"({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
+                   f"{pager.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
+    return pager
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
@@ -181,7 +233,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
-              "check_memory": True, "memory_wait_s": 0.0}
+              "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
+              "blocks": None, "prefetch_depth": 1}
     config.update(options)
     events: list = []
 
@@ -271,7 +324,9 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
+    pager = _page_weights(model, offload, config, events)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
+    session.pager = pager
     for kind, message in events:
         session.note(kind, message)
     if getattr(offload, "_resumed", False):

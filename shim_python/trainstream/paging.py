@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Weight paging: chosen blocks keep their weights in host memory (the daemon's buffers) and
+borrow a device slot only while they run.
+
+Before a paged block's forward its weights are copied into a free slot (fetched ahead on a
+stream of their own, ``prefetch_depth`` blocks in advance) and the parameters point at it; after
+the forward they point at a one-element placeholder again, so the slot is free for the next
+block. Backward needs the weights once more: the block's saved references to them are packed as
+(block, layout) instead of tensors (``torch.autograd.graph.saved_tensors_hooks``), and unpacking
+fetches the block again (and the one before it, ahead). When every paged parameter of the block
+has its gradient, the slot is released. Updated weights land in the host copy that the next
+fetch reads, so nothing is copied back.
+
+On a CPU the "device" is the CPU and copies are plain copies: the same path, used by the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class _Slot:
+    """One device buffer big enough for any paged block."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.block: int | None = None
+        self.generation = -1        # the weights' generation it holds
+        self.ready: Any = None      # event: the fetch into it landed
+        self.released: Any = None   # event: compute finished with it
+
+
+class WeightPager:
+    """Pages the weights of ``blocks[i]`` for every ``i`` in ``paged``.
+
+    ``host_copy(p)`` returns the host tensor holding parameter ``p``'s current value (for a
+    model under ``wrap()``, the daemon's buffer its updates land in), with ``p``'s shape and
+    dtype; for CUDA it must be pinned (the daemon's buffers are).
+    """
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], paged: Sequence[int],
+                 host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1):
+        self.blocks = list(blocks)
+        self.paged = sorted(set(paged))
+        if not self.paged:
+            raise ValueError("no blocks to page")
+        self.depth = max(1, int(prefetch_depth))
+        self.params = {b: [p for p in self.blocks[b].parameters(recurse=True)]
+                       for b in self.paged}
+        first = self.params[self.paged[0]][0]
+        self.device = first.device
+        self.cuda = first.is_cuda
+        self.host = {id(p): host_copy(p) for b in self.paged for p in self.params[b]}
+        self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        slot_bytes = 0
+        for b in self.paged:
+            offset, parts = 0, []
+            for p in self.params[b]:
+                offset = (offset + 255) // 256 * 256  # every view aligned as the allocator would
+                parts.append((p, offset, p.numel() * p.element_size()))
+                offset += p.numel() * p.element_size()
+            self.layout[b] = parts
+            slot_bytes = max(slot_bytes, (offset + 255) // 256 * 256)
+        self.slot_bytes = slot_bytes
+        self.slots = [_Slot(slot_bytes, self.device) for _ in range(self.depth + 1)]
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.placeholders = {id(p): torch.zeros(1, dtype=p.dtype, device=self.device).expand(
+            p.shape) for b in self.paged for p in self.params[b]}
+        self.position = {b: k for k, b in enumerate(self.paged)}
+        self.pending_grads: dict[int, int] = {}
+        self.bound: set[int] = set()
+        self.generation = 0
+        self.bytes_fetched = 0
+        self.packed = 0  # saved references to paged weights kept as layouts, not tensors
+        self.hooks: list = []
+        self._saved_hooks: dict[int, Any] = {}
+        for b in self.paged:
+            for p in self.params[b]:
+                p.data = self.placeholders[id(p)]
+            module = self.blocks[b]
+            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
+            self.hooks.append(module.register_forward_hook(self._after_forward(b)))
+            for p in self.params[b]:
+                if p.requires_grad:
+                    self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed(b)))
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    def weights_changed(self) -> None:
+        """The host copies were updated (an optimizer step): later fetches read them anew, and
+        a block still bound (a parameter that got no gradient) lets go of its slot."""
+        for b in list(self.bound):
+            self._unbind(b)
+        self.generation += 1
+
+    def _slot_of(self, b: int) -> _Slot | None:
+        return next((s for s in self.slots
+                     if s.block == b and s.generation == self.generation), None)
+
+    def _fetch(self, b: int, needed: bool = True) -> _Slot | None:
+        """Starts copying block ``b`` into a slot (or finds it there already). A prefetch
+        (``needed`` false) only takes a slot no bound block uses; a needed fetch adds a slot
+        when every one is bound."""
+        slot = self._slot_of(b)
+        if slot is not None:
+            return slot
+        candidates = [s for s in self.slots if s.block not in self.bound or s.block is None]
+        if not candidates:
+            if not needed:
+                return None
+            self.slots.append(_Slot(self.slot_bytes, self.device))
+            candidates = [self.slots[-1]]
+        # An empty slot, else the one holding the block that runs furthest from this one.
+        slot = min(candidates, key=lambda s: (s.block is not None, self._distance(s.block, b)))
+        slot.block, slot.generation = b, self.generation
+        if self.cuda:
+            if slot.released is None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                self.stream.wait_event(slot.released)
+            with torch.cuda.stream(self.stream):
+                self._copy_in(b, slot)
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(self.stream)
+        else:
+            self._copy_in(b, slot)
+        return slot
+
+    def _distance(self, held: int | None, wanted: int) -> int:
+        return 0 if held is None else -abs(self.position[held] - self.position[wanted])
+
+    def _copy_in(self, b: int, slot: _Slot) -> None:
+        for p, offset, nbytes in self.layout[b]:
+            view = slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
+            view.copy_(self.host[id(p)], non_blocking=True)
+            self.bytes_fetched += nbytes
+
+    def _bind(self, b: int) -> None:
+        """Points block ``b``'s parameters at its slot, once the fetch has landed."""
+        slot = self._fetch(b)
+        if self.cuda and slot.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        for p, offset, nbytes in self.layout[b]:
+            p.data = slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
+        self.bound.add(b)
+
+    def _unbind(self, b: int) -> None:
+        """Frees block ``b``'s slot once the compute stream is done with it."""
+        slot = self._slot_of(b)
+        self.bound.discard(b)
+        for p in self.params[b]:
+            p.data = self.placeholders[id(p)]
+        if slot is None:
+            return
+        if self.cuda:
+            slot.released = torch.cuda.Event()
+            slot.released.record(torch.cuda.current_stream(self.device))
+        slot.block = None
+
+    def _prefetch_after(self, b: int, step: int) -> None:
+        k = self.position[b]
+        for ahead in range(1, self.depth + 1):
+            j = k + step * ahead
+            if 0 <= j < len(self.paged):
+                self._fetch(self.paged[j], needed=False)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def _before_forward(self, b: int):
+        def hook(module, args):
+            self._bind(b)
+            self._prefetch_after(b, +1)
+            if torch.is_grad_enabled():
+                saved = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: self._pack(b, t), self._unpack)
+                saved.__enter__()
+                self._saved_hooks[b] = saved
+        return hook
+
+    def _after_forward(self, b: int):
+        def hook(module, args, output):
+            saved = self._saved_hooks.pop(b, None)
+            if saved is not None:
+                saved.__exit__(None, None, None)
+                self.pending_grads[b] = sum(p.requires_grad for p in self.params[b])
+            self._unbind(b)
+        return hook
+
+    def _pack(self, b: int, t: torch.Tensor) -> Any:
+        slot = self._slot_of(b)
+        if (slot is not None and t.device == self.device and
+                t.untyped_storage().data_ptr() == slot.storage.untyped_storage().data_ptr()):
+            # A view of the slot (a weight, or a view of one): keep its layout, not its bytes.
+            base = slot.storage.data_ptr()
+            self.packed += 1
+            return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
+                    (t.data_ptr() - base) // t.element_size())
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
+            return packed
+        _, b, dtype, shape, stride, offset = packed
+        if b not in self.bound:
+            self._bind(b)
+            self._prefetch_after(b, -1)  # backward runs the blocks in reverse
+        slot = self._slot_of(b)
+        return slot.storage.view(dtype).as_strided(shape, stride, offset)
+
+    def _grad_landed(self, b: int):
+        def hook(p):
+            left = self.pending_grads.get(b, 0) - 1
+            self.pending_grads[b] = left
+            if left == 0:
+                self._unbind(b)
+        return hook
+
+    # -- the rest -------------------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        return self.slot_bytes * len(self.slots)
+
+    def close(self) -> None:
+        """Stops paging: every paged parameter gets a tensor of its own again."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.bound.clear()
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        for b in self.paged:
+            for p in self.params[b]:
+                p.data = self.host[id(p)].to(self.device, copy=True)
+        self.slots.clear()

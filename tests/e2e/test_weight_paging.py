@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Weight paging through wrap(): paged blocks borrow a slot only while they run (forward, and
+again for backward), and training is bit-identical to the all-resident run. CPU here (the
+"device" is the CPU, copies are plain copies); the same tests run on CUDA on the GPU machine."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def daemon_socket(daemon, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    return daemon.socket
+
+
+def train(model, opt, steps, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, device=DEVICE)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def weights(model):
+    trainstream.unwrap(model)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("paged", [True, [1, 2], 0.5])
+def test_paged_training_is_bit_identical_to_resident(daemon_socket, paged):
+    torch.manual_seed(3)
+    resident = TinyGPT(layers=4).to(DEVICE)
+    streamed = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, torch.optim.AdamW(resident.parameters(), lr=3e-3),
+                                       offload=True, device=DEVICE)
+    streamed, s_opt = trainstream.wrap(streamed, torch.optim.AdamW(streamed.parameters(), lr=3e-3),
+                                       offload=True, device=DEVICE, param_offload=paged)
+    pager = streamed._trainstream_session.pager
+    assert pager is not None and pager.paged
+    # Between steps a paged weight holds no memory of its own: a one-element placeholder.
+    w = streamed.blocks[pager.paged[0]].mlp[0].weight
+    assert w.untyped_storage().nbytes() == w.element_size()
+    assert train(resident, r_opt, 6) == train(streamed, s_opt, 6)
+    assert pager.packed > 0  # backward re-fetched the weights it saved references to
+    assert pager.bytes_fetched >= 2 * 6 * sum(
+        p.numel() * p.element_size() for b in pager.paged for p in pager.params[b])
+    for a, b in zip(weights(resident), weights(streamed)):
+        assert torch.equal(a, b)
+
+
+def test_param_offload_options_are_checked(daemon_socket):
+    with pytest.raises(ValueError, match=r"param_offload=\[9\] names blocks outside 0..1"):
+        trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=[9])
+    with pytest.raises(ValueError, match="prefetch_depth=0 must be >= 1"):
+        trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=True, prefetch_depth=0)
+    model, _ = trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=True, prefetch_depth=2)
+    events = [e for e in trainstream.memory_report(model)["events"]
+              if e["kind"] == "client.wrap.param_offload"]
+    assert len(events) == 1 and "2 of 2 blocks stream their weights" in events[0]["message"]
+    assert "prefetch depth 2" in events[0]["message"]
+    trainstream.unwrap(model)
+    # After unwrap every weight has memory of its own again.
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
+               for p in model.parameters())
