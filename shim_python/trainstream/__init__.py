@@ -9,6 +9,7 @@ from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
 from .blocks import find_blocks
+from .hardware import profile_hardware
 from .offload_adamw import OffloadAdamW
 from .planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .wrap import TrainStreamSession, memory_report, unwrap, wrap
@@ -39,5 +40,5 @@ __all__ = [
     "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
-    "PlanInputs", "plan_memory",
+    "PlanInputs", "plan_memory", "profile_hardware",
 ]

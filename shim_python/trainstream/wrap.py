@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,20 +110,20 @@ class _Topology:
     job: str = ""
 
 
-def _page_weights(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
-                  events: list) -> Any:
-    """Starts weight paging for the blocks param_offload names; returns the pager (or None)."""
+def _paging_choice(model: torch.nn.Module, config: dict) -> tuple[list, list, int] | None:
+    """(blocks, indices of the paged ones, prefetch depth) for param_offload, or None; checked
+    before anything is set up, so a bad choice costs nothing."""
     from .blocks import find_blocks
-    from .paging import WeightPager
 
     choice = config["param_offload"]
-    if choice == "auto":
-        # The measured plan (planner.plan_memory) takes this decision once activation paging
-        # and the probe step are in place; until then "auto" keeps every block resident.
+    depth = config["prefetch_depth"]
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
+    if choice == "auto" or choice is False or choice is None:
+        # "auto": the measured plan (planner.plan_memory) takes this decision once activation
+        # paging and the probe step are in place; until then every block stays resident.
         return None
     blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
-    if choice is False or choice is None:
-        return None
     if not blocks:
         raise ValueError("trainstream.wrap: param_offload needs a repeated block stack; none was "
                          "found (pass blocks=[...])")
@@ -143,9 +144,17 @@ def _page_weights(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
     if frozen:
         raise ValueError("trainstream.wrap: paging frozen weights arrives with shared bases; "
                          f"block parameters without gradients: {frozen[:3]}")
-    depth = int(config["prefetch_depth"])
-    if depth < 1:
-        raise ValueError(f"trainstream.wrap: prefetch_depth={depth} must be >= 1")
+    return blocks, paged, depth
+
+
+def _page_weights(choice: tuple[list, list, int] | None, offload: OffloadAdamW,
+                  events: list) -> Any:
+    """Starts weight paging for the chosen blocks; returns the pager (or None)."""
+    from .paging import WeightPager
+
+    if choice is None:
+        return None
+    blocks, paged, depth = choice
     index = offload._index
     pager = WeightPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth)
     offload.page_weights(pager)
@@ -250,10 +259,22 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise FailedPreconditionError(
             f"the model's parameters are on {sorted(map(str, devices))}; put them on one device")
 
+    paging = _paging_choice(model, config)
     topology = _distributed(config["distributed"])
     rank, world = topology.rank, topology.world
-    job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{id(model):x}"
+    # A fresh name per call: a model's id() is reused once it is gone, a job is not.
+    job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
+    try:
+        return _wrap_connected(model, optimizer, config, client, topology, paging, job_id, events)
+    except BaseException:
+        client.close()  # a refused or failed wrap leaves nothing behind in the daemon
+        raise
+
+
+def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,
+                    topology: _Topology, paging: Any, job_id: str, events: list):
+    rank, world = topology.rank, topology.world
     names = {p: n for n, p in model.named_parameters()}
     moment = config["moment_dtype"]
     moment = "float32" if moment == "auto" else moment
@@ -270,7 +291,6 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         try:
             client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
         except ResourceExhaustedError as e:
-            client.close()
             raise ResourceExhaustedError(
                 f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
                 f"trainstreamd and the machine cannot give it: {e}. Options: "
@@ -324,7 +344,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
-    pager = _page_weights(model, offload, config, events)
+    pager = _page_weights(paging, offload, events)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
     for kind, message in events:
@@ -374,6 +394,12 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                         "session_bytes": mine[0]["bytes"] if mine else 0}
     report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
     report["optimizer"] = session.optimizer.stats()
+    pager = session.pager
+    report["params"] = {
+        "paged_blocks": list(pager.paged) if pager else [],
+        "slot_bytes": pager.resident_bytes() if pager else 0,
+        "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
+    }
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.
     report["events"] = [e for e in session.client.events()

@@ -55,8 +55,9 @@ def test_wrap_is_refused_up_front_when_the_machine_cannot_hold_the_job(start_dae
     other.plan_host_memory(100 * MiB)
     with pytest.raises(MemoryError, match="trainstream.wrap: this run needs .* GiB of host memory"):
         trainstream.wrap(TinyGPT(), device="cpu", job_id="refused")
-    # Nothing of the refused job stays behind.
+    # Nothing of the refused job stays behind: no plan, no session.
     assert [p["job_id"] for p in other.memory().get("plans", [])] == ["other"]
+    assert "refused" not in str(other.sessions())
     other.close()
     model, opt = trainstream.wrap(TinyGPT(), device="cpu", job_id="admitted")
     kinds = [e["kind"] for e in trainstream.memory_report(model)["events"]]

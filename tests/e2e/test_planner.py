@@ -83,3 +83,15 @@ def test_find_blocks_returns_the_repeated_stack():
     gpt = GPT(PRESETS["tiny"])
     assert trainstream.find_blocks(gpt) == list(gpt.blocks)
     assert trainstream.find_blocks(torch.nn.Linear(4, 4)) == []
+
+
+def test_profile_hardware_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    import trainstream.hardware as hardware
+
+    monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
+    first = trainstream.profile_hardware(nbytes=8 << 20, repeats=2)
+    assert first["cached"] is False and first["host_copy_gbps"] > 0
+    assert (first["gpu"] is None) == (not torch.cuda.is_available())
+    again = trainstream.profile_hardware(nbytes=8 << 20, repeats=2)
+    assert again["cached"] is True and again["host_copy_gbps"] == first["host_copy_gbps"]
+    assert trainstream.profile_hardware(refresh=True, nbytes=8 << 20, repeats=2)["cached"] is False

@@ -59,6 +59,8 @@ def test_paged_training_is_bit_identical_to_resident(daemon_socket, paged):
     assert w.untyped_storage().nbytes() == w.element_size()
     assert train(resident, r_opt, 6) == train(streamed, s_opt, 6)
     assert pager.packed > 0  # backward re-fetched the weights it saved references to
+    report = trainstream.memory_report(streamed)["params"]
+    assert report["paged_blocks"] == pager.paged and report["load_bytes"] == pager.bytes_fetched
     assert pager.bytes_fetched >= 2 * 6 * sum(
         p.numel() * p.element_size() for b in pager.paged for p in pager.params[b])
     for a, b in zip(weights(resident), weights(streamed)):
