@@ -156,7 +156,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
-        self._pager: Any = None             # weight paging (trainstream.paging.WeightPager)
+        self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
         self._paged_indices: set[int] = set()
         # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Weight paging: chosen blocks keep their weights in host memory (the daemon's buffers) and
-borrow a device slot only while they run.
+"""Block paging: chosen blocks keep their weights in host memory (the daemon's buffers) and
+borrow a device slot only while they run; chosen blocks send the activations they save for
+backward to host memory and get them back just before backward needs them.
 
 Before a paged block's forward its weights are copied into a free slot (fetched ahead on a
 stream of their own, ``prefetch_depth`` blocks in advance) and the parameters point at it; after
@@ -10,6 +11,11 @@ block. Backward needs the weights once more: the block's saved references to the
 fetches the block again (and the one before it, ahead). When every paged parameter of the block
 has its gradient, the slot is released. Updated weights land in the host copy that the next
 fetch reads, so nothing is copied back.
+
+Saved activations of the chosen blocks (contiguous tensors of at least ``min_offload_bytes``,
+other than weights) are copied to pinned host memory on the paging stream as forward saves them;
+backward's first use of a block's activations brings back those of the block before it as well,
+so they are in VRAM when its turn comes. Copies are exact, so training is bit-identical.
 
 On a CPU the "device" is the CPU and copies are plain copies: the same path, used by the tests.
 """
@@ -32,8 +38,20 @@ class _Slot:
         self.released: Any = None   # event: compute finished with it
 
 
-class WeightPager:
-    """Pages the weights of ``blocks[i]`` for every ``i`` in ``paged``.
+class _Offloaded:
+    """One saved activation in host memory (and, once brought back, on the device again)."""
+
+    def __init__(self, block: int, host: torch.Tensor, copied: Any):
+        self.block = block
+        self.host = host
+        self.copied = copied        # event: the copy to host landed (CUDA)
+        self.device: torch.Tensor | None = None
+        self.returned: Any = None   # event: the copy back landed
+
+
+class BlockPager:
+    """Pages the weights of ``blocks[i]`` for every ``i`` in ``paged``, and the saved
+    activations of every ``i`` in ``activations``.
 
     ``host_copy(p)`` returns the host tensor holding parameter ``p``'s current value (for a
     model under ``wrap()``, the daemon's buffer its updates land in), with ``p``'s shape and
@@ -41,17 +59,22 @@ class WeightPager:
     """
 
     def __init__(self, blocks: Sequence[torch.nn.Module], paged: Sequence[int],
-                 host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1):
+                 host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1,
+                 activations: Sequence[int] = (), min_offload_bytes: int = 1 << 20):
         self.blocks = list(blocks)
         self.paged = sorted(set(paged))
-        if not self.paged:
+        self.offloading = sorted(set(activations))
+        if not self.paged and not self.offloading:
             raise ValueError("no blocks to page")
         self.depth = max(1, int(prefetch_depth))
+        self.min_offload_bytes = int(min_offload_bytes)
         self.params = {b: [p for p in self.blocks[b].parameters(recurse=True)]
                        for b in self.paged}
-        first = self.params[self.paged[0]][0]
+        first = next(self.blocks[0].parameters())
         self.device = first.device
         self.cuda = first.is_cuda
+        self.saved: dict[int, list[_Offloaded]] = {b: [] for b in self.offloading}
+        self.bytes_offloaded = 0
         self.host = {id(p): host_copy(p) for b in self.paged for p in self.params[b]}
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         slot_bytes = 0
@@ -64,11 +87,12 @@ class WeightPager:
             self.layout[b] = parts
             slot_bytes = max(slot_bytes, (offset + 255) // 256 * 256)
         self.slot_bytes = slot_bytes
-        self.slots = [_Slot(slot_bytes, self.device) for _ in range(self.depth + 1)]
+        self.slots = ([_Slot(slot_bytes, self.device) for _ in range(self.depth + 1)]
+                      if self.paged else [])
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.placeholders = {id(p): torch.zeros(1, dtype=p.dtype, device=self.device).expand(
             p.shape) for b in self.paged for p in self.params[b]}
-        self.position = {b: k for k, b in enumerate(self.paged)}
+        self.position = {b: k for k, b in enumerate(self.paged)}  # weight-paged blocks only
         self.pending_grads: dict[int, int] = {}
         self.bound: set[int] = set()
         self.generation = 0
@@ -79,12 +103,12 @@ class WeightPager:
         for b in self.paged:
             for p in self.params[b]:
                 p.data = self.placeholders[id(p)]
+                if p.requires_grad:
+                    self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed(b)))
+        for b in sorted(set(self.paged) | set(self.offloading)):
             module = self.blocks[b]
             self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
             self.hooks.append(module.register_forward_hook(self._after_forward(b)))
-            for p in self.params[b]:
-                if p.requires_grad:
-                    self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed(b)))
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -170,8 +194,11 @@ class WeightPager:
 
     def _before_forward(self, b: int):
         def hook(module, args):
-            self._bind(b)
-            self._prefetch_after(b, +1)
+            if b in self.position:
+                self._bind(b)
+                self._prefetch_after(b, +1)
+            if b in self.saved:
+                self.saved[b] = []  # last step's are gone with its graph
             if torch.is_grad_enabled():
                 saved = torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(b, t), self._unpack)
@@ -184,12 +211,14 @@ class WeightPager:
             saved = self._saved_hooks.pop(b, None)
             if saved is not None:
                 saved.__exit__(None, None, None)
-                self.pending_grads[b] = sum(p.requires_grad for p in self.params[b])
-            self._unbind(b)
+                if b in self.position:
+                    self.pending_grads[b] = sum(p.requires_grad for p in self.params[b])
+            if b in self.position:
+                self._unbind(b)
         return hook
 
     def _pack(self, b: int, t: torch.Tensor) -> Any:
-        slot = self._slot_of(b)
+        slot = self._slot_of(b) if b in self.position else None
         if (slot is not None and t.device == self.device and
                 t.untyped_storage().data_ptr() == slot.storage.untyped_storage().data_ptr()):
             # A view of the slot (a weight, or a view of one): keep its layout, not its bytes.
@@ -197,9 +226,55 @@ class WeightPager:
             self.packed += 1
             return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
                     (t.data_ptr() - base) // t.element_size())
+        if (b in self.saved and not isinstance(t, torch.nn.Parameter) and t.is_contiguous()
+                and t.device == self.device and t.numel() * t.element_size()
+                >= self.min_offload_bytes):
+            return self._offload(b, t)
         return t
 
+    def _offload(self, b: int, t: torch.Tensor) -> _Offloaded:
+        nbytes = t.numel() * t.element_size()
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.stream.wait_stream(compute)
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # its memory is not reused before the copy is done
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        else:
+            host, copied = t.detach().clone(), None
+        self.bytes_offloaded += nbytes
+        item = _Offloaded(b, host, copied)
+        self.saved[b].append(item)
+        return item
+
+    def _bring_back(self, item: _Offloaded) -> None:
+        if item.device is not None:
+            return
+        if not self.cuda:
+            item.device = item.host
+            return
+        self.stream.wait_event(item.copied)
+        with torch.cuda.stream(self.stream):
+            item.device = item.host.to(self.device, non_blocking=True)
+        item.returned = torch.cuda.Event()
+        item.returned.record(self.stream)
+
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Offloaded):
+            self._bring_back(packed)
+            # Backward reached this block: its predecessor's activations come back now.
+            k = self.offloading.index(packed.block)
+            if k > 0:
+                for item in self.saved[self.offloading[k - 1]]:
+                    self._bring_back(item)
+            if self.cuda:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(packed.returned)
+                packed.device.record_stream(compute)
+            return packed.device
         if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
             return packed
         _, b, dtype, shape, stride, offset = packed
@@ -219,6 +294,9 @@ class WeightPager:
 
     # -- the rest -------------------------------------------------------------------------------
 
+    def activation_policy(self) -> list:
+        return ["offload" if b in self.saved else "keep" for b in range(len(self.blocks))]
+
     def resident_bytes(self) -> int:
         return self.slot_bytes * len(self.slots)
 
@@ -234,3 +312,4 @@ class WeightPager:
             for p in self.params[b]:
                 p.data = self.host[id(p)].to(self.device, copy=True)
         self.slots.clear()
+        self.saved = {b: [] for b in self.offloading}

@@ -39,6 +39,8 @@ _ACCEPTED = {
     "param_offload": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
     "blocks": "None or the list of repeated layer modules (found with find_blocks by default)",
     "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
+    "activation_offload": "'auto', True, False, or a fraction 0.0-1.0 of the blocks",
+    "min_offload_bytes": "an integer: smaller saved activations stay on the device",
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
 }
 
@@ -51,7 +53,7 @@ class TrainStreamSession:
     optimizer: OffloadAdamW
     config: dict
     events: list = field(default_factory=list)
-    pager: Any = None  # trainstream.paging.WeightPager when blocks stream their weights
+    pager: Any = None  # trainstream.paging.BlockPager when blocks page weights or activations
 
     @property
     def adapting(self) -> bool:
@@ -110,59 +112,79 @@ class _Topology:
     job: str = ""
 
 
-def _paging_choice(model: torch.nn.Module, config: dict) -> tuple[list, list, int] | None:
-    """(blocks, indices of the paged ones, prefetch depth) for param_offload, or None; checked
-    before anything is set up, so a bad choice costs nothing."""
+def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
+    """(blocks, weight-paged block indices, activation-paged block indices, prefetch depth) for
+    param_offload and activation_offload, or None; checked before anything is set up, so a bad
+    choice costs nothing."""
     from .blocks import find_blocks
 
-    choice = config["param_offload"]
+    weights, acts = config["param_offload"], config["activation_offload"]
     depth = config["prefetch_depth"]
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
-    if choice == "auto" or choice is False or choice is None:
-        # "auto": the measured plan (planner.plan_memory) takes this decision once activation
-        # paging and the probe step are in place; until then every block stays resident.
+    # "auto": the measured plan (planner.plan_memory) takes these decisions once the probe
+    # step is in place; until then every block keeps its weights and activations.
+    off = ("auto", False, None)
+    if weights in off and acts in off:
         return None
     blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
     if not blocks:
-        raise ValueError("trainstream.wrap: param_offload needs a repeated block stack; none was "
-                         "found (pass blocks=[...])")
-    if choice is True:
-        paged = list(range(len(blocks)))
-    elif isinstance(choice, float):
-        if not 0.0 <= choice <= 1.0:
-            raise ValueError(f"trainstream.wrap: param_offload={choice} must be in [0, 1]")
-        paged = list(range(round(choice * len(blocks))))
-    else:
-        paged = sorted(set(int(i) for i in choice))
-        if paged and not (0 <= paged[0] and paged[-1] < len(blocks)):
-            raise ValueError(f"trainstream.wrap: param_offload={choice!r} names blocks outside "
+        raise ValueError("trainstream.wrap: param_offload and activation_offload need a repeated "
+                         "block stack; none was found (pass blocks=[...])")
+
+    def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
+        if value in off:
+            return []
+        if value is True:
+            return list(range(count))
+        if isinstance(value, float):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"trainstream.wrap: {name}={value} must be in [0, 1]")
+            return list(range(round(value * count)))
+        if not allow_list:
+            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                             "False or a fraction")
+        picked = sorted(set(int(i) for i in value))
+        if picked and not (0 <= picked[0] and picked[-1] < len(blocks)):
+            raise ValueError(f"trainstream.wrap: {name}={value!r} names blocks outside "
                              f"0..{len(blocks) - 1}")
-    if not paged:
+        return picked
+
+    paged = chosen("param_offload", weights, len(blocks), True)
+    # The last block's activations are used as soon as backward starts: they always stay.
+    offloaded = chosen("activation_offload", acts, len(blocks) - 1, False)
+    if not paged and not offloaded:
         return None
     frozen = [n for b in paged for n, p in blocks[b].named_parameters() if not p.requires_grad]
     if frozen:
         raise ValueError("trainstream.wrap: paging frozen weights arrives with shared bases; "
                          f"block parameters without gradients: {frozen[:3]}")
-    return blocks, paged, depth
+    return blocks, paged, offloaded, depth
 
 
-def _page_weights(choice: tuple[list, list, int] | None, offload: OffloadAdamW,
-                  events: list) -> Any:
-    """Starts weight paging for the chosen blocks; returns the pager (or None)."""
-    from .paging import WeightPager
+def _page_blocks(choice: tuple | None, offload: OffloadAdamW, config: dict,
+                 events: list) -> Any:
+    """Starts weight and activation paging for the chosen blocks; returns the pager (or
+    None)."""
+    from .paging import BlockPager
 
     if choice is None:
         return None
-    blocks, paged, depth = choice
+    blocks, paged, offloaded, depth = choice
     index = offload._index
-    pager = WeightPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth)
-    offload.page_weights(pager)
-    moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
-    events.append(("wrap.param_offload",
-                   f"{len(paged)} of {len(blocks)} blocks stream their weights from host memory "
-                   f"({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
-                   f"{pager.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
+    pager = BlockPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth,
+                       activations=offloaded, min_offload_bytes=int(config["min_offload_bytes"]))
+    if paged:
+        offload.page_weights(pager)
+        moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
+        events.append(("wrap.param_offload",
+                       f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
+                       f"memory ({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
+                       f"{pager.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
+    if offloaded:
+        events.append(("wrap.activation_offload",
+                       f"{len(offloaded)} of {len(blocks)} blocks page their saved activations "
+                       f"to host memory (those of {config['min_offload_bytes']} bytes and up)"))
     return pager
 
 
@@ -243,7 +265,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
-              "blocks": None, "prefetch_depth": 1}
+              "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
+              "min_offload_bytes": 1 << 20}
     config.update(options)
     events: list = []
 
@@ -344,7 +367,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
-    pager = _page_weights(paging, offload, events)
+    pager = _page_blocks(paging, offload, config, events)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
     for kind, message in events:
@@ -372,6 +395,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if session is None:
         raise FailedPreconditionError("this model is not wrapped by trainstream")
     session.optimizer.detach()
+    if session.pager is not None and session.pager.hooks:
+        session.pager.close()  # activation paging alone is not the optimizer's to undo
     del model._trainstream_session
     return model
 
@@ -399,6 +424,10 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "paged_blocks": list(pager.paged) if pager else [],
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
+    }
+    report["activations"] = {
+        "policy": pager.activation_policy() if pager else [],
+        "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
     }
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.

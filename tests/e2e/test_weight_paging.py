@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Weight paging through wrap(): paged blocks borrow a slot only while they run (forward, and
-again for backward), and training is bit-identical to the all-resident run. CPU here (the
+"""Block paging through wrap(): paged blocks borrow a slot for their weights only while they
+run (forward, and again for backward), blocks page their saved activations to host memory, and
+training is bit-identical to the all-resident run. CPU here (the
 "device" is the CPU, copies are plain copies); the same tests run on CUDA on the GPU machine."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def weights(model):
 
 
 @pytest.mark.parametrize("paged", [True, [1, 2], 0.5])
-def test_paged_training_is_bit_identical_to_resident(daemon_socket, paged):
+def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
     torch.manual_seed(3)
     resident = TinyGPT(layers=4).to(DEVICE)
     streamed = copy.deepcopy(resident)
@@ -81,3 +82,32 @@ def test_param_offload_options_are_checked(daemon_socket):
     # After unwrap every weight has memory of its own again.
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
                for p in model.parameters())
+
+
+@pytest.mark.parametrize("page_weights", [False, True])
+def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_weights):
+    torch.manual_seed(4)
+    resident = TinyGPT(layers=4).to(DEVICE)
+    streamed = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, torch.optim.AdamW(resident.parameters(), lr=3e-3),
+                                       offload=True, device=DEVICE)
+    streamed, s_opt = trainstream.wrap(streamed, torch.optim.AdamW(streamed.parameters(), lr=3e-3),
+                                       offload=True, device=DEVICE, activation_offload=True,
+                                       param_offload=page_weights, min_offload_bytes=0)
+    pager = streamed._trainstream_session.pager
+    assert pager.activation_policy() == ["offload"] * 3 + ["keep"]
+    assert train(resident, r_opt, 5) == train(streamed, s_opt, 5)
+    assert pager.bytes_offloaded > 0
+    report = trainstream.memory_report(streamed)
+    assert report["activations"]["offloaded_bytes"] == pager.bytes_offloaded
+    kinds = [e["kind"] for e in report["events"]]
+    assert "client.wrap.activation_offload" in kinds
+    assert ("client.wrap.param_offload" in kinds) == page_weights
+    for a, b in zip(weights(resident), weights(streamed)):
+        assert torch.equal(a, b)
+    assert not pager.hooks  # unwrap took the paging hooks away
+
+
+def test_activation_offload_takes_no_list(daemon_socket):
+    with pytest.raises(ValueError, match=r"activation_offload=\[1\] is not one of"):
+        trainstream.wrap(TinyGPT(), device=DEVICE, activation_offload=[1])
