@@ -382,7 +382,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._cuda and not self._device_return:
             stream = self._copy_stream
             for i, p in enumerate(self._params):
-                if result["updated"][i]:
+                if result["updated"][i] and i not in self._paged_indices:
                     self._host.param_buffer(i).copy_to_device(p.data, stream=stream)
                     event = torch.cuda.Event()
                     event.record(stream)

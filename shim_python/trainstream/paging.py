@@ -18,6 +18,12 @@ backward's first use of a block's activations brings back those of the block bef
 so they are in VRAM when its turn comes. Copies are exact, so training is bit-identical.
 
 On a CPU the "device" is the CPU and copies are plain copies: the same path, used by the tests.
+
+Limits: paged blocks' weights are placeholders outside their forward and backward, so use them
+through the model (``model.state_dict()`` returns the host copies; ``load_state_dict`` needs
+``trainstream.unwrap`` first); activation checkpointing inside paged blocks is not combined with
+paging; under autocast, keep the model in its compute dtype, or the casts hold bf16 copies of the
+paged weights.
 """
 
 from __future__ import annotations
@@ -90,8 +96,9 @@ class BlockPager:
         self.slots = ([_Slot(slot_bytes, self.device) for _ in range(self.depth + 1)]
                       if self.paged else [])
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.placeholders = {id(p): torch.zeros(1, dtype=p.dtype, device=self.device).expand(
+        self.placeholders = {id(p): torch.zeros((), dtype=p.dtype, device=self.device).expand(
             p.shape) for b in self.paged for p in self.params[b]}
+        self.weight_storages: dict[int, set] = {}
         self.position = {b: k for k, b in enumerate(self.paged)}  # weight-paged blocks only
         self.pending_grads: dict[int, int] = {}
         self.bound: set[int] = set()
@@ -108,7 +115,10 @@ class BlockPager:
         for b in sorted(set(self.paged) | set(self.offloading)):
             module = self.blocks[b]
             self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
-            self.hooks.append(module.register_forward_hook(self._after_forward(b)))
+            # always_call: a forward that raises (an OOM retried with a smaller batch) still
+            # pops its saved-tensor hooks and lets go of its slot.
+            self.hooks.append(module.register_forward_hook(self._after_forward(b),
+                                                           always_call=True))
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -118,6 +128,9 @@ class BlockPager:
         for b in list(self.bound):
             self._unbind(b)
         self.generation += 1
+        # Slots added when every one was bound (a block some of whose parameters got no
+        # gradient) go back.
+        del self.slots[self.depth + 1:]
 
     def _slot_of(self, b: int) -> _Slot | None:
         return next((s for s in self.slots
@@ -199,6 +212,8 @@ class BlockPager:
                 self._prefetch_after(b, +1)
             if b in self.saved:
                 self.saved[b] = []  # last step's are gone with its graph
+                self.weight_storages[b] = {p.untyped_storage().data_ptr()
+                                           for p in self.blocks[b].parameters()}
             if torch.is_grad_enabled():
                 saved = torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(b, t), self._unpack)
@@ -226,11 +241,13 @@ class BlockPager:
             self.packed += 1
             return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
                     (t.data_ptr() - base) // t.element_size())
-        if (b in self.saved and not isinstance(t, torch.nn.Parameter) and t.is_contiguous()
-                and t.device == self.device and t.numel() * t.element_size()
-                >= self.min_offload_bytes):
+        # Saved weights arrive detached, not as Parameters: told apart by their storage.
+        if (b in self.saved and t.is_contiguous() and t.device == self.device
+                and t.numel() * t.element_size() >= self.min_offload_bytes
+                and t.untyped_storage().data_ptr() not in self.weight_storages.get(b, ())):
             return self._offload(b, t)
-        return t
+        # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
+        return t.detach()
 
     def _offload(self, b: int, t: torch.Tensor) -> _Offloaded:
         nbytes = t.numel() * t.element_size()
@@ -256,9 +273,16 @@ class BlockPager:
         if not self.cuda:
             item.device = item.host
             return
+        # Allocated from the compute stream's pool (where it is used and freed); the paging
+        # stream writes it after the compute stream's earlier work, and the allocator waits for
+        # that write before it reuses the memory.
+        compute = torch.cuda.current_stream(self.device)
+        item.device = torch.empty_like(item.host, device=self.device)
+        self.stream.wait_stream(compute)
         self.stream.wait_event(item.copied)
         with torch.cuda.stream(self.stream):
-            item.device = item.host.to(self.device, non_blocking=True)
+            item.device.copy_(item.host, non_blocking=True)
+        item.device.record_stream(self.stream)
         item.returned = torch.cuda.Event()
         item.returned.record(self.stream)
 
@@ -271,10 +295,11 @@ class BlockPager:
                 for item in self.saved[self.offloading[k - 1]]:
                     self._bring_back(item)
             if self.cuda:
-                compute = torch.cuda.current_stream(self.device)
-                compute.wait_event(packed.returned)
-                packed.device.record_stream(compute)
-            return packed.device
+                torch.cuda.current_stream(self.device).wait_event(packed.returned)
+            # Backward owns it now: once used it is freed, rather than kept until the next
+            # forward (the host copy stays, for retain_graph).
+            device, packed.device = packed.device, None
+            return device
         if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
             return packed
         _, b, dtype, shape, stride, offset = packed

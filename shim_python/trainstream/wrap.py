@@ -124,8 +124,15 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
         raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
     # "auto": the measured plan (planner.plan_memory) takes these decisions once the probe
     # step is in place; until then every block keeps its weights and activations.
-    off = ("auto", False, None)
-    if weights in off and acts in off:
+    def is_off(value: Any) -> bool:  # by identity: 0 and 1 are not False and True here
+        return value is None or value is False or (isinstance(value, str) and value == "auto")
+
+    for name, value in (("param_offload", weights), ("activation_offload", acts)):
+        if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
+            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                             "False, a fraction 0.0-1.0" +
+                             (" or a list of block indices" if name == "param_offload" else ""))
+    if is_off(weights) and is_off(acts):
         return None
     blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
     if not blocks:
@@ -133,7 +140,7 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
                          "block stack; none was found (pass blocks=[...])")
 
     def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
-        if value in off:
+        if is_off(value):
             return []
         if value is True:
             return list(range(count))
@@ -162,8 +169,8 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
     return blocks, paged, offloaded, depth
 
 
-def _page_blocks(choice: tuple | None, offload: OffloadAdamW, config: dict,
-                 events: list) -> Any:
+def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadAdamW,
+                 config: dict, events: list) -> Any:
     """Starts weight and activation paging for the chosen blocks; returns the pager (or
     None)."""
     from .paging import BlockPager
@@ -172,10 +179,25 @@ def _page_blocks(choice: tuple | None, offload: OffloadAdamW, config: dict,
         return None
     blocks, paged, offloaded, depth = choice
     index = offload._index
+    missing = [n for b in paged for n, p in blocks[b].named_parameters() if id(p) not in index]
+    if missing:
+        raise ValueError("trainstream.wrap: param_offload pages weights the optimizer does not "
+                         f"train: {missing[:3]}; pass them to the optimizer or page other blocks")
     pager = BlockPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth,
                        activations=offloaded, min_offload_bytes=int(config["min_offload_bytes"]))
     if paged:
         offload.page_weights(pager)
+        # A checkpoint of the model holds the paged weights' host copies, not placeholders.
+        names = {id(p): n for n, p in model.named_parameters()}
+        paged_names = {names[id(p)]: pager.host[id(p)] for b in paged for p in pager.params[b]
+                       if id(p) in names}
+
+        def host_copies(module, state_dict, prefix, local_metadata):
+            for name, host in paged_names.items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = host.detach().clone()
+
+        pager.hooks.append(model._register_state_dict_hook(host_copies))
         moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
         events.append(("wrap.param_offload",
                        f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
@@ -367,7 +389,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
-    pager = _page_blocks(paging, offload, config, events)
+    pager = _page_blocks(model, paging, offload, config, events)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
     for kind, message in events:

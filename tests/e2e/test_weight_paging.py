@@ -62,6 +62,10 @@ def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
     assert pager.packed > 0  # backward re-fetched the weights it saved references to
     report = trainstream.memory_report(streamed)["params"]
     assert report["paged_blocks"] == pager.paged and report["load_bytes"] == pager.bytes_fetched
+    # A checkpoint of the model while paged holds the real weights, not the placeholders.
+    ours, theirs = streamed.state_dict(), resident.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
     assert pager.bytes_fetched >= 2 * 6 * sum(
         p.numel() * p.element_size() for b in pager.paged for p in pager.params[b])
     for a, b in zip(weights(resident), weights(streamed)):
@@ -108,6 +112,8 @@ def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_w
     assert not pager.hooks  # unwrap took the paging hooks away
 
 
-def test_activation_offload_takes_no_list(daemon_socket):
+def test_offload_choices_are_checked(daemon_socket):
     with pytest.raises(ValueError, match=r"activation_offload=\[1\] is not one of"):
         trainstream.wrap(TinyGPT(), device=DEVICE, activation_offload=[1])
+    with pytest.raises(ValueError, match="param_offload=1 is not one of"):
+        trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=1)
