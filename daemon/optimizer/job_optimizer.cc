@@ -383,6 +383,17 @@ void JobOptimizer::OnGradientReady(const std::string& session_id,
   if (p.arrived.size() == world_size_) AfterGradientsInLocked(static_cast<uint32_t>(message.id));
 }
 
+void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
+  // Like torch: a parameter without a gradient keeps its value, moments and step count.
+  params_[index].phase = Phase::kDone;
+  ++params_done_;
+  ++params_with_stats_;
+  SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
+                    ipc::kFlagNoGradient));
+  if (settings_.deferred()) MaybeDecideLocked();
+  MaybeFinishIterationLocked();
+}
+
 void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
   absl::MutexLock lock(&mu_);
   last_activity_ = absl::Now();
@@ -407,14 +418,7 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
   const uint32_t index = static_cast<uint32_t>(message.id);
   Parameter& p = params_[index];
   if (message.value == 0) {
-    // No machine had a gradient for it: like torch, leave it (and its step) alone.
-    p.phase = Phase::kDone;
-    ++params_done_;
-    ++params_with_stats_;
-    SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
-                      ipc::kFlagNoGradient));
-    if (settings_.deferred()) MaybeDecideLocked();
-    MaybeFinishIterationLocked();
+    LeaveWithoutGradientLocked(index);  // no machine had a gradient for it
     return;
   }
   p.any_gradient = true;
@@ -452,14 +456,7 @@ void JobOptimizer::AfterGradientsInLocked(uint32_t index) {
     p.any_gradient = has_gradient;
   }
   if (!p.any_gradient) {
-    // No rank had a gradient for it this iteration: like torch, leave it (and its step) alone.
-    p.phase = Phase::kDone;
-    ++params_done_;
-    ++params_with_stats_;
-    SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
-                      ipc::kFlagNoGradient));
-    if (settings_.deferred()) MaybeDecideLocked();
-    MaybeFinishIterationLocked();
+    LeaveWithoutGradientLocked(index);  // no rank had a gradient for it this iteration
     return;
   }
   if (settings_.deferred()) {

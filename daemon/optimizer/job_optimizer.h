@@ -152,6 +152,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
   void ClearInParallel(uint8_t* data, uint64_t bytes);
+  // Marks `index` done for this iteration without an update (no gradient anywhere).
+  void LeaveWithoutGradientLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
   void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A registration whose list extends the job's: allocates the new parameters' state.

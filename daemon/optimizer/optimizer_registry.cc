@@ -36,29 +36,26 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerRegistry::ForSession(
   return it->second;
 }
 
+std::shared_ptr<JobOptimizer> OptimizerRegistry::ForDoorbell(
+    const Session& session, const ipc::DoorbellMessage& message) {
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> optimizer = ForSession(session);
+  if (optimizer.ok()) return *optimizer;
+  deps_.doorbells
+      ->Send(session.id, {static_cast<uint32_t>(ipc::DoorbellKind::kError), 0, message.id,
+                          message.step, static_cast<uint64_t>(absl::StatusCode::kNotFound)})
+      .IgnoreError();
+  return nullptr;
+}
+
 void OptimizerRegistry::OnGradientReady(const Session& session,
                                         const ipc::DoorbellMessage& message) {
-  absl::StatusOr<std::shared_ptr<JobOptimizer>> optimizer = ForSession(session);
-  if (!optimizer.ok()) {
-    deps_.doorbells
-        ->Send(session.id, {static_cast<uint32_t>(ipc::DoorbellKind::kError), 0, message.id,
-                            message.step, static_cast<uint64_t>(absl::StatusCode::kNotFound)})
-        .IgnoreError();
-    return;
+  if (auto optimizer = ForDoorbell(session, message)) {
+    optimizer->OnGradientReady(session.id, message);
   }
-  (*optimizer)->OnGradientReady(session.id, message);
 }
 
 void OptimizerRegistry::OnReduced(const Session& session, const ipc::DoorbellMessage& message) {
-  absl::StatusOr<std::shared_ptr<JobOptimizer>> optimizer = ForSession(session);
-  if (!optimizer.ok()) {
-    deps_.doorbells
-        ->Send(session.id, {static_cast<uint32_t>(ipc::DoorbellKind::kError), 0, message.id,
-                            message.step, static_cast<uint64_t>(absl::StatusCode::kNotFound)})
-        .IgnoreError();
-    return;
-  }
-  (*optimizer)->OnReduced(session.id, message);
+  if (auto optimizer = ForDoorbell(session, message)) optimizer->OnReduced(session.id, message);
 }
 
 void OptimizerRegistry::OnSessionEnded(const Session& session, bool clean) {

@@ -45,6 +45,9 @@ class OptimizerRegistry {
   size_t threads() const { return pool_.size(); }
 
  private:
+  // The session's job optimizer, or null after telling the session there is none.
+  std::shared_ptr<JobOptimizer> ForDoorbell(const Session& session,
+                                            const ipc::DoorbellMessage& message);
   const Options options_;
   ThreadPool pool_;
   JobOptimizer::Deps deps_;

@@ -52,6 +52,19 @@ auto Released(Fn&& fn) {
   }
 }
 
+// The parameter list the Python side passes: (name, numel, param dtype, grad dtype, group).
+std::vector<trainstream::client::ParameterInfo> ParameterInfos(const py::list& params) {
+  namespace tc = trainstream::client;
+  std::vector<tc::ParameterInfo> infos;
+  for (py::handle p : params) {
+    py::tuple t = p.cast<py::tuple>();
+    infos.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>(),
+                     static_cast<tc::DType>(t[2].cast<int>()),
+                     static_cast<tc::DType>(t[3].cast<int>()), t[4].cast<uint32_t>()});
+  }
+  return infos;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_trainstream, m) {
@@ -170,13 +183,7 @@ PYBIND11_MODULE(_trainstream, m) {
                                          d["beta2"].cast<double>(), d["eps"].cast<double>(),
                                          d["weight_decay"].cast<double>()});
              }
-             std::vector<tc::ParameterInfo> infos;
-             for (py::handle p : params) {
-               py::tuple t = p.cast<py::tuple>();
-               infos.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>(),
-                                static_cast<tc::DType>(t[2].cast<int>()),
-                                static_cast<tc::DType>(t[3].cast<int>()), t[4].cast<uint32_t>()});
-             }
+             std::vector<tc::ParameterInfo> infos = ParameterInfos(params);
              return Released([&] { return HostOptimizer::Create(session, options, infos); });
            }),
            py::keep_alive<1, 2>())
@@ -198,13 +205,7 @@ PYBIND11_MODULE(_trainstream, m) {
            })
       .def("add_parameters",
            [](HostOptimizer& o, py::list params) {
-             std::vector<tc::ParameterInfo> infos;
-             for (py::handle p : params) {
-               py::tuple t = p.cast<py::tuple>();
-               infos.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>(),
-                                static_cast<tc::DType>(t[2].cast<int>()),
-                                static_cast<tc::DType>(t[3].cast<int>()), t[4].cast<uint32_t>()});
-             }
+             std::vector<tc::ParameterInfo> infos = ParameterInfos(params);
              return Released([&] { return o.AddParameters(infos); });
            })
       .def("add_device_targets",
