@@ -42,8 +42,9 @@ if [[ $what == wrap ]]; then
   python3 bench/offload_step.py --json "$OUT/offload_step.json" > "$OUT/offload_step.txt" 2>&1 \
     || status=1
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
-  # wrap()'s parity tests run on CUDA wherever a GPU is present.
-  python3 -m pytest -ra -m "not gpu" tests/e2e/test_wrap.py > "$OUT/pytest_cpu.log" 2>&1 || status=1
+  # wrap()'s parity and paging tests run on CUDA wherever a GPU is present.
+  python3 -m pytest -ra -m "not gpu" tests/e2e/test_wrap.py tests/e2e/test_weight_paging.py \
+    > "$OUT/pytest_cpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
 fi
 if [[ $what == tests || $what == all ]]; then
