@@ -49,8 +49,10 @@ def main() -> None:
     with device:
         model = GPT(config)
     n = sum(p.numel() for p in model.parameters())
+    state = 16 * n
+    size = f"{state / 2**30:.1f} GiB" if state >= 2**30 else f"{state / 2**20:.1f} MiB"
     print(f"GPT '{args.preset}': {n / 1e6:,.1f}M parameters; fp32 weights + gradients + AdamW "
-          f"moments = {16 * n / 2**30:.1f} GiB")
+          f"moments = {size}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     model, optimizer = trainstream.wrap(model, optimizer, max_grad_norm=1.0)
     session = model._trainstream_session
