@@ -20,8 +20,8 @@ so they are in VRAM when its turn comes. Copies are exact, so training is bit-id
 On a CPU the "device" is the CPU and copies are plain copies: the same path, used by the tests.
 
 Limits: paged blocks' weights are placeholders outside their forward and backward, so use them
-through the model (``model.state_dict()`` returns the host copies; ``load_state_dict`` needs
-``trainstream.unwrap`` first); activation checkpointing inside paged blocks is not combined with
+through the model (``model.state_dict()`` returns the host copies and ``load_state_dict`` loads
+into them under ``wrap()``); activation checkpointing inside paged blocks is not combined with
 paging; under autocast, keep the model in its compute dtype, or the casts hold bf16 copies of the
 paged weights.
 """

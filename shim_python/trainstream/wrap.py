@@ -210,6 +210,37 @@ def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadA
     return pager
 
 
+def _keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
+                                 pager: Any) -> None:
+    """model.load_state_dict() on a wrapped model: the daemon's master weights (what the next
+    update starts from) take the loaded values too, and paged weights load into their host
+    copies."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    paged = {id(p) for ps in (pager.params.values() if pager else ()) for p in ps}
+
+    def before(state_dict, prefix, *rest):
+        offload.synchronize()  # no returning copy may land on top of the loaded values
+        for p in offload._params:
+            if id(p) in paged:  # a real tensor to load into, for the moment
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+
+    def after(module, incompatible):
+        with torch.no_grad():
+            for i, p in enumerate(offload._params):
+                if id(p) not in names:
+                    continue
+                offload._host.master(i).copy_(p.detach().reshape(p.shape))
+                if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
+                    offload._host.param(i).copy_(p.detach())
+                if id(p) in paged:
+                    p.data = pager.placeholders[id(p)]
+        if pager is not None:
+            pager.weights_changed()
+
+    offload._hooks.append(model._register_load_state_dict_pre_hook(before))
+    offload._hooks.append(model.register_load_state_dict_post_hook(after))
+
+
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
                 machines: int) -> int:
     """The host memory the daemon will hold for this job: per trainable tensor, the fp32
@@ -390,6 +421,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
     pager = _page_blocks(model, paging, offload, config, events)
+    _keep_daemon_weights_on_load(model, offload, pager)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
     for kind, message in events:

@@ -117,3 +117,21 @@ def test_offload_choices_are_checked(daemon_socket):
         trainstream.wrap(TinyGPT(), device=DEVICE, activation_offload=[1])
     with pytest.raises(ValueError, match="param_offload=1 is not one of"):
         trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_load_state_dict_reaches_the_daemons_weights(daemon_socket, paged):
+    # Loading a checkpoint into a wrapped model must move what the next update starts from (the
+    # daemon's master weights), and for paged blocks the host copies their fetches read.
+    torch.manual_seed(5)
+    model, opt = trainstream.wrap(TinyGPT(layers=3).to(DEVICE), offload=True, device=DEVICE,
+                                  param_offload=paged, lr=3e-3)
+    train(model, opt, 2)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train(model, opt, 3, start=2)
+    model.load_state_dict(saved)
+    for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad):
+        assert torch.equal(opt._host.master(i).cpu(), saved[name].cpu().float()), name
+    assert all(torch.equal(v.cpu(), saved[k].cpu()) for k, v in model.state_dict().items())
+    train(model, opt, 1, start=5)  # and training goes on from there
+    trainstream.unwrap(model)
