@@ -41,6 +41,7 @@ _ACCEPTED = {
     "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
     "activation_offload": "'auto', True, False, or a fraction 0.0-1.0 of the blocks",
     "min_offload_bytes": "an integer: smaller saved activations stay on the device",
+    "recompute": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
 }
 
@@ -113,12 +114,13 @@ class _Topology:
 
 
 def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
-    """(blocks, weight-paged block indices, activation-paged block indices, prefetch depth) for
-    param_offload and activation_offload, or None; checked before anything is set up, so a bad
-    choice costs nothing."""
+    """(blocks, weight-paged, activation-paged and recomputed block indices, prefetch depth) for
+    param_offload, activation_offload and recompute, or None; checked before anything is set
+    up, so a bad choice costs nothing."""
     from .blocks import find_blocks
 
-    weights, acts = config["param_offload"], config["activation_offload"]
+    weights, acts, again = (config["param_offload"], config["activation_offload"],
+                            config["recompute"])
     depth = config["prefetch_depth"]
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
@@ -127,12 +129,13 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
     def is_off(value: Any) -> bool:  # by identity: 0 and 1 are not False and True here
         return value is None or value is False or (isinstance(value, str) and value == "auto")
 
-    for name, value in (("param_offload", weights), ("activation_offload", acts)):
+    for name, value in (("param_offload", weights), ("activation_offload", acts),
+                        ("recompute", again)):
         if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
             raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
                              "False, a fraction 0.0-1.0" +
-                             (" or a list of block indices" if name == "param_offload" else ""))
-    if is_off(weights) and is_off(acts):
+                             ("" if name == "activation_offload" else " or a list of block indices"))
+    if is_off(weights) and is_off(acts) and is_off(again):
         return None
     blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
     if not blocks:
@@ -160,13 +163,19 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
     paged = chosen("param_offload", weights, len(blocks), True)
     # The last block's activations are used as soon as backward starts: they always stay.
     offloaded = chosen("activation_offload", acts, len(blocks) - 1, False)
-    if not paged and not offloaded:
+    recomputed = chosen("recompute", again, len(blocks), True)
+    both = sorted((set(paged) | set(offloaded)) & set(recomputed))
+    if both:
+        raise ValueError(f"trainstream.wrap: blocks {both} are both paged and recomputed; a "
+                         "recomputed block keeps no activations to page, and its weights are "
+                         "used again in backward: choose one")
+    if not paged and not offloaded and not recomputed:
         return None
     frozen = [n for b in paged for n, p in blocks[b].named_parameters() if not p.requires_grad]
     if frozen:
         raise ValueError("trainstream.wrap: paging frozen weights arrives with shared bases; "
                          f"block parameters without gradients: {frozen[:3]}")
-    return blocks, paged, offloaded, depth
+    return blocks, paged, offloaded, recomputed, depth
 
 
 def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadAdamW,
@@ -174,10 +183,18 @@ def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadA
     """Starts weight and activation paging for the chosen blocks; returns the pager (or
     None)."""
     from .paging import BlockPager
+    from .recompute import Recompute
 
     if choice is None:
         return None
-    blocks, paged, offloaded, depth = choice
+    blocks, paged, offloaded, recomputed, depth = choice
+    if recomputed:
+        offload._recompute = Recompute(blocks, recomputed)
+        events.append(("wrap.recompute", f"{len(recomputed)} of {len(blocks)} blocks recompute "
+                                         "their forward in backward instead of keeping "
+                                         "activations"))
+    if not paged and not offloaded:
+        return None
     index = offload._index
     missing = [n for b in paged for n, p in blocks[b].named_parameters() if id(p) not in index]
     if missing:
@@ -319,7 +336,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
-              "min_offload_bytes": 1 << 20}
+              "min_offload_bytes": 1 << 20, "recompute": "auto"}
     config.update(options)
     events: list = []
 
@@ -451,6 +468,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     session.optimizer.detach()
     if session.pager is not None and session.pager.hooks:
         session.pager.close()  # activation paging alone is not the optimizer's to undo
+    recompute = getattr(session.optimizer, "_recompute", None)
+    if recompute is not None:
+        recompute.close()
     del model._trainstream_session
     return model
 
@@ -479,8 +499,14 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
     }
+    recompute = getattr(session.optimizer, "_recompute", None)
+    policy = pager.activation_policy() if pager else []
+    if recompute is not None:
+        count = len(recompute.blocks)
+        policy = policy or ["keep"] * count
+        policy = ["recompute" if i in recompute.indices else p for i, p in enumerate(policy)]
     report["activations"] = {
-        "policy": pager.activation_policy() if pager else [],
+        "policy": policy,
         "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
     }
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as

@@ -135,3 +135,24 @@ def test_load_state_dict_reaches_the_daemons_weights(daemon_socket, paged):
     assert all(torch.equal(v.cpu(), saved[k].cpu()) for k, v in model.state_dict().items())
     train(model, opt, 1, start=5)  # and training goes on from there
     trainstream.unwrap(model)
+
+
+def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_socket):
+    torch.manual_seed(6)
+    resident = TinyGPT(layers=3).to(DEVICE)
+    again = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3)
+    again, a_opt = trainstream.wrap(again, offload=True, device=DEVICE, lr=3e-3, recompute=[0, 1])
+    calls = []
+    # A pre-hook: recomputation stops as soon as backward has what it needs, before the MLP's
+    # forward returns, so its post-hooks run only once.
+    again.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    assert train(resident, r_opt, 4) == train(again, a_opt, 4)
+    assert len(calls) == 2 * 4  # forward, and again in each backward
+    report = trainstream.memory_report(again)
+    assert report["activations"]["policy"] == ["recompute", "recompute", "keep"]
+    for a, b in zip(weights(resident), weights(again)):
+        assert torch.equal(a, b)
+    assert "forward" not in again.blocks[0].__dict__  # unwrap restored the block
+    with pytest.raises(ValueError, match=r"blocks \[1\] are both paged and recomputed"):
+        trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=[1], recompute=[1])
