@@ -66,7 +66,8 @@ class BlockPager:
 
     def __init__(self, blocks: Sequence[torch.nn.Module], paged: Sequence[int],
                  host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1,
-                 activations: Sequence[int] = (), min_offload_bytes: int = 1 << 20):
+                 activations: Sequence[int] = (), min_offload_bytes: int = 1 << 20,
+                 arena: Any = None):
         self.blocks = list(blocks)
         self.paged = sorted(set(paged))
         self.offloading = sorted(set(activations))
@@ -81,6 +82,9 @@ class BlockPager:
         self.cuda = first.is_cuda
         self.saved: dict[int, list[_Offloaded]] = {b: [] for b in self.offloading}
         self.bytes_offloaded = 0
+        # Host memory for activations: the daemon's (an ActivationArena), else private pinned.
+        self.arena = arena
+        self.arena_refused: str | None = None
         self.host = {id(p): host_copy(p) for b in self.paged for p in self.params[b]}
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         slot_bytes = 0
@@ -212,6 +216,8 @@ class BlockPager:
                 self._prefetch_after(b, +1)
             if b in self.saved:
                 self.saved[b] = []  # last step's are gone with its graph
+                if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
+                    self.arena.reset()  # a new step: the last one's backward is over
                 self.weight_storages[b] = {p.untyped_storage().data_ptr()
                                            for p in self.blocks[b].parameters()}
             if torch.is_grad_enabled():
@@ -249,11 +255,22 @@ class BlockPager:
         # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
         return t.detach()
 
-    def _offload(self, b: int, t: torch.Tensor) -> _Offloaded:
+    def _host_for(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self.arena is None:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+        try:
+            return self.arena.take(tuple(t.shape), t.dtype)
+        except MemoryError as e:  # the daemon has no room left: this one stays on the device
+            self.arena_refused = str(e)
+            return None
+
+    def _offload(self, b: int, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
+        host = self._host_for(t)
+        if host is None:
+            return t.detach()
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
                 host.copy_(t, non_blocking=True)
@@ -261,7 +278,8 @@ class BlockPager:
             copied = torch.cuda.Event()
             copied.record(self.stream)
         else:
-            host, copied = t.detach().clone(), None
+            host.copy_(t)
+            copied = None
         self.bytes_offloaded += nbytes
         item = _Offloaded(b, host, copied)
         self.saved[b].append(item)

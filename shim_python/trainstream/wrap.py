@@ -200,8 +200,17 @@ def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadA
     if missing:
         raise ValueError("trainstream.wrap: param_offload pages weights the optimizer does not "
                          f"train: {missing[:3]}; pass them to the optimizer or page other blocks")
+    arena = None
+    if offloaded:
+        from .activation_arena import ActivationArena
+
+        client = offload.client
+        arena = ActivationArena(
+            lambda name, nbytes: client.allocate(name, nbytes, tag="activations"),
+            f"activations/{client.session_id}")
     pager = BlockPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth,
-                       activations=offloaded, min_offload_bytes=int(config["min_offload_bytes"]))
+                       activations=offloaded, min_offload_bytes=int(config["min_offload_bytes"]),
+                       arena=arena)
     if paged:
         offload.page_weights(pager)
         # A checkpoint of the model holds the paged weights' host copies, not placeholders.
@@ -508,6 +517,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["activations"] = {
         "policy": policy,
         "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
+        "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
+        "host_refused": pager.arena_refused if pager else None,
     }
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.

@@ -104,6 +104,9 @@ def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_w
     assert pager.bytes_offloaded > 0
     report = trainstream.memory_report(streamed)
     assert report["activations"]["offloaded_bytes"] == pager.bytes_offloaded
+    # In the daemon's memory, reused step after step: one 64 MiB chunk for five steps.
+    assert report["activations"]["host_bytes"] == 64 << 20
+    assert report["pinned_by_tag"].get("activations", 0) > 0
     kinds = [e["kind"] for e in report["events"]]
     assert "client.wrap.activation_offload" in kinds
     assert ("client.wrap.param_offload" in kinds) == page_weights
@@ -156,3 +159,21 @@ def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_sock
     assert "forward" not in again.blocks[0].__dict__  # unwrap restored the block
     with pytest.raises(ValueError, match=r"blocks \[1\] are both paged and recomputed"):
         trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=[1], recompute=[1])
+
+
+def test_activations_stay_on_the_device_when_the_daemon_has_no_room(start_daemon, monkeypatch):
+    d = start_daemon("--memory_budget=160M")  # two jobs of one 64 MiB segment each, no more
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
+    torch.manual_seed(7)
+    resident = TinyGPT(layers=3).to(DEVICE)
+    streamed = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3,
+                                       check_memory=False)
+    streamed, s_opt = trainstream.wrap(streamed, offload=True, device=DEVICE, lr=3e-3,
+                                       check_memory=False, activation_offload=True,
+                                       min_offload_bytes=0)
+    assert train(resident, r_opt, 2) == train(streamed, s_opt, 2)
+    report = trainstream.memory_report(streamed)["activations"]
+    assert report["host_bytes"] == 0 and "budget" in report["host_refused"]
+    trainstream.unwrap(streamed)
+    trainstream.unwrap(resident)
