@@ -328,6 +328,13 @@ absl::Status HostOptimizer::SetGroups(const std::vector<OptimizerGroup>& groups,
   });
 }
 
+void HostOptimizer::ForgetNotices() {
+  held_.clear();
+  absl::MutexLock lock(&inbox_mu_);
+  inbox_.clear();
+  router_error_ = absl::OkStatus();
+}
+
 absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64_t>& steps) {
   Session::Impl& impl = *session_.impl_;
   v1::SetOptimizerStepRequest request;
@@ -335,12 +342,7 @@ absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64
   request.set_step(iteration);
   for (uint64_t s : steps) request.add_param_steps(s);
   v1::OptimizerInfo reply;
-  held_.clear();
-  {
-    absl::MutexLock lock(&inbox_mu_);
-    inbox_.clear();
-    router_error_ = absl::OkStatus();
-  }
+  ForgetNotices();
   return impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().SetOptimizerStep(c, request, &reply);
   });
@@ -364,12 +366,7 @@ absl::Status HostOptimizer::Load(const std::string& path) {
   request.set_session_id(impl.id());
   request.set_path(path);
   v1::CheckpointReply reply;
-  held_.clear();
-  {
-    absl::MutexLock lock(&inbox_mu_);
-    inbox_.clear();
-    router_error_ = absl::OkStatus();
-  }
+  ForgetNotices();
   return impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().LoadCheckpoint(c, request, &reply);
   }, kLongCallTimeout);

@@ -156,6 +156,9 @@ class HostOptimizer {
                              int timeout_ms, const absl::FormatSpec<uint32_t>& late,
                              uint64_t* value = nullptr);
   void RouteNotices();
+  // The job starts over (a new step count, a loaded checkpoint): notices and a failure seen
+  // so far no longer apply.
+  void ForgetNotices();
 
   Session& session_;
   std::vector<ParameterBuffers> params_;
