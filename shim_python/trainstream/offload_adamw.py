@@ -88,7 +88,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  rank: int = 0, world_size: int = 1, names: dict | None = None,
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
                  on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
-                 machine_group: Any = None):
+                 machine_group: Any = None, initial: dict | None = None):
         if moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
                              "'bfloat16', torch.float32 or torch.bfloat16")
@@ -141,8 +141,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._machines = int(machines)
         self._machine_group = machine_group
         self._leader = machines > 1 and rank == 0
+        # Streamed weights wrap() left on the CPU: their values come from ``initial`` (the
+        # parameters hold device placeholders), and no update is ever copied to them.
+        initial = initial or {}
         if self._host.initialize:
-            self._host.load_weights([p.detach().float().cpu() for p in self._params])
+            self._host.load_weights([initial.get(id(p), p).detach().float().cpu()
+                                     for p in self._params])
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
@@ -157,6 +161,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
+        self._adaptive: Any = None          # the run-time memory plan (adaptive_plan.py)
         self._paged_indices: set[int] = set()
         # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
@@ -174,15 +179,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.refresh_weights()
         # CUDA: each updated parameter is copied back by the native side the moment the daemon
         # announces it (during backward and the rest of the update), not after the whole step.
-        self._device_return = self._cuda and all(p.is_contiguous() for p in self._params)
+        self._device_return = self._cuda and all(p.is_contiguous() for p in self._params
+                                                 if id(p) not in initial)
         self._targets: list[int] = []
         self._module_indices: dict[int, list[int]] = {}
+        self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
-            self._targets = [p.data_ptr() for p in self._params]
+            self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
             self._host._native.return_updates_to_device(
                 first.device.index if first.device.index is not None else
                 torch.cuda.current_device(),
-                [(p.data_ptr(), p.numel() * p.element_size()) for p in self._params])
+                [(0, 0) if id(p) in initial else (p.data_ptr(), p.numel() * p.element_size())
+                 for p in self._params])
         self._hooked_modules: set[int] = set()
         self._hooked_dicts: set[int] = set()
         self._model: Any = None
@@ -240,17 +248,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._poster.submit(i, micro, event, grad)
         p.grad = None  # no gradient stays in VRAM
 
+    def stop_returning(self, param_ids: set) -> None:
+        """These parameters' updates are no longer copied to the device (their device memory is
+        about to go): waits for copies in flight first."""
+        self.synchronize()
+        for i, p in enumerate(self._params):
+            if id(p) in param_ids:
+                self._paged_indices.add(i)
+                if self._device_return and self._targets[i] != 0:
+                    self._host._native.retarget_device(i, 0, 0)
+                    self._targets[i] = 0
+
     def page_weights(self, pager: Any) -> None:
         """Parameters of ``pager``'s blocks are read from host memory at every use: their
         updates are not copied back, and each step tells the pager the host copies changed."""
-        self.synchronize()
         self._pager = pager
-        paged = {id(p) for params in pager.params.values() for p in params}
-        self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in paged}
-        for i in self._paged_indices:
-            if self._device_return:
-                self._host._native.retarget_device(i, 0, 0)
-                self._targets[i] = 0
+        self.stop_returning({id(p) for params in pager.params.values() for p in params})
 
     def _check_targets(self) -> None:
         if not self._device_return:
@@ -349,6 +362,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self.last_grad_norm = float(norm)
             self._gpu_optimizer.step()
             self._steps_on_gpu += 1
+            if self._adaptive is not None:
+                self._adaptive.after_step()  # the watchdog still reads every step's peak
             return loss
         if grad_scaler is not None or kwargs:
             raise FailedPreconditionError(
@@ -391,7 +406,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._last_step_end is not None:
             self._step_times.append(now - self._last_step_end)
         self._last_step_end = now
-        if self._switch_when_fits and self._host.iteration >= _AUTO_STEPS:
+        if self._adaptive is not None:
+            self._adaptive.after_step()
+        # Decided once the memory plan has settled: its peaks are what the choice compares.
+        if (self._switch_when_fits and self._host.iteration >= _AUTO_STEPS
+                and (self._adaptive is None or not self._adaptive.adapting)):
             self._switch_when_fits = False
             self._decide_offload()
         return loss
@@ -468,6 +487,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         gpu = cls(self.param_groups, fused=True)
         self._gpu_optimizer = gpu
         self._steps_at_switch = self._host.iteration
+        if self._adaptive is not None:
+            self._adaptive.weights_fixed = True  # nothing left in the daemon to stream from
         self._load_gpu_state_from_daemon()
         for p in self._params:
             p.grad = None

@@ -28,6 +28,7 @@ paged weights.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -67,62 +68,100 @@ class BlockPager:
     def __init__(self, blocks: Sequence[torch.nn.Module], paged: Sequence[int],
                  host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1,
                  activations: Sequence[int] = (), min_offload_bytes: int = 1 << 20,
-                 arena: Any = None):
+                 arena: Any = None, device: Any = None):
         self.blocks = list(blocks)
-        self.paged = sorted(set(paged))
-        self.offloading = sorted(set(activations))
-        if not self.paged and not self.offloading:
+        if not self.blocks:
             raise ValueError("no blocks to page")
+        self.paged: list[int] = []
+        self.offloading: list[int] = []
         self.depth = max(1, int(prefetch_depth))
         self.min_offload_bytes = int(min_offload_bytes)
-        self.params = {b: [p for p in self.blocks[b].parameters(recurse=True)]
-                       for b in self.paged}
-        first = next(self.blocks[0].parameters())
-        self.device = first.device
-        self.cuda = first.is_cuda
-        self.saved: dict[int, list[_Offloaded]] = {b: [] for b in self.offloading}
+        self.params: dict[int, list] = {}
+        # The device the blocks run on; paged weights may still sit on the CPU when the model
+        # did not fit there (wrap() moves only what stays resident).
+        self.device = torch.device(device) if device is not None else next(
+            self.blocks[0].parameters()).device
+        self.cuda = self.device.type == "cuda"
+        self.saved: dict[int, list[_Offloaded]] = {}
         self.bytes_offloaded = 0
-        # Host memory for activations: the daemon's (an ActivationArena), else private pinned.
-        self.arena = arena
+        # Host memory for activations: the daemon's (an ActivationArena, or a callable making
+        # one when the first block starts paging its activations), else private pinned.
+        self._make_arena = arena if callable(arena) and not hasattr(arena, "take") else None
+        self.arena = None if self._make_arena is not None else arena
         self.arena_refused: str | None = None
-        self.host = {id(p): host_copy(p) for b in self.paged for p in self.params[b]}
+        self.host: dict[int, torch.Tensor] = {}
+        self._host_copy = host_copy
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
-        slot_bytes = 0
-        for b in self.paged:
+        self.slot_bytes = 0
+        self.slots: list[_Slot] = []
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.placeholders: dict[int, torch.Tensor] = {}
+        self.weight_storages: dict[int, set] = {}
+        self.position: dict[int, int] = {}  # weight-paged blocks only
+        self.pending_grads: dict[int, int] = {}
+        self.bound: set[int] = set()
+        self.generation = 0
+        self.bytes_fetched = 0
+        self.packed = 0  # saved references to paged weights kept as layouts, not tensors
+        # Measurement (the probe step): bytes each measured block's forward saves for backward
+        # (weights excluded), its input's bytes, and its forward's time.
+        self.measure: set[int] = set()
+        self.measured: dict[int, dict] = {}
+        self._measuring: dict[int, Any] = {}
+        self.hooks: list = []
+        self._saved_hooks: dict[int, Any] = {}
+        # Every block is hooked once; which ones page weights, page activations or are measured
+        # may change between steps (the plan adapts).
+        for b, module in enumerate(self.blocks):
+            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
+            # always_call: a forward that raises (an OOM retried with a smaller batch) still
+            # pops its saved-tensor hooks and lets go of its slot.
+            self.hooks.append(module.register_forward_hook(self._after_forward(b),
+                                                           always_call=True))
+        self.page_weights(paged)
+        self.set_activation_blocks(activations)
+
+    def page_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` start streaming their weights (between steps); returns those that
+        were not paged yet. Their parameters' values are read from ``host_copy`` from now on,
+        and their device memory goes back to the allocator."""
+        added = sorted(set(int(i) for i in indices) - set(self.paged))
+        if not added:
+            return []
+        if self.bound:
+            raise RuntimeError("blocks can start paging only between steps")
+        for b in added:
+            self.params[b] = list(self.blocks[b].parameters(recurse=True))
+            for p in self.params[b]:
+                self.host[id(p)] = self._host_copy(p)
             offset, parts = 0, []
             for p in self.params[b]:
                 offset = (offset + 255) // 256 * 256  # every view aligned as the allocator would
                 parts.append((p, offset, p.numel() * p.element_size()))
                 offset += p.numel() * p.element_size()
             self.layout[b] = parts
-            slot_bytes = max(slot_bytes, (offset + 255) // 256 * 256)
-        self.slot_bytes = slot_bytes
-        self.slots = ([_Slot(slot_bytes, self.device) for _ in range(self.depth + 1)]
-                      if self.paged else [])
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.placeholders = {id(p): torch.zeros((), dtype=p.dtype, device=self.device).expand(
-            p.shape) for b in self.paged for p in self.params[b]}
-        self.weight_storages: dict[int, set] = {}
-        self.position = {b: k for k, b in enumerate(self.paged)}  # weight-paged blocks only
-        self.pending_grads: dict[int, int] = {}
-        self.bound: set[int] = set()
-        self.generation = 0
-        self.bytes_fetched = 0
-        self.packed = 0  # saved references to paged weights kept as layouts, not tensors
-        self.hooks: list = []
-        self._saved_hooks: dict[int, Any] = {}
-        for b in self.paged:
+            self.slot_bytes = max(self.slot_bytes, (offset + 255) // 256 * 256)
+        self.paged = sorted(set(self.paged) | set(added))
+        self.position = {b: k for k, b in enumerate(self.paged)}
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        # Slots sized for the biggest paged block (made again if a new block is bigger).
+        self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
+        for b in added:
             for p in self.params[b]:
+                self.placeholders[id(p)] = torch.zeros(
+                    (), dtype=p.dtype, device=self.device).expand(p.shape)
                 p.data = self.placeholders[id(p)]
                 if p.requires_grad:
                     self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed(b)))
-        for b in sorted(set(self.paged) | set(self.offloading)):
-            module = self.blocks[b]
-            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
-            # always_call: a forward that raises (an OOM retried with a smaller batch) still
-            # pops its saved-tensor hooks and lets go of its slot.
-            self.hooks.append(module.register_forward_hook(self._after_forward(b),
-                                                           always_call=True))
+        return added
+
+    def set_activation_blocks(self, indices: Sequence[int]) -> None:
+        """From the next forward, blocks ``indices`` page their saved activations."""
+        self.offloading = sorted(set(int(i) for i in indices))
+        self.saved = {b: self.saved.get(b, []) for b in self.offloading}
+        if self.offloading and self.arena is None and self._make_arena is not None:
+            self.arena = self._make_arena()  # made when first needed
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -209,8 +248,13 @@ class BlockPager:
 
     # -- forward --------------------------------------------------------------------------------
 
+    def _involved(self, b: int) -> bool:
+        return b in self.position or b in self.saved or b in self.measure
+
     def _before_forward(self, b: int):
         def hook(module, args):
+            if not self._involved(b):
+                return
             if b in self.position:
                 self._bind(b)
                 self._prefetch_after(b, +1)
@@ -218,8 +262,18 @@ class BlockPager:
                 self.saved[b] = []  # last step's are gone with its graph
                 if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
                     self.arena.reset()  # a new step: the last one's backward is over
+            if b in self.saved or b in self.measure:
                 self.weight_storages[b] = {p.untyped_storage().data_ptr()
                                            for p in self.blocks[b].parameters()}
+            if b in self.measure and torch.is_grad_enabled():
+                first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+                if start is not None:
+                    start.record()
+                self._measuring[b] = {"start": start, "storages": set(), "saved_bytes": 0,
+                                      "input_bytes": 0 if first is None else
+                                      first.numel() * first.element_size(),
+                                      "clock": time.perf_counter()}
             if torch.is_grad_enabled():
                 saved = torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(b, t), self._unpack)
@@ -236,7 +290,26 @@ class BlockPager:
                     self.pending_grads[b] = sum(p.requires_grad for p in self.params[b])
             if b in self.position:
                 self._unbind(b)
+            measuring = self._measuring.pop(b, None)
+            if measuring is not None:
+                end = None
+                if self.cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                self.measured[b] = {"saved_bytes": measuring["saved_bytes"],
+                                    "input_bytes": measuring["input_bytes"],
+                                    "events": (measuring["start"], end),
+                                    "wall_s": time.perf_counter() - measuring["clock"]}
         return hook
+
+    def forward_seconds(self, b: int) -> float:
+        """The measured block's forward time (GPU time on CUDA)."""
+        m = self.measured[b]
+        start, end = m["events"]
+        if start is not None and end is not None:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return m["wall_s"]
 
     def _pack(self, b: int, t: torch.Tensor) -> Any:
         slot = self._slot_of(b) if b in self.position else None
@@ -247,6 +320,13 @@ class BlockPager:
             self.packed += 1
             return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
                     (t.data_ptr() - base) // t.element_size())
+        measuring = self._measuring.get(b)
+        if measuring is not None:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.weight_storages.get(b, ()) and key not in measuring["storages"]:
+                measuring["storages"].add(key)
+                measuring["saved_bytes"] += storage.nbytes()
         # Saved weights arrive detached, not as Parameters: told apart by their storage.
         if (b in self.saved and t.is_contiguous() and t.device == self.device
                 and t.numel() * t.element_size() >= self.min_offload_bytes

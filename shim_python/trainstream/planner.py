@@ -48,6 +48,9 @@ class PlanInputs:
     param_offload: object = "auto"       # "auto", True, False, fraction, or block indices
     activation_offload: object = "auto"  # "auto", True, False, or fraction
     prefetch_depth: int = 1
+    block_forward_s: float = 0.0     # one block's measured forward time (0: not measured)
+    link_bytes_per_s: float = 0.0    # measured PCIe bandwidth, one direction (0: not measured)
+    paged_already: tuple = ()        # blocks streaming their weights already (kept so)
 
 
 @dataclass
@@ -59,6 +62,14 @@ class MemoryPlan:
     host_bytes: int = 0          # optimizer state, paged weights' staging, paged activations
     pcie_bytes_per_step: int = 0
     history: list = field(default_factory=list)          # every decision, in words
+
+
+def size(nbytes: float) -> str:
+    """Bytes in words a message can use at any scale."""
+    for unit, scale in (("GiB", GiB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
+        if abs(nbytes) >= 0.1 * scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def _host_state(inputs: PlanInputs, moment_bytes: int) -> int:
@@ -92,13 +103,13 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         moment = "float32"
         if state > inputs.host_budget:
             moment, state = "bfloat16", _host_state(inputs, 2)
-            say(f"moments in bf16: fp32 moments would need {state / GiB:.2f} GiB more host "
-                f"memory than the {inputs.host_budget / GiB:.2f} GiB the daemon can give")
+            say(f"moments in bf16: fp32 moments would need {size(state)} more host "
+                f"memory than the {size(inputs.host_budget)} the daemon can give")
     plan.moment_dtype = moment
     if state > inputs.host_budget:
         raise MemoryPlanError(
-            f"the optimizer state needs {state / GiB:.2f} GiB of host memory with {moment} "
-            f"moments; the daemon can give this job {inputs.host_budget / GiB:.2f} GiB. Free "
+            f"the optimizer state needs {size(state)} of host memory with {moment} "
+            f"moments; the daemon can give this job {size(inputs.host_budget)}. Free "
             "host memory, raise the daemon's --memory_budget, or train fewer parameters (LoRA)")
     host_left = inputs.host_budget - state
 
@@ -127,6 +138,8 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     if wanted:
         paged |= wanted
         say(f"blocks {sorted(wanted)} stream their weights, as asked (param_offload)")
+    paged |= set(inputs.paged_already)
+    streaming = set(paged)  # never recomputed: their weights would cross PCIe a third time
 
     # Activations: page them to host memory while it has room, else recompute; the last
     # block's are used at once by backward and always stay.
@@ -141,31 +154,51 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         for i in order:
             if vram() <= inputs.vram_budget:
                 break
-            if activations[i] <= host_left:
+            transfer_s = (activations[i] / inputs.link_bytes_per_s
+                          if inputs.link_bytes_per_s > 0 else 0.0)
+            if (inputs.block_forward_s > 0 and transfer_s > inputs.block_forward_s
+                    and i not in streaming):
+                plan.activation_policy[i] = "recompute"
+                say(f"block {i} is recomputed in backward: its forward ({1e3 * inputs.block_forward_s:.1f} ms) "
+                    f"is faster than bringing its {size(activations[i])} of activations "
+                    f"back ({1e3 * transfer_s:.1f} ms)")
+            elif activations[i] <= host_left:
                 plan.activation_policy[i] = "offload"
                 host_left -= activations[i]
-                say(f"block {i} pages its activations ({activations[i] / GiB:.2f} GiB) to host "
+                say(f"block {i} pages its activations ({size(activations[i])}) to host "
                     "memory: VRAM does not hold every block's")
+            elif i in streaming:
+                continue
             else:
                 plan.activation_policy[i] = "recompute"
                 say(f"block {i} is recomputed in backward: host memory cannot take its "
-                    f"{activations[i] / GiB:.2f} GiB of activations")
+                    f"{size(activations[i])} of activations")
 
     # Weights: stream blocks, first ones first, while VRAM is still short.
     if wanted is None:
         for i in range(n):
             if vram() <= inputs.vram_budget:
                 break
+            if i in paged:
+                continue
+            if plan.activation_policy[i] == "recompute":
+                # Recomputing a block whose weights stream would fetch them a third time.
+                if activations[i] > host_left:
+                    continue
+                plan.activation_policy[i] = "offload"
+                host_left -= activations[i]
+                say(f"block {i} pages its activations instead of recomputing: its weights "
+                    "stream")
             paged.add(i)
-            say(f"block {i} streams its weights ({inputs.blocks[i].weight_bytes / GiB:.2f} GiB) "
+            say(f"block {i} streams its weights ({size(inputs.blocks[i].weight_bytes)}) "
                 "from host memory: VRAM does not hold them all")
 
     need = vram()
     if need > inputs.vram_budget:
         raise MemoryPlanError(
-            f"this run needs {need / GiB:.2f} GiB of VRAM even with {len(paged)} of {n} blocks "
+            f"this run needs {size(need)} of VRAM even with {len(paged)} of {n} blocks "
             f"streaming their weights and {plan.activation_policy.count('keep')} keeping their "
-            f"activations; {inputs.vram_budget / GiB:.2f} GiB is usable. Lower the batch size "
+            f"activations; {size(inputs.vram_budget)} is usable. Lower the batch size "
             "or sequence length, or let more blocks stream (param_offload=True, "
             "activation_offload=True)")
     plan.paged_blocks = sorted(paged)
@@ -176,6 +209,6 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     plan.pcie_bytes_per_step = (2 * sum(inputs.blocks[i].weight_bytes for i in paged)
                                 + 2 * paged_activations)
     if not plan.history:
-        say(f"everything stays in VRAM: {need / GiB:.2f} of {inputs.vram_budget / GiB:.2f} GiB "
-            f"({weights / GiB:.2f} GiB of weights)")
+        say(f"everything stays in VRAM: {size(need)} of {size(inputs.vram_budget)} "
+            f"({size(weights)} of weights)")
     return plan

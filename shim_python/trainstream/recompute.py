@@ -12,12 +12,19 @@ import torch.utils.checkpoint
 
 
 class Recompute:
-    """Makes ``blocks[i]`` recompute its forward in backward for every ``i`` in ``indices``."""
+    """Makes ``blocks[i]`` recompute its forward in backward for every ``i`` in ``indices``;
+    :meth:`set` changes the choice between steps (the adaptive plan does)."""
 
     def __init__(self, blocks: Sequence[torch.nn.Module], indices: Sequence[int]):
         self.blocks = list(blocks)
-        self.indices = sorted(set(indices))
-        for i in self.indices:
+        self.indices: list[int] = []
+        self.set(indices)
+
+    def set(self, indices: Sequence[int]) -> None:
+        chosen = sorted(set(int(i) for i in indices))
+        for i in set(self.indices) - set(chosen):
+            self.blocks[i].__dict__.pop("forward", None)
+        for i in set(chosen) - set(self.indices):
             module = self.blocks[i]
             original = module.forward
 
@@ -29,8 +36,7 @@ class Recompute:
 
             # An attribute of the instance: module hooks still run around it, once per call.
             module.forward = forward
+        self.indices = chosen
 
     def close(self) -> None:
-        for i in self.indices:
-            self.blocks[i].__dict__.pop("forward", None)
-        self.indices = []
+        self.set(())

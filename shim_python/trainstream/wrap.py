@@ -43,6 +43,8 @@ _ACCEPTED = {
     "min_offload_bytes": "an integer: smaller saved activations stay on the device",
     "recompute": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
+    "vram_budget": "None or bytes: the VRAM the memory plan may use (default: what this process "
+                   "may use, less vram_headroom)",
 }
 
 
@@ -55,11 +57,13 @@ class TrainStreamSession:
     config: dict
     events: list = field(default_factory=list)
     pager: Any = None  # trainstream.paging.BlockPager when blocks page weights or activations
+    plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
+    frozen: Any = None  # host copies of frozen weights that stream
 
     @property
     def adapting(self) -> bool:
         """True while offload='auto' is still measuring the first steps."""
-        return bool(self.optimizer._switch_when_fits)
+        return bool(self.optimizer._switch_when_fits) or bool(self.plan and self.plan.adapting)
 
     @property
     def steps(self) -> int:
@@ -99,6 +103,10 @@ def _check_options(options: dict) -> None:
     headroom = options.get("vram_headroom", 0.10)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
+    budget = options.get("vram_budget")
+    if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
+                                   and budget > 0):
+        raise ValueError(f"trainstream.wrap: vram_budget={budget!r} must be None or bytes > 0")
     norm = options.get("max_grad_norm")
     if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
         raise ValueError(f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
@@ -113,10 +121,68 @@ class _Topology:
     job: str = ""
 
 
-def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
-    """(blocks, weight-paged, activation-paged and recomputed block indices, prefetch depth) for
-    param_offload, activation_offload and recompute, or None; checked before anything is set
-    up, so a bad choice costs nothing."""
+@dataclass
+class _Paging:
+    """What wrap() decided for the block stack before anything is set up."""
+
+    blocks: list
+    paged: list              # blocks whose weights stream from host memory
+    offloaded: list          # blocks whose saved activations go to host memory
+    recomputed: list         # blocks recomputed in backward
+    depth: int
+    budget: int | None       # usable VRAM (None: not planned against VRAM)
+    adaptive: bool           # activations decided by a probe step and the planner
+    weights_auto: bool       # param_offload="auto"
+    events: list = field(default_factory=list)
+
+    def paged_params(self) -> list:
+        return [p for b in self.paged for p in self.blocks[b].parameters()]
+
+
+def _vram_budget(device: torch.device, config: dict) -> int | None:
+    """The VRAM this run may plan for: vram_budget= if given; on CUDA, what this process may use
+    (torch's per-process fraction, and what other processes leave free) less the headroom."""
+    if config["vram_budget"] is not None:
+        return int(config["vram_budget"])
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    limit = total * (float(getter(device)) if getter is not None else 1.0)
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = min(limit, free + torch.cuda.memory_reserved(device))
+    return int((1.0 - float(config["vram_headroom"])) * limit)
+
+
+def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int) -> list:
+    """param_offload="auto" at wrap(): the fewest leading blocks whose weights must stream for
+    the weights to fit, with room for one block's gradients in flight (the activations are
+    measured by the probe step, which may stream more)."""
+    from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
+
+    sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    other, working = total - sum(sizes), 2 * max(sizes)
+    inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
+                        other_weight_bytes=other, other_trainable=0, working_bytes=working,
+                        vram_budget=budget, host_budget=1 << 62, grad_bytes=0,
+                        activation_offload=False, prefetch_depth=depth)
+    try:
+        return plan_memory(inputs).paged_blocks
+    except MemoryPlanError:
+        need = other + (depth + 1) * max(sizes) + working
+        raise MemoryPlanError(
+            f"trainstream.wrap: the weights do not fit in the {size(budget)} VRAM budget even "
+            f"with every block streaming: the weights outside the {len(blocks)} blocks "
+            f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and a block's "
+            f"gradients in flight ({size(working)}) need {size(need)}. Use a GPU with more "
+            "free memory, lower vram_headroom, or prefetch_depth=1") from None
+
+
+def _paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -> _Paging | None:
+    """The block stack's paging and recompute, from param_offload, activation_offload and
+    recompute (each "auto" by default: planned against the VRAM budget); checked before anything
+    is set up, so a bad choice costs nothing. None when nothing pages, recomputes or adapts."""
     from .blocks import find_blocks
 
     weights, acts, again = (config["param_offload"], config["activation_offload"],
@@ -124,10 +190,12 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
     depth = config["prefetch_depth"]
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
-    # "auto": the measured plan (planner.plan_memory) takes these decisions once the probe
-    # step is in place; until then every block keeps its weights and activations.
+
+    def is_auto(value: Any) -> bool:
+        return isinstance(value, str) and value == "auto"
+
     def is_off(value: Any) -> bool:  # by identity: 0 and 1 are not False and True here
-        return value is None or value is False or (isinstance(value, str) and value == "auto")
+        return value is None or value is False or is_auto(value)
 
     for name, value in (("param_offload", weights), ("activation_offload", acts),
                         ("recompute", again)):
@@ -135,12 +203,17 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
             raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
                              "False, a fraction 0.0-1.0" +
                              ("" if name == "activation_offload" else " or a list of block indices"))
-    if is_off(weights) and is_off(acts) and is_off(again):
+    budget = _vram_budget(device, config)
+    planned = budget is not None and (is_auto(weights) or (is_auto(acts) and is_auto(again)))
+    if is_off(weights) and is_off(acts) and is_off(again) and not planned:
         return None
-    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    explicit = config["blocks"] is not None
+    blocks = list(config["blocks"]) if explicit else find_blocks(model)
     if not blocks:
-        raise ValueError("trainstream.wrap: param_offload and activation_offload need a repeated "
-                         "block stack; none was found (pass blocks=[...])")
+        if not (is_off(weights) and is_off(acts) and is_off(again)):
+            raise ValueError("trainstream.wrap: param_offload, activation_offload and recompute "
+                             "need a repeated block stack; none was found (pass blocks=[...])")
+        return None
 
     def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
         if is_off(value):
@@ -161,6 +234,13 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
         return picked
 
     paged = chosen("param_offload", weights, len(blocks), True)
+    events = []
+    if is_auto(weights) and budget is not None:
+        paged = _weight_plan(model, blocks, budget, depth)
+        if paged:
+            events.append(("wrap.plan", f"{len(paged)} of {len(blocks)} blocks stream their "
+                                        f"weights: the weights do not fit in the "
+                                        f"{budget / 2**30:.2f} GiB VRAM budget otherwise"))
     # The last block's activations are used as soon as backward starts: they always stay.
     offloaded = chosen("activation_offload", acts, len(blocks) - 1, False)
     recomputed = chosen("recompute", again, len(blocks), True)
@@ -169,61 +249,107 @@ def _paging_choice(model: torch.nn.Module, config: dict) -> tuple | None:
         raise ValueError(f"trainstream.wrap: blocks {both} are both paged and recomputed; a "
                          "recomputed block keeps no activations to page, and its weights are "
                          "used again in backward: choose one")
-    if not paged and not offloaded and not recomputed:
+    adaptive = budget is not None and is_auto(acts) and is_auto(again) and len(blocks) >= 2
+    if not (paged or offloaded or recomputed or adaptive):
         return None
-    frozen = [n for b in paged for n, p in blocks[b].named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ValueError("trainstream.wrap: paging frozen weights arrives with shared bases; "
-                         f"block parameters without gradients: {frozen[:3]}")
-    return blocks, paged, offloaded, recomputed, depth
+    return _Paging(blocks, paged, offloaded, recomputed, depth, budget, adaptive,
+                   is_auto(weights), events)
 
 
-def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadAdamW,
-                 config: dict, events: list) -> Any:
-    """Starts weight and activation paging for the chosen blocks; returns the pager (or
-    None)."""
+def _place(model: torch.nn.Module, device: torch.device, paging: _Paging | None) -> dict:
+    """Moves the model to ``device`` except the weights of blocks that stream: those stay where
+    they are (a model bigger than VRAM is built on the CPU) and get a placeholder on the device;
+    returns their values by parameter id, for the daemon's host copies."""
+    streamed = {id(p) for p in paging.paged_params()} if paging else set()
+    initial = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in streamed:
+                if id(p) not in initial:
+                    initial[id(p)] = p.data
+                    p.data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+            elif p.device != device:
+                p.data = p.data.to(device)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    return initial
+
+
+class _FrozenWeights:
+    """Host copies of frozen weights that stream (no optimizer holds them): daemon buffers,
+    pinned and counted against the job like the rest."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._buffers: list = []
+        self.bytes = 0
+
+    def copy(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        nbytes = value.numel() * value.element_size()
+        buffer = self._client.allocate(f"frozen/{self._client.session_id}/{name}",
+                                       max(nbytes, 1), tag="frozen_weights")
+        self._buffers.append(buffer)
+        self.bytes += nbytes
+        host = buffer.tensor(torch.uint8, (max(nbytes, 1),))[:nbytes].view(
+            value.dtype).view(value.shape)
+        host.copy_(value.detach())
+        return host
+
+
+def _page_blocks(model: torch.nn.Module, choice: _Paging | None, offload: OffloadAdamW,
+                 config: dict, events: list, initial: dict, frozen: _FrozenWeights) -> Any:
+    """Starts weight and activation paging and recompute for the chosen blocks; returns the
+    pager (or None)."""
     from .paging import BlockPager
     from .recompute import Recompute
 
     if choice is None:
         return None
-    blocks, paged, offloaded, recomputed, depth = choice
-    if recomputed:
+    blocks, paged, offloaded, recomputed, depth = (choice.blocks, choice.paged, choice.offloaded,
+                                                   choice.recomputed, choice.depth)
+    if recomputed or choice.adaptive:
         offload._recompute = Recompute(blocks, recomputed)
-        events.append(("wrap.recompute", f"{len(recomputed)} of {len(blocks)} blocks recompute "
-                                         "their forward in backward instead of keeping "
-                                         "activations"))
-    if not paged and not offloaded:
+        if recomputed:
+            events.append(("wrap.recompute", f"{len(recomputed)} of {len(blocks)} blocks "
+                                             "recompute their forward in backward instead of "
+                                             "keeping activations"))
+    if not paged and not offloaded and not choice.adaptive:
         return None
     index = offload._index
-    missing = [n for b in paged for n, p in blocks[b].named_parameters() if id(p) not in index]
-    if missing:
-        raise ValueError("trainstream.wrap: param_offload pages weights the optimizer does not "
-                         f"train: {missing[:3]}; pass them to the optimizer or page other blocks")
-    arena = None
-    if offloaded:
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def host_copy(p: torch.Tensor) -> torch.Tensor:
+        if id(p) in index:
+            return offload._host.param(index[id(p)])
+        # A frozen weight: its own daemon buffer, filled once.
+        return frozen.copy(_safe(names.get(id(p), f"param{id(p)}")), initial.get(id(p), p.data))
+
+    client = offload.client
+
+    def arena():
         from .activation_arena import ActivationArena
 
-        client = offload.client
-        arena = ActivationArena(
+        return ActivationArena(
             lambda name, nbytes: client.allocate(name, nbytes, tag="activations"),
             f"activations/{client.session_id}")
-    pager = BlockPager(blocks, paged, lambda p: offload._host.param(index[id(p)]), depth,
-                       activations=offloaded, min_offload_bytes=int(config["min_offload_bytes"]),
-                       arena=arena)
+
+    device = next(iter(offload._params)).device
+    pager = BlockPager(blocks, [], host_copy, depth, min_offload_bytes=int(config["min_offload_bytes"]),
+                       arena=arena, device=device)
+    _stream_weights(offload, pager, paged)
+    pager.set_activation_blocks(offloaded)
+    # A checkpoint of the model holds the paged weights' host copies, not placeholders.
+
+    def host_copies(module, state_dict, prefix, local_metadata):
+        for b in pager.paged:
+            for p in pager.params[b]:
+                key = prefix + names.get(id(p), "")
+                if key in state_dict:
+                    state_dict[key] = pager.host[id(p)].detach().clone()
+
+    pager.hooks.append(model._register_state_dict_hook(host_copies))
     if paged:
-        offload.page_weights(pager)
-        # A checkpoint of the model holds the paged weights' host copies, not placeholders.
-        names = {id(p): n for n, p in model.named_parameters()}
-        paged_names = {names[id(p)]: pager.host[id(p)] for b in paged for p in pager.params[b]
-                       if id(p) in names}
-
-        def host_copies(module, state_dict, prefix, local_metadata):
-            for name, host in paged_names.items():
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = host.detach().clone()
-
-        pager.hooks.append(model._register_state_dict_hook(host_copies))
         moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
         events.append(("wrap.param_offload",
                        f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
@@ -236,15 +362,32 @@ def _page_blocks(model: torch.nn.Module, choice: tuple | None, offload: OffloadA
     return pager
 
 
+def _stream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
+    """Blocks start streaming their weights: the optimizer stops returning their updates to the
+    device (nothing may still be copying there), then the pager frees their device memory."""
+    if not blocks:
+        return
+    streamed = {id(p) for b in blocks for p in pager.blocks[b].parameters()}
+    offload.stop_returning(streamed)
+    pager.page_weights(blocks)
+    offload.page_weights(pager)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "param"
+
+
 def _keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
                                  pager: Any) -> None:
     """model.load_state_dict() on a wrapped model: the daemon's master weights (what the next
     update starts from) take the loaded values too, and paged weights load into their host
     copies."""
     names = {id(p): n for n, p in model.named_parameters()}
-    paged = {id(p) for ps in (pager.params.values() if pager else ()) for p in ps}
+    paged: set = set()
 
     def before(state_dict, prefix, *rest):
+        paged.clear()  # the blocks that stream now (the plan may have added some)
+        paged.update(id(p) for ps in (pager.params.values() if pager else ()) for p in ps)
         offload.synchronize()  # no returning copy may land on top of the loaded values
         for p in offload._params:
             if id(p) in paged:  # a real tensor to load into, for the moment
@@ -265,6 +408,35 @@ def _keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
 
     offload._hooks.append(model._register_load_state_dict_pre_hook(before))
     offload._hooks.append(model.register_load_state_dict_post_hook(after))
+
+
+def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload: OffloadAdamW,
+                   client: Any, session: TrainStreamSession, planned: int | None) -> Any:
+    """The run-time plan: probe step, then the planner's choices, then the watchdog."""
+    from .adaptive_plan import AdaptivePlan
+
+    inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
+    link = 0.0
+    if pager.cuda:
+        from .hardware import profile_hardware
+
+        gpu = profile_hardware().get("gpu") or {}
+        link = 1e9 * min(gpu.get("h2d_gbps", 0.0), gpu.get("d2h_gbps", 0.0))
+
+    def host_free() -> int:
+        memory = client.memory()
+        return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
+
+    def plan_host(activation_bytes: int) -> None:
+        if planned is not None:  # check_memory=False: allocated as it goes
+            client.plan_host_memory(planned + activation_bytes)
+
+    return AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
+                        stream_weights=lambda blocks: _stream_weights(offload, pager, blocks),
+                        plan_host=plan_host, host_free=host_free, note=session.note,
+                        other_weight_bytes=other, prefetch_depth=paging.depth,
+                        link_bytes_per_s=link, weights_fixed=not paging.weights_auto)
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
@@ -345,37 +517,48 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
-              "min_offload_bytes": 1 << 20, "recompute": "auto"}
+              "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None}
     config.update(options)
     events: list = []
 
     device = config["device"]
-    current = next(model.parameters()).device
-    if device is None and current.type == "cpu" and torch.cuda.is_available():
-        device = "cuda"
-    if device is not None and torch.device(device) != current:
-        model.to(device)
-        events.append(("wrap.device", f"moved the model from {current} to {device}"))
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         raise FailedPreconditionError(
             f"the model's parameters are on {sorted(map(str, devices))}; put them on one device")
-
-    paging = _paging_choice(model, config)
+    current = next(iter(devices))
+    if device is None and current.type == "cpu" and torch.cuda.is_available():
+        device = "cuda"
+    target = torch.device(device) if device is not None else current
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    # Planned before the model moves: blocks whose weights stream never go to the device whole.
+    paging = _paging_choice(model, config, target)
+    for kind, message in (paging.events if paging else ()):
+        events.append((kind, message))
+    if target != current or (paging and paging.paged):
+        initial = _place(model, target, paging)
+        if target != current:
+            events.append(("wrap.device", f"moved the model from {current} to {target}" +
+                           (f", except the {len(paging.paged)} blocks whose weights stream"
+                            if paging and paging.paged else "")))
+    else:
+        initial = {}
     topology = _distributed(config["distributed"])
     rank, world = topology.rank, topology.world
     # A fresh name per call: a model's id() is reused once it is gone, a job is not.
     job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
     try:
-        return _wrap_connected(model, optimizer, config, client, topology, paging, job_id, events)
+        return _wrap_connected(model, optimizer, config, client, topology, paging, job_id, events,
+                               initial)
     except BaseException:
         client.close()  # a refused or failed wrap leaves nothing behind in the daemon
         raise
 
 
 def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,
-                    topology: _Topology, paging: Any, job_id: str, events: list):
+                    topology: _Topology, paging: Any, job_id: str, events: list, initial: dict):
     rank, world = topology.rank, topology.world
     names = {p: n for n, p in model.named_parameters()}
     moment = config["moment_dtype"]
@@ -384,12 +567,14 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   gradient_dtype=config["gradient_dtype"], machines=topology.machines,
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
-                  client=client, names=names)
+                  client=client, names=names, initial=initial)
+    frozen_streamed = sum(p.numel() * p.element_size() for p in
+                          (paging.paged_params() if paging else ()) if not p.requires_grad)
 
     if config["check_memory"]:
         # Admission before anything is allocated: the whole job's host memory is planned with
         # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
-        planned = _host_bytes(model, moment, config, world, topology.machines)
+        planned = _host_bytes(model, moment, config, world, topology.machines) + frozen_streamed
         try:
             client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
         except ResourceExhaustedError as e:
@@ -446,12 +631,19 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
     offload.attach_forward_waits(model)
-    pager = _page_blocks(model, paging, offload, config, events)
+    frozen = _FrozenWeights(client)
+    pager = _page_blocks(model, paging, offload, config, events, initial, frozen)
+    initial.clear()  # the daemon's buffers hold these values now
     _keep_daemon_weights_on_load(model, offload, pager)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
+    session.frozen = frozen
     for kind, message in events:
         session.note(kind, message)
+    if paging is not None and paging.adaptive and pager is not None:
+        session.plan = _adaptive_plan(model, paging, pager, offload, client, session,
+                                      planned if config["check_memory"] else None)
+        offload._adaptive = session.plan
     if getattr(offload, "_resumed", False):
         session.note("wrap.resumed", f"re-attached to job {job_id}'s optimizer state after "
                      f"{offload.steps} completed steps; the model's weights are the daemon's",
@@ -520,6 +712,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
         "host_refused": pager.arena_refused if pager else None,
     }
+    report["plan"] = session.plan.report() if session.plan is not None else None
+    report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.
     report["events"] = [e for e in session.client.events()

@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plan at run time: a probe step measures one block, the planner decides from the
+measurements, the decision is applied between steps, the next step's peak confirms or corrects
+it, and a watchdog re-plans when a later step grows.
+
+The probe step is safe for VRAM and host memory alike: every block but the measured one either
+recomputes its forward in backward (keeping only its input) or, when its weights stream (a
+streamed block is never recomputed), pages its activations to the daemon's buffers. The measured
+block is the last one, which keeps its activations in every plan. What it saves for backward,
+its input, its forward time, and the step's VRAM peak are what the planner works from, with the
+PCIe bandwidth measured once per machine (``profile_hardware``) and the host memory the daemon
+has left (other jobs' plans taken off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .planner import (BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory,
+                      size)
+
+# Steps after the plan is applied whose peaks may still correct it; later, only the watchdog.
+_SETTLE_STEPS = 2
+# A later step's peak may exceed the budget by this share before the watchdog re-plans.
+_WATCHDOG_SLACK = 0.02
+
+
+class AdaptivePlan:
+    """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
+    wrapped model.
+
+    ``pager`` is the model's BlockPager, ``recompute`` its Recompute; ``stream_weights(blocks)``
+    makes more blocks stream their weights (the optimizer stops returning their updates first);
+    ``plan_host(extra)`` re-declares the job's host memory with ``extra`` bytes of paged
+    activations (raising if the daemon refuses); ``note(kind, message, **numbers)`` says a
+    decision.
+    """
+
+    def __init__(self, blocks: list, pager: Any, recompute: Any, budget: int,
+                 stream_weights: Callable[[list], None], plan_host: Callable[[int], None],
+                 host_free: Callable[[], int], note: Callable[..., None],
+                 other_weight_bytes: int = 0, prefetch_depth: int = 1,
+                 link_bytes_per_s: float = 0.0, weights_fixed: bool = False):
+        self.blocks = blocks
+        self.pager = pager
+        self.recompute = recompute
+        self.budget = int(budget)
+        self._stream_weights = stream_weights
+        self._plan_host = plan_host
+        self._host_free = host_free
+        self._note = note
+        self._depth = prefetch_depth
+        self._link = float(link_bytes_per_s)
+        self.weights_fixed = weights_fixed
+        self._other_weights = int(other_weight_bytes)  # VRAM weights outside the block stack
+        self.cuda = pager.cuda
+        self.device = pager.device
+        self.probe_block = len(blocks) - 1
+        self.plan: MemoryPlan | None = None
+        self.history: list[str] = []
+        self.measured: dict = {}
+        self.extra_working = 0         # what the settling steps and the watchdog added
+        self.steps_since_plan = -1     # -1: the probe has not run
+        self.adapting = True
+        self.host_activation_bytes = 0
+        self._start_probe()
+
+    # -- the probe ------------------------------------------------------------------------------
+
+    def _start_probe(self) -> None:
+        last = self.probe_block
+        streamed = set(self.pager.paged)
+        offload = [b for b in range(last) if b in streamed]
+        again = [b for b in range(last) if b not in streamed]
+        self.recompute.set(again)
+        self.pager.set_activation_blocks(offload)
+        self.pager.measure = {last}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._say("plan.probe", f"probe step: block {last} is measured, {len(again)} blocks "
+                  f"recompute and {len(offload)} page their activations meanwhile")
+
+    def _weights_bytes(self, b: int) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pager.params.get(b, ())) if (
+            b in self.pager.position) else sum(p.numel() * p.element_size()
+                                               for p in self.blocks[b].parameters())
+
+    def _facts(self) -> tuple[list, int, float]:
+        m = self.pager.measured.get(self.probe_block)
+        if m is None:
+            raise MemoryPlanError("the probe step did not run the last block's forward with "
+                                  "gradients enabled; train with the model's forward")
+        forward_s = self.pager.forward_seconds(self.probe_block)
+        facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
+                            activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"])
+                 for b in range(len(self.blocks))]
+        return facts, m["saved_bytes"], forward_s
+
+    def _working_from_probe(self, facts: list, other_weights: int) -> int:
+        """The step's VRAM beyond weights and saved activations, from the probe's peak."""
+        if not self.cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        streamed = set(self.pager.paged)
+        resident = other_weights + sum(f.weight_bytes for b, f in enumerate(facts)
+                                       if b not in streamed)
+        slots = self.pager.resident_bytes()
+        recomputing = [b for b in range(self.probe_block) if b not in streamed]
+        saved = (facts[-1].activation_bytes + sum(facts[b].input_bytes for b in recomputing))
+        in_flight = facts[0].activation_bytes if streamed else 0
+        return max(0, peak - resident - slots - saved - in_flight)
+
+    # -- after every step -----------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        if self.steps_since_plan < 0:
+            self._plan_from_probe()
+            return
+        self.steps_since_plan += 1
+        # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
+        if peak > limit:
+            grew = int(peak - self.budget)
+            self.extra_working += grew
+            which = "settling" if self.adapting else "watchdog"
+            self._say(f"plan.{which}", f"step peak {size(peak)} is over the "
+                      f"{size(self.budget)} budget by {size(grew)}: planning "
+                      "again with that much more working memory", peak_bytes=peak,
+                      budget_bytes=self.budget)
+            try:
+                self._replan()
+            except MemoryPlanError as e:
+                # Training goes on as it is; the headroom is what is being eaten into.
+                self.adapting = False
+                self._say("plan.limit", f"no plan keeps the step under the budget: {e}")
+        elif self.adapting and self.steps_since_plan >= _SETTLE_STEPS:
+            self.adapting = False
+            measured = (f"step peak {size(peak)} of the {size(self.budget)} "
+                        "budget" if self.cuda else "no VRAM peak to read off a CPU device")
+            self._say("plan.settled", f"plan settled: {measured}", peak_bytes=peak,
+                      budget_bytes=self.budget)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _plan_from_probe(self) -> None:
+        facts, act, forward_s = self._facts()
+        self.measured = {"activation_bytes": act, "input_bytes": facts[0].input_bytes,
+                         "forward_s": forward_s}
+        self._working = self._working_from_probe(facts, self._other_weights)
+        self.measured["working_bytes"] = self._working
+        self._say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
+                  f"input is {size(facts[0].input_bytes)}, its forward takes "
+                  f"{1e3 * forward_s:.2f} ms; working memory {size(self._working)}",
+                  activation_bytes=act, input_bytes=facts[0].input_bytes,
+                  forward_ms=1e3 * forward_s, working_bytes=self._working)
+        self.pager.measure = set()
+        self._facts_cache = facts
+        self._replan()
+
+    def _replan(self) -> None:
+        facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
+                            activation_bytes=f.activation_bytes, input_bytes=f.input_bytes)
+                 for b, f in enumerate(self._facts_cache)]
+        own = self.host_activation_bytes
+        inputs = PlanInputs(
+            blocks=tuple(facts), other_weight_bytes=self._other_weights, other_trainable=0,
+            working_bytes=self._working + self.extra_working, vram_budget=self.budget,
+            host_budget=max(0, self._host_free()) + own, grad_bytes=0, moment_dtype="float32",
+            param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
+            activation_offload="auto", prefetch_depth=self._depth,
+            block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,
+            paged_already=tuple(self.pager.paged))
+        plan = plan_memory(inputs)
+        offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
+        again = [b for b, p in enumerate(plan.activation_policy) if p == "recompute"]
+        added = [b for b in plan.paged_blocks if b not in self.pager.position]
+        host_bytes = sum(facts[b].activation_bytes for b in offload)
+        if host_bytes != own:
+            self._plan_host(host_bytes)
+            self.host_activation_bytes = host_bytes
+        if added:
+            self._stream_weights(added)
+        self.recompute.set(again)
+        self.pager.set_activation_blocks(offload)
+        self.plan = plan
+        for line in plan.history:
+            self._say("plan.decision", line)
+        keep = plan.activation_policy.count("keep")
+        self._say("plan.applied",
+                  f"{len(plan.paged_blocks)} of {len(facts)} blocks stream their weights; "
+                  f"activations: {keep} kept, {len(offload)} paged, {len(again)} recomputed; "
+                  f"estimated peak {size(plan.vram_bytes)} of {size(self.budget)}, "
+                  f"{size(plan.pcie_bytes_per_step)} over PCIe a step for paging",
+                  vram_bytes=plan.vram_bytes, budget_bytes=self.budget,
+                  pcie_bytes=plan.pcie_bytes_per_step, paged_blocks=len(plan.paged_blocks),
+                  offloaded_blocks=len(offload), recomputed_blocks=len(again))
+        self.steps_since_plan = 0
+        self.adapting = True
+
+    def _say(self, kind: str, message: str, **numbers: float) -> None:
+        self.history.append(message)
+        self._note(kind, message, **numbers)
+
+    def report(self) -> dict:
+        plan = self.plan
+        return {"adapting": self.adapting, "budget_bytes": self.budget,
+                "measured": dict(self.measured),
+                "estimated_vram_bytes": plan.vram_bytes if plan else None,
+                "pcie_bytes_per_step": plan.pcie_bytes_per_step if plan else None,
+                "host_activation_bytes": self.host_activation_bytes,
+                "history": list(self.history)}

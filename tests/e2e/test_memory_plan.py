@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plan at run time, through wrap(): a VRAM budget the weights or the activations do
+not fit in makes blocks stream their weights (decided at wrap()) and page or recompute their
+activations (decided after a probe step), training stays bit-identical to the all-resident run,
+and every decision is an event. On a CPU the budget is given (vram_budget=); on the GPU machine
+a per-process VRAM cap is the budget."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RESIDENT = dict(offload=True, param_offload=False, activation_offload=False, recompute=False)
+
+
+@pytest.fixture
+def daemon_socket(daemon, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    return daemon.socket
+
+
+def train(model, opt, steps, device=DEVICE, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, device=device)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def saved_by_one_block(model) -> int:
+    """What the last block saves for backward, counted here independently of trainstream."""
+    storages = {}
+    x, _ = batch(0, device=DEVICE)
+    with torch.no_grad():
+        h = model.wte(x) + model.wpe(torch.arange(x.shape[1], device=x.device))
+    h.requires_grad_(True)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[-1](h)
+    return sum(storages.values())
+
+
+def kinds(model):
+    return [e["kind"] for e in model._trainstream_session.events]
+
+
+def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(daemon_socket):
+    torch.manual_seed(11)
+    resident = TinyGPT(layers=4).to(DEVICE)
+    planned = copy.deepcopy(resident)
+    act = saved_by_one_block(resident)
+    # The weights fit; the activations of two blocks more than the last one's do not.
+    budget = nbytes(resident.parameters()) + 2 * act
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
+                                      vram_budget=budget, min_offload_bytes=0)
+    session = planned._trainstream_session
+    assert session.adapting and session.plan is not None
+    assert "client.plan.probe" not in kinds(planned) and "plan.probe" in kinds(planned)
+    losses = train(planned, p_opt, 1)
+    report = trainstream.memory_report(planned)["plan"]
+    # The probe measured what the test counts (the block's input included in both).
+    assert 0.5 * act <= report["measured"]["activation_bytes"] <= 2 * act
+    policy = trainstream.memory_report(planned)["activations"]["policy"]
+    assert policy[-1] == "keep" and set(policy[:-1]) <= {"keep", "offload", "recompute"}
+    assert policy.count("keep") < len(policy)  # the budget forced a choice
+    assert report["estimated_vram_bytes"] <= budget
+    losses += train(planned, p_opt, 5, start=1)
+    assert losses == train(resident, r_opt, 6)
+    assert not session.adapting  # settled after the steps that confirm the plan
+    for kind in ("plan.probe", "plan.measured", "plan.applied", "plan.settled"):
+        assert kind in kinds(planned), kind
+    daemon_kinds = [e["kind"] for e in trainstream.memory_report(planned)["events"]]
+    assert "client.plan.applied" in daemon_kinds  # tsctl events shows the decisions too
+    if "offload" in policy:
+        assert trainstream.memory_report(planned)["activations"]["offloaded_bytes"] > 0
+    a = [p.detach().clone() for p in trainstream.unwrap(resident).parameters()]
+    b = [p.detach().clone() for p in trainstream.unwrap(planned).parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_weights_that_do_not_fit_stream_from_wrap_and_train_bit_identically(daemon_socket):
+    torch.manual_seed(12)
+    resident = TinyGPT(layers=8).to(DEVICE)
+    planned = copy.deepcopy(resident)
+    block = nbytes(resident.blocks[0].parameters())
+    # One block's weights too many (streaming costs slots and a block's gradients in flight);
+    # the activations are left as they are, so only the weights are planned.
+    budget = nbytes(resident.parameters()) - block
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
+                                      vram_budget=budget, activation_offload=False,
+                                      recompute=False)
+    assert planned._trainstream_session.plan is None
+    pager = planned._trainstream_session.pager
+    assert pager.paged == list(range(len(pager.paged))) and 1 <= len(pager.paged) < 8
+    assert "wrap.plan" in kinds(planned)
+    assert train(planned, p_opt, 5) == train(resident, r_opt, 5)
+    assert trainstream.memory_report(planned)["params"]["paged_blocks"] == pager.paged
+    a = [p.detach().clone() for p in trainstream.unwrap(resident).parameters()]
+    b = [p.detach().clone() for p in trainstream.unwrap(planned).parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_budget_below_the_weights_outside_the_blocks_is_refused_at_wrap(daemon_socket):
+    model = TinyGPT(layers=3).to(DEVICE)
+    outside = nbytes(model.parameters()) - sum(nbytes(b.parameters()) for b in model.blocks)
+    with pytest.raises(trainstream.MemoryPlanError,
+                       match=r"weights do not fit in the .* VRAM budget even with every block "
+                             r"streaming: the weights outside the 3 blocks \(.*\), .* need"):
+        trainstream.wrap(model, device=DEVICE, vram_budget=outside // 2)
+    assert getattr(model, "_trainstream_session", None) is None
+    with pytest.raises(ValueError, match="vram_budget"):
+        trainstream.wrap(model, device=DEVICE, vram_budget=-1)
+
+
+def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
+    torch.manual_seed(13)
+    resident = TinyGPT(layers=3).to(DEVICE)
+    for block in resident.blocks:  # adapters' stand-in: only the MLPs train
+        for p in list(block.attn.parameters()) + list(block.ln1.parameters()):
+            p.requires_grad_(False)
+    planned = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
+                                      param_offload=True, activation_offload=False,
+                                      recompute=False)
+    frozen = sum(nbytes(p for p in b.parameters() if not p.requires_grad)
+                 for b in resident.blocks)
+    report = trainstream.memory_report(planned)
+    assert report["frozen_host_bytes"] == frozen
+    assert report["pinned_by_tag"].get("frozen_weights", 0) >= frozen
+    assert train(planned, p_opt, 4) == train(resident, r_opt, 4)
+    ours, theirs = planned.state_dict(), resident.state_dict()
+    assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
+    trainstream.unwrap(planned)
+    trainstream.unwrap(resident)
+
+
+@pytest.mark.gpu
+def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(daemon_socket):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the per-process VRAM cap is a CUDA allocator setting")
+    torch.manual_seed(14)
+    cpu_model = TinyGPT(dim=512, heads=8, layers=8).to(torch.bfloat16)
+    weights = nbytes(cpu_model.parameters())
+    resident = copy.deepcopy(cpu_model).cuda()
+    resident, r_opt = trainstream.wrap(resident, lr=1e-3, **RESIDENT)
+    expected = train(resident, r_opt, 4, device="cuda")
+    expected_weights = [p.detach().cpu() for p in trainstream.unwrap(resident).parameters()]
+    del resident, r_opt
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = int(0.6 * weights)  # the bf16 weights alone exceed it
+    base = torch.cuda.memory_allocated()
+    torch.cuda.set_per_process_memory_fraction((cap + base) / total)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        model, opt = trainstream.wrap(cpu_model, lr=1e-3, device="cuda", offload=True,
+                                      vram_headroom=0.0)
+        assert model._trainstream_session.pager.paged
+        assert train(model, opt, 4, device="cuda") == expected
+        assert torch.cuda.max_memory_allocated() - base <= cap
+        got = [p.detach().cpu() for p in trainstream.unwrap(model).parameters()]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(expected_weights, got))
