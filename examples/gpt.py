@@ -32,6 +32,9 @@ PRESETS = {
     "124m": GPTConfig(vocab=50304, dim=768, heads=12, layers=12, context=1024),
     # fp32 weights, gradients and AdamW moments: 16 bytes x 1.6B = 25.8 GB, over a 24 GB card.
     "1.6b": GPTConfig(vocab=50304, dim=2048, heads=16, layers=30, context=1024),
+    # The memory plan's benchmarks: 7.3 GB and 14.4 GB of fp32 weights.
+    "1.8b": GPTConfig(vocab=50304, dim=2048, heads=16, layers=34, context=1024),
+    "3.6b": GPTConfig(vocab=50304, dim=2560, heads=20, layers=44, context=1024),
 }
 
 

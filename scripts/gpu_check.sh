@@ -5,6 +5,8 @@
 #   scripts/gpu_check.sh [tests|bench|all]   (default all)
 #   scripts/gpu_check.sh profile             host AdamW only: a sweep over sizes, threads, ISAs
 #   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
+#   scripts/gpu_check.sh plan [CASE...]      the memory plan's GPU tests, then bench/memory_plan.py
+#   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -47,6 +49,24 @@ if [[ $what == wrap ]]; then
     > "$OUT/pytest_cpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
 fi
+if [[ $what == plan ]]; then
+  # The memory plan's GPU tests (paging, placement, probe, caps), then its benchmark cases
+  # named after "plan" (none: tests only).
+  shift
+  python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  python3 -m pytest -ra -m "not gpu" tests/e2e/test_memory_plan.py tests/e2e/test_weight_paging.py \
+    tests/e2e/test_wrap.py > "$OUT/pytest_cpu.log" 2>&1 || status=1
+  ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
+  if (( $# )); then
+    python3 bench/memory_plan.py --cases "$@" --json "$OUT/memory_plan.json" \
+      > "$OUT/memory_plan.txt" 2>&1 || status=1
+  fi
+fi
+if [[ $what == plan_bench ]]; then
+  shift
+  python3 bench/memory_plan.py --cases "$@" --json "$OUT/memory_plan.json" \
+    > "$OUT/memory_plan.txt" 2>&1 || status=1
+fi
 if [[ $what == tests || $what == all ]]; then
   ctest --test-dir build/py --output-on-failure -j8 > "$OUT/ctest.log" 2>&1 || status=1
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
@@ -61,6 +81,8 @@ if [[ $what == bench || $what == all ]]; then
 fi
 echo "== summary"
 cat "$OUT/gpu.txt" | head -3
-for f in ctest.log pytest_gpu.log pytest_cpu.log; do [[ -f $OUT/$f ]] && tail -3 "$OUT/$f"; done
-for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+for f in ctest.log pytest_gpu.log pytest_cpu.log; do
+  [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
+done
+for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status

@@ -142,7 +142,9 @@ class AdaptivePlan:
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
             self._say("plan.settled", f"plan settled: {measured}", peak_bytes=peak,
                       budget_bytes=self.budget)
-        if self.cuda:
+        if self.cuda and self.adapting:
+            # Each settling step is read alone; once settled the counter is the user's again
+            # and the watchdog reads the peak since then (it only grows).
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _plan_from_probe(self) -> None:

@@ -139,7 +139,7 @@ class _Paging:
         return [p for b in self.paged for p in self.blocks[b].parameters()]
 
 
-def _vram_budget(device: torch.device, config: dict) -> int | None:
+def _vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int | None:
     """The VRAM this run may plan for: vram_budget= if given; on CUDA, what this process may use
     (torch's per-process fraction, and what other processes leave free) less the headroom."""
     if config["vram_budget"] is not None:
@@ -151,7 +151,9 @@ def _vram_budget(device: torch.device, config: dict) -> int | None:
     limit = total * (float(getter(device)) if getter is not None else 1.0)
     free, _ = torch.cuda.mem_get_info(device)
     limit = min(limit, free + torch.cuda.memory_reserved(device))
-    return int((1.0 - float(config["vram_headroom"])) * limit)
+    # Tensors this process holds besides the model's (another model, a cache) stay where they are.
+    others = torch.cuda.memory_allocated(device) - model_bytes
+    return max(0, int((1.0 - float(config["vram_headroom"])) * limit - max(0, others)))
 
 
 def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int) -> list:
@@ -203,7 +205,9 @@ def _paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -
             raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
                              "False, a fraction 0.0-1.0" +
                              ("" if name == "activation_offload" else " or a list of block indices"))
-    budget = _vram_budget(device, config)
+    on_device = sum(t.numel() * t.element_size() for t in
+                    list(model.parameters()) + list(model.buffers()) if t.device == device)
+    budget = _vram_budget(device, config, on_device)
     planned = budget is not None and (is_auto(weights) or (is_auto(acts) and is_auto(again)))
     if is_off(weights) and is_off(acts) and is_off(again) and not planned:
         return None

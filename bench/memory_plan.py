@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Models bigger than a 24 GB VRAM cap, trained through wrap() with the memory plan deciding
+what streams (weights, activations) and what is recomputed; each beside the lower bound its
+bytes imply and beside stock PyTorch without the cap (where the GPU holds it whole). One GPU,
+one run, each configuration in a fresh process:
+
+  gpt1.8b      a 1.8B-parameter GPT, fp32 weights, full fine-tune, batch 8x512
+  qwen14b_512  LoRA r=16 on a Qwen2.5-14B-shaped model (its config, random bf16 weights), 1x512
+  qwen14b_2k   the same at 1x2048
+  gpt3.6b      a 3.6B-parameter GPT, fp32 weights, full fine-tune, batch 4x512
+
+Modes: ``wrap`` (under the cap, every option "auto"), ``stock`` (no cap: fused AdamW on the GPU)
+and, for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights
+resident, no optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
+Qwen shape in bf16.
+
+For ``wrap`` it records the step time once the plan has settled, the peak VRAM of those steps,
+the host memory the daemon holds for the job, and the bytes that crossed PCIe each way in one
+step (paged weights fetched, activations out and back, gradients out, updated weights back);
+the lower bound is max(GPU compute, host-to-device bytes / measured bandwidth, device-to-host
+bytes / measured bandwidth), compute being the stock step's forward and backward, plus the
+recomputed blocks' extra forwards as the plan chose them. Full fine-tunes have one more floor:
+the host optimizer's pass over every parameter (memory bandwidth), printed beside it.
+
+    python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+
+CASES = {
+    "gpt1.8b": dict(kind="gpt", preset="1.8b", batch=8, seq=512, vram_gb=24),
+    "qwen14b_512": dict(kind="lora", preset="qwen2.5-14b", batch=1, seq=512, vram_gb=24),
+    "qwen14b_2k": dict(kind="lora", preset="qwen2.5-14b", batch=1, seq=2048, vram_gb=24),
+    "gpt3.6b": dict(kind="gpt", preset="3.6b", batch=4, seq=512, vram_gb=24,
+                    modes=["stock", "compute", "wrap", "wrap_paged"]),
+}
+WARMUP_AFTER_SETTLED, MEASURED = 1, 4
+
+
+def cap_vram(gb: float) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total), 0)
+
+
+def build(case: dict, device: str):
+    """(model, loss function on a step's batch, trainable parameter count)."""
+    if case["kind"] == "gpt":
+        from gpt import GPT, PRESETS, synthetic_batch
+
+        config = PRESETS[case["preset"]]
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.device("cuda"):  # initialised on the GPU (fast), then put where asked
+            model = GPT(config)
+        model.to(device)
+
+        def loss(s):
+            idx = synthetic_batch(config, case["batch"], case["seq"], s, "cuda")
+            logits = model(idx[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+
+        return model, loss, config.parameters
+    from qwen_shape import CONFIGS, add_lora, build as build_decoder, lm_loss
+
+    config = CONFIGS[case["preset"]]
+    model = build_decoder(config, torch.bfloat16, device=device, init_device="cuda")
+    trainable = add_lora(model, r=16)
+    g = torch.Generator().manual_seed(0)
+
+    def loss(s):
+        idx = torch.randint(0, config.vocab, (case["batch"], case["seq"] + 1), generator=g)
+        return lm_loss(model, idx.cuda())
+
+    return model, loss, trainable
+
+
+def worker(mode: str, case: dict) -> dict:
+    torch.manual_seed(0)
+    row = {"mode": mode, **case}
+    try:
+        if mode.startswith("wrap"):
+            import trainstream
+
+            # Built on the CPU: a model bigger than the cap never goes to the GPU whole.
+            model, loss, trainable = build(case, "cpu")
+            cap_vram(case["vram_gb"])
+            torch.cuda.reset_peak_memory_stats()
+            began = time.perf_counter()
+            # wrap_paged: every block streams its weights (the plan would rather not).
+            options = dict(param_offload=True) if mode == "wrap_paged" else {}
+            model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", **options)
+            row["wrap_s"] = round(time.perf_counter() - began, 1)
+            session = model._trainstream_session
+            s = 0
+            while session.adapting and s < 12:
+                loss(s).backward()
+                opt.step()
+                opt.zero_grad()
+                s += 1
+            row["settle_steps"] = s
+        else:
+            model, loss, trainable = build(case, "cuda")
+            opt = None
+            if mode == "stock":
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                        lr=1e-5, fused=True)
+            else:  # compute: every gradient dropped as it lands
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            s = 0
+        row["trainable"] = trainable
+
+        def step(i):
+            loss(i).backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+
+        for i in range(s, s + WARMUP_AFTER_SETTLED):
+            step(i)
+        s += WARMUP_AFTER_SETTLED
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = _transfer_counters(model) if mode.startswith("wrap") else None
+        start = time.perf_counter()
+        for i in range(s, s + MEASURED):
+            step(i)
+        torch.cuda.synchronize()
+        row["step_s"] = round((time.perf_counter() - start) / MEASURED, 4)
+        row["peak_vram_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if mode.startswith("wrap"):
+            after = _transfer_counters(model)
+            row.update({k: (after[k] - before[k]) // MEASURED for k in after})
+            row.update(_plan_summary(model, opt))
+    except torch.OutOfMemoryError as e:
+        row.update(oom=True, error=str(e).splitlines()[0][:200],
+                   peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    return row
+
+
+def _transfer_counters(model) -> dict:
+    """Bytes moved since wrap(), each way: the pager's counters plus the optimizer's gradients
+    out and updated weights back (every trainable parameter not streamed gets its update back)."""
+    session = model._trainstream_session
+    pager, opt = session.pager, session.optimizer
+    steps = opt.steps
+    streamed = set(opt._paged_indices)
+    grads = sum(p.numel() * torch.tensor([], dtype=opt._grad_dtypes[i]).element_size()
+                for i, p in enumerate(opt._params))
+    back = sum(p.numel() * p.element_size() for i, p in enumerate(opt._params)
+               if i not in streamed)
+    offloaded = pager.bytes_offloaded if pager else 0
+    return {"h2d_bytes": (pager.bytes_fetched if pager else 0) + offloaded + back * steps,
+            "d2h_bytes": offloaded + grads * steps}
+
+
+def _plan_summary(model, opt) -> dict:
+    import trainstream
+
+    report = trainstream.memory_report(model)
+    policy = report["activations"]["policy"]
+    plan = report["plan"] or {}
+    stats = opt.stats()
+    last = stats.get("last_step", {})
+    threads = max(1, int(stats.get("threads", 1)))
+    return {"paged_blocks": len(report["params"]["paged_blocks"]), "blocks": len(policy),
+            "offloaded_blocks": policy.count("offload"),
+            "recomputed_blocks": policy.count("recompute"),
+            "block_forward_s": plan.get("measured", {}).get("forward_s", 0.0),
+            "host_job_bytes": report["pinned"]["session_bytes"],
+            "host_update_s": round(float(last.get("update_seconds", 0)) / threads, 4),
+            "runs_on": stats.get("runs_on"),
+            "plan": [e["message"] for e in report["events"]
+                     if e["kind"] in ("client.plan.applied", "client.wrap.plan",
+                                      "client.plan.settled", "client.plan.measured",
+                                      "client.plan.watchdog", "client.plan.settling")]}
+
+
+def run_worker(mode: str, case_name: str, socket: str | None, timeout: int) -> dict:
+    env = dict(os.environ)
+    if socket:
+        env["TRAINSTREAM_SOCKET"] = socket
+    try:
+        result = subprocess.run([sys.executable, __file__, "--worker", mode, "--case", case_name],
+                                capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "failed": True, "stderr": f"timed out after {timeout} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"mode": mode, "failed": True, "stderr": result.stderr[-3000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--worker", default="")
+    parser.add_argument("--case", default="")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, CASES[args.case])), flush=True)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("memory_plan.py needs a CUDA GPU")
+    from bench_daemon import private_daemon
+    from offload_step import pinned_bandwidth
+
+    bandwidth = pinned_bandwidth()
+    print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "
+          f"device->host {bandwidth['d2h_gbps']} GB/s", flush=True)
+    rows = []
+    with private_daemon("85%") as socket:
+        for name in args.cases:
+            case = CASES[name]
+            modes = args.modes or case.get("modes") or (
+                ["stock", "compute", "wrap"] if case["kind"] == "gpt" else ["stock", "wrap"])
+            by_mode = {}
+            for mode in modes:
+                row = run_worker(mode, name, socket if mode.startswith("wrap") else None,
+                                 args.timeout)
+                row["case"] = name
+                print(json.dumps(row), flush=True)
+                by_mode[mode] = row
+            report(name, by_mode, bandwidth)
+            rows.extend(by_mode.values())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "memory_plan", "date": time.strftime("%Y-%m-%d"),
+                       "host": platform.node(), "gpu": torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "bandwidth": bandwidth, "rows": rows}, f,
+                      indent=1)
+
+
+def report(name: str, rows: dict, bandwidth: dict) -> None:
+    print(f"\n== {name}")
+    for mode, row in rows.items():
+        if row.get("oom"):
+            text = f"out of memory (peak {row['peak_vram_gib']} GiB)"
+        elif row.get("failed"):
+            text = "failed: " + (row.get("stderr", "").strip().splitlines() or ["?"])[-1][:160]
+        else:
+            text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
+        print(f"  {mode:8s} {text}")
+    for mode in ("wrap", "wrap_paged"):
+        if "step_s" in rows.get(mode, {}):
+            _bound(mode, rows[mode], rows, bandwidth)
+
+
+def _bound(mode: str, wrap: dict, rows: dict, bandwidth: dict) -> None:
+    base = rows.get("compute") or rows.get("stock") or {}
+    compute = base.get("step_s", 0.0)
+    # A recomputed block runs its forward again.
+    compute += wrap.get("recomputed_blocks", 0) * wrap.get("block_forward_s", 0.0)
+    h2d = wrap["h2d_bytes"] / (bandwidth["h2d_gbps"] * 1e9)
+    d2h = wrap["d2h_bytes"] / (bandwidth["d2h_gbps"] * 1e9)
+    bound = max(compute, h2d, d2h)
+    wrap["compute_s"] = round(compute, 4)
+    wrap["lower_bound_s"] = round(bound, 4)
+    wrap["step_over_bound"] = round(wrap["step_s"] / bound, 3) if bound else None
+    print(f"  {mode}: {wrap['paged_blocks']} of {wrap['blocks']} blocks stream weights, "
+          f"{wrap['offloaded_blocks']} page activations, {wrap['recomputed_blocks']} recompute; "
+          f"host memory {wrap['host_job_bytes'] / 2**30:.1f} GiB; wrap() took {wrap['wrap_s']} s, "
+          f"settled after {wrap['settle_steps']} steps")
+    print(f"    PCIe a step: {wrap['h2d_bytes'] / 1e9:.2f} GB to the GPU ({1000 * h2d:.1f} ms), "
+          f"{wrap['d2h_bytes'] / 1e9:.2f} GB back ({1000 * d2h:.1f} ms)")
+    print(f"    lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
+          f"PCIe {1000 * max(h2d, d2h):.1f}); step / bound {wrap['step_over_bound']}")
+    host = wrap.get("host_update_s", 0.0)
+    if host > bound:
+        wrap["step_over_host_optimizer"] = round(wrap["step_s"] / host, 3)
+        print(f"    host optimizer pass {1000 * host:.1f} ms (memory bandwidth; a full "
+              f"fine-tune's floor): step / that {wrap['step_s'] / host:.2f}")
+    if "step_s" in rows.get("stock", {}):
+        print(f"    stock without the cap: {1000 * rows['stock']['step_s']:.1f} ms, peak "
+              f"{rows['stock']['peak_vram_gib']} GiB; {mode} / stock "
+              f"{wrap['step_s'] / rows['stock']['step_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
