@@ -42,7 +42,8 @@ class AdaptivePlan:
                  stream_weights: Callable[[list], None], plan_host: Callable[[int], None],
                  host_free: Callable[[], int], note: Callable[..., None],
                  other_weight_bytes: int = 0, prefetch_depth: int = 1,
-                 link_bytes_per_s: float = 0.0, weights_fixed: bool = False):
+                 link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
+                 others_bytes: int = 0):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -55,6 +56,9 @@ class AdaptivePlan:
         self._link = float(link_bytes_per_s)
         self.weights_fixed = weights_fixed
         self._other_weights = int(other_weight_bytes)  # VRAM weights outside the block stack
+        # What the process held on the device besides this model at wrap(): not in the budget,
+        # and taken off every peak read here.
+        self.others = int(others_bytes)
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -102,7 +106,7 @@ class AdaptivePlan:
         """The step's VRAM beyond weights and saved activations, from the probe's peak."""
         if not self.cuda:
             return 0
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.others
         streamed = set(self.pager.paged)
         resident = other_weights + sum(f.weight_bytes for b, f in enumerate(facts)
                                        if b not in streamed)
@@ -120,7 +124,7 @@ class AdaptivePlan:
             return
         self.steps_since_plan += 1
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
-        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        peak = torch.cuda.max_memory_allocated(self.device) - self.others if self.cuda else 0
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
         if peak > limit:
             grew = int(peak - self.budget)

@@ -152,8 +152,9 @@ def _vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> in
     free, _ = torch.cuda.mem_get_info(device)
     limit = min(limit, free + torch.cuda.memory_reserved(device))
     # Tensors this process holds besides the model's (another model, a cache) stay where they are.
-    others = torch.cuda.memory_allocated(device) - model_bytes
-    return max(0, int((1.0 - float(config["vram_headroom"])) * limit - max(0, others)))
+    others = max(0, torch.cuda.memory_allocated(device) - model_bytes)
+    config["_others_bytes"] = others
+    return max(0, int((1.0 - float(config["vram_headroom"])) * limit - others))
 
 
 def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int) -> list:
@@ -440,7 +441,8 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
                         stream_weights=lambda blocks: _stream_weights(offload, pager, blocks),
                         plan_host=plan_host, host_free=host_free, note=session.note,
                         other_weight_bytes=other, prefetch_depth=paging.depth,
-                        link_bytes_per_s=link, weights_fixed=not paging.weights_auto)
+                        link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
+                        others_bytes=session.config.get("_others_bytes", 0))
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,

@@ -48,7 +48,7 @@ def nbytes(params) -> int:
 def saved_by_one_block(model) -> int:
     """What the last block saves for backward, counted here independently of trainstream."""
     storages = {}
-    x, _ = batch(0, device=DEVICE)
+    x, _ = batch(0, device=next(model.parameters()).device)
     with torch.no_grad():
         h = model.wte(x) + model.wpe(torch.arange(x.shape[1], device=x.device))
     h.requires_grad_(True)
@@ -70,6 +70,9 @@ def kinds(model):
 
 
 def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(daemon_socket):
+    # On the CPU, where a step needs no working memory beyond weights and activations, so a
+    # budget in between is exact; the CUDA path is the VRAM-cap test below and the benchmarks.
+    DEVICE = "cpu"  # noqa: N806
     torch.manual_seed(11)
     resident = TinyGPT(layers=4).to(DEVICE)
     planned = copy.deepcopy(resident)
@@ -82,7 +85,7 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
     session = planned._trainstream_session
     assert session.adapting and session.plan is not None
     assert "client.plan.probe" not in kinds(planned) and "plan.probe" in kinds(planned)
-    losses = train(planned, p_opt, 1)
+    losses = train(planned, p_opt, 1, device=DEVICE)
     report = trainstream.memory_report(planned)["plan"]
     # The probe measured what the test counts (the block's input included in both).
     assert 0.5 * act <= report["measured"]["activation_bytes"] <= 2 * act
@@ -90,8 +93,8 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
     assert policy[-1] == "keep" and set(policy[:-1]) <= {"keep", "offload", "recompute"}
     assert policy.count("keep") < len(policy)  # the budget forced a choice
     assert report["estimated_vram_bytes"] <= budget
-    losses += train(planned, p_opt, 5, start=1)
-    assert losses == train(resident, r_opt, 6)
+    losses += train(planned, p_opt, 5, device=DEVICE, start=1)
+    assert losses == train(resident, r_opt, 6, device=DEVICE)
     assert not session.adapting  # settled after the steps that confirm the plan
     for kind in ("plan.probe", "plan.measured", "plan.applied", "plan.settled"):
         assert kind in kinds(planned), kind
@@ -167,7 +170,7 @@ def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(daemon
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the per-process VRAM cap is a CUDA allocator setting")
     torch.manual_seed(14)
-    cpu_model = TinyGPT(dim=512, heads=8, layers=8).to(torch.bfloat16)
+    cpu_model = TinyGPT(dim=256, heads=8, layers=8).to(torch.bfloat16)
     weights = nbytes(cpu_model.parameters())
     resident = copy.deepcopy(cpu_model).cuda()
     resident, r_opt = trainstream.wrap(resident, lr=1e-3, **RESIDENT)
