@@ -287,7 +287,10 @@ class BlockPager:
             if saved is not None:
                 saved.__exit__(None, None, None)
                 if b in self.position:
-                    self.pending_grads[b] = sum(p.requires_grad for p in self.params[b])
+                    # Its last gradient landing frees the slot early, unless frozen weights
+                    # (LoRA's base) are still read for the input gradient after it.
+                    trained = [p.requires_grad for p in self.params[b]]
+                    self.pending_grads[b] = sum(trained) if all(trained) else -1
             if b in self.position:
                 self._unbind(b)
             measuring = self._measuring.pop(b, None)
@@ -402,6 +405,11 @@ class BlockPager:
             return packed
         _, b, dtype, shape, stride, offset = packed
         if b not in self.bound:
+            # Backward reached block b: every block after it has finished its backward (block
+            # b's input gradient needs theirs), so their slots go back. This covers blocks whose
+            # frozen weights get no gradient to say so.
+            for later in [x for x in self.bound if self.position[x] > self.position[b]]:
+                self._unbind(later)
             self._bind(b)
             self._prefetch_after(b, -1)  # backward runs the blocks in reverse
         slot = self._slot_of(b)

@@ -158,7 +158,18 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
     report = trainstream.memory_report(planned)
     assert report["frozen_host_bytes"] == frozen
     assert report["pinned_by_tag"].get("frozen_weights", 0) >= frozen
-    assert train(planned, p_opt, 4) == train(resident, r_opt, 4)
+    pager = planned._trainstream_session.pager
+    x, y = batch(0, device=DEVICE)
+    loss_fn(planned, x, y).backward()
+    # Frozen weights are read for the input gradient after the block's last trained gradient
+    # lands: the slot is not given back early (a second fetch) and no slot is added.
+    assert len(pager.slots) == pager.depth + 1
+    streamed = sum(n for b in pager.paged for _, _, n in pager.layout[b])
+    assert pager.bytes_fetched == 2 * streamed
+    p_opt.step()
+    p_opt.zero_grad()
+    assert train(planned, p_opt, 3, start=1) == train(resident, r_opt, 4)[1:]
+    assert pager.bytes_fetched == 2 * 4 * streamed
     ours, theirs = planned.state_dict(), resident.state_dict()
     assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
     trainstream.unwrap(planned)
@@ -166,7 +177,9 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
 
 
 @pytest.mark.gpu
-def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(daemon_socket):
+def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(start_daemon,
+                                                                          monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=1G").socket)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the per-process VRAM cap is a CUDA allocator setting")
     torch.manual_seed(14)
