@@ -145,7 +145,9 @@ class BlockPager:
         self.position = {b: k for k, b in enumerate(self.paged)}
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        # Slots sized for the biggest paged block (made again if a new block is bigger).
+        # Slots sized for the biggest paged block (made again if a new block is bigger; the old
+        # ones go back to the allocator first).
+        self.slots = []
         self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
         for b in added:
             for p in self.params[b]:
