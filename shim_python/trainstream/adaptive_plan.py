@@ -39,16 +39,18 @@ class AdaptivePlan:
     """
 
     def __init__(self, blocks: list, pager: Any, recompute: Any, budget: int,
-                 stream_weights: Callable[[list], None], plan_host: Callable[[int], None],
+                 stream_weights: Callable[[list], None], unstream_weights: Callable[[list], None],
+                 plan_host: Callable[[int], None],
                  host_free: Callable[[], int], note: Callable[..., None],
                  other_weight_bytes: int = 0, prefetch_depth: int = 1,
                  link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
-                 others_bytes: int = 0):
+                 others_bytes: int = 0, transfer_bytes: tuple = (0, 0)):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
         self.budget = int(budget)
         self._stream_weights = stream_weights
+        self._unstream_weights = unstream_weights
         self._plan_host = plan_host
         self._host_free = host_free
         self._note = note
@@ -59,6 +61,7 @@ class AdaptivePlan:
         # What the process held on the device besides this model at wrap(): not in the budget,
         # and taken off every peak read here.
         self.others = int(others_bytes)
+        self._transfer_bytes = transfer_bytes  # the optimizer's PCIe bytes a step (to, from)
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -178,15 +181,21 @@ class AdaptivePlan:
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
             activation_offload="auto", prefetch_depth=self._depth,
             block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,
-            paged_already=tuple(self.pager.paged))
+            transfer_bytes=self._transfer_bytes,
+            # Settling and the watchdog only add streamed blocks; the probe's plan may also
+            # take back those wrap() streamed to make room for the probe.
+            paged_already=tuple(self.pager.paged) if self.steps_since_plan >= 0 else ())
         plan = plan_memory(inputs)
         offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
         again = [b for b, p in enumerate(plan.activation_policy) if p == "recompute"]
         added = [b for b in plan.paged_blocks if b not in self.pager.position]
+        removed = [b for b in self.pager.paged if b not in plan.paged_blocks]
         host_bytes = sum(facts[b].activation_bytes for b in offload)
         if host_bytes != own:
             self._plan_host(host_bytes)
             self.host_activation_bytes = host_bytes
+        if removed:
+            self._unstream_weights(removed)
         if added:
             self._stream_weights(added)
         self.recompute.set(again)

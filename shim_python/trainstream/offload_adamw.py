@@ -259,6 +259,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                     self._host._native.retarget_device(i, 0, 0)
                     self._targets[i] = 0
 
+    def resume_returning(self, param_ids: set) -> None:
+        """These parameters hold device tensors again (blocks that stopped streaming): their
+        updates are copied there from the next step on."""
+        self.synchronize()
+        for i, p in enumerate(self._params):
+            if id(p) in param_ids and i in self._paged_indices:
+                self._paged_indices.discard(i)
+                if self._device_return:
+                    self._host._native.retarget_device(i, p.data_ptr(),
+                                                       p.numel() * p.element_size())
+                    self._targets[i] = p.data_ptr()
+
     def page_weights(self, pager: Any) -> None:
         """Parameters of ``pager``'s blocks are read from host memory at every use: their
         updates are not copied back, and each step tells the pager the host copies changed."""
@@ -431,7 +443,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._on_decision("wrap.offload", "data parallel job: the optimizer stays in "
                               "trainstreamd (one state for every rank)", parameters=numel)
             return
-        if self._pager is not None:
+        if self._pager is not None and self._pager.paged:
             self._on_decision("wrap.offload", "weights are paged from host memory: the "
                               "optimizer stays in trainstreamd, where they are updated",
                               parameters=numel)

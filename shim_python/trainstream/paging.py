@@ -99,6 +99,7 @@ class BlockPager:
         self.weight_storages: dict[int, set] = {}
         self.position: dict[int, int] = {}  # weight-paged blocks only
         self.pending_grads: dict[int, int] = {}
+        self._grad_hooks: dict[int, list] = {}
         self.bound: set[int] = set()
         self.generation = 0
         self.bytes_fetched = 0
@@ -155,8 +156,42 @@ class BlockPager:
                     (), dtype=p.dtype, device=self.device).expand(p.shape)
                 p.data = self.placeholders[id(p)]
                 if p.requires_grad:
-                    self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed(b)))
+                    self._grad_hooks.setdefault(b, []).append(
+                        p.register_post_accumulate_grad_hook(self._grad_landed(b)))
         return added
+
+    def unpage_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` keep their weights in VRAM again (between steps): each parameter
+        gets a device tensor holding the host copy's current value. Returns those that were
+        streaming."""
+        removed = sorted(set(int(i) for i in indices) & set(self.paged))
+        if not removed:
+            return []
+        if self.bound:
+            raise RuntimeError("blocks can stop paging only between steps")
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for b in removed:
+            for handle in self._grad_hooks.pop(b, []):
+                handle.remove()
+            for p in self.params.pop(b):
+                # On a CPU the host copy is the daemon's buffer its updates land in: used as is.
+                host = self.host.pop(id(p))
+                p.data = host.to(self.device, copy=True) if self.cuda else host
+                self.placeholders.pop(id(p), None)
+            self.layout.pop(b)
+            self.pending_grads.pop(b, None)
+        self.paged = [b for b in self.paged if b not in removed]
+        self.position = {b: k for k, b in enumerate(self.paged)}
+        self.slot_bytes = max((self._slot_size(b) for b in self.paged), default=0)
+        self.slots = []
+        if self.paged:
+            self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
+        return removed
+
+    def _slot_size(self, b: int) -> int:
+        _, offset, nbytes = self.layout[b][-1]
+        return (offset + nbytes + 255) // 256 * 256
 
     def set_activation_blocks(self, indices: Sequence[int]) -> None:
         """From the next forward, blocks ``indices`` page their saved activations."""
@@ -419,6 +454,8 @@ class BlockPager:
 
     def _grad_landed(self, b: int):
         def hook(p):
+            if b not in self.position:
+                return
             left = self.pending_grads.get(b, 0) - 1
             self.pending_grads[b] = left
             if left == 0:
@@ -438,9 +475,10 @@ class BlockPager:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.bound.clear()
-        for h in self.hooks:
+        for h in self.hooks + [h for hs in self._grad_hooks.values() for h in hs]:
             h.remove()
         self.hooks.clear()
+        self._grad_hooks.clear()
         for b in self.paged:
             for p in self.params[b]:
                 p.data = self.host[id(p)].to(self.device, copy=True)

@@ -51,6 +51,8 @@ class PlanInputs:
     block_forward_s: float = 0.0     # one block's measured forward time (0: not measured)
     link_bytes_per_s: float = 0.0    # measured PCIe bandwidth, one direction (0: not measured)
     paged_already: tuple = ()        # blocks streaming their weights already (kept so)
+    step_compute_s: float = 0.0      # a step's GPU compute (0: three forwards per block)
+    transfer_bytes: tuple = (0, 0)   # what crosses PCIe a step besides paging (to, from GPU)
 
 
 @dataclass
@@ -91,7 +93,20 @@ def _wanted_pages(option: object, n: int) -> set | None:
 
 
 def plan_memory(inputs: PlanInputs) -> MemoryPlan:
-    """Decides the plan, or raises :class:`MemoryPlanError`."""
+    """Decides the plan, or raises :class:`MemoryPlanError`.
+
+    Page or recompute is chosen per block by what it adds to the step, the step taking as long
+    as the busiest of compute, PCIe to the device and PCIe back: a page adds its activations'
+    transfer both ways, a recompute adds one forward. The weights streamed load PCIe too, and
+    they are decided after the activations, so with both measured the plan is made twice: the
+    second time knowing what the first streamed."""
+    plan = _plan(inputs, frozenset())
+    if inputs.block_forward_s > 0 and inputs.link_bytes_per_s > 0 and plan.paged_blocks:
+        plan = _plan(inputs, frozenset(plan.paged_blocks))
+    return plan
+
+
+def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
     n = len(inputs.blocks)
     plan = MemoryPlan(activation_policy=["keep"] * n)
     say = plan.history.append
@@ -151,18 +166,31 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
             plan.activation_policy[i] = "offload"
         say(f"{count} blocks page their activations, as asked (activation_offload)")
     elif forced == "auto":
+        link, forward = inputs.link_bytes_per_s, inputs.block_forward_s
+        measured = link > 0 and forward > 0
+        # What a step already asks of each resource, in seconds (see plan_memory).
+        weights_in = 2 * sum(inputs.blocks[i].weight_bytes
+                             for i in (streamed_guess | streaming))
+        load = {"compute": inputs.step_compute_s or 3 * forward * n,
+                "h2d": (inputs.transfer_bytes[0] + weights_in) / link if link else 0.0,
+                "d2h": inputs.transfer_bytes[1] / link if link else 0.0}
         for i in order:
             if vram() <= inputs.vram_budget:
                 break
-            transfer_s = (activations[i] / inputs.link_bytes_per_s
-                          if inputs.link_bytes_per_s > 0 else 0.0)
-            if (inputs.block_forward_s > 0 and transfer_s > inputs.block_forward_s
-                    and i not in streaming):
+            transfer_s = activations[i] / link if link else 0.0
+            paging = max(load["compute"], load["h2d"] + transfer_s, load["d2h"] + transfer_s)
+            again = max(load["compute"] + forward, load["h2d"], load["d2h"])
+            if measured and again < paging and i not in streaming:
                 plan.activation_policy[i] = "recompute"
-                say(f"block {i} is recomputed in backward: its forward ({1e3 * inputs.block_forward_s:.1f} ms) "
-                    f"is faster than bringing its {size(activations[i])} of activations "
-                    f"back ({1e3 * transfer_s:.1f} ms)")
+                load["compute"] += forward
+                say(f"block {i} is recomputed in backward: one more forward "
+                    f"({1e3 * forward:.1f} ms) costs the step less than its "
+                    f"{size(activations[i])} of activations over PCIe both ways "
+                    f"({1e3 * transfer_s:.1f} ms each, the link already busy "
+                    f"{1e3 * max(load['h2d'], load['d2h']):.0f} ms a step)")
             elif activations[i] <= host_left:
+                load["h2d"] += transfer_s
+                load["d2h"] += transfer_s
                 plan.activation_policy[i] = "offload"
                 host_left -= activations[i]
                 say(f"block {i} pages its activations ({size(activations[i])}) to host "

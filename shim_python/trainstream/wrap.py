@@ -157,15 +157,20 @@ def _vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> in
     return max(0, int((1.0 - float(config["vram_headroom"])) * limit - others))
 
 
-def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int) -> list:
+def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
+                 probe: bool) -> list:
     """param_offload="auto" at wrap(): the fewest leading blocks whose weights must stream for
-    the weights to fit, with room for one block's gradients in flight (the activations are
-    measured by the probe step, which may stream more)."""
+    the weights to fit, with room for one block's gradients in flight, and, when a probe step
+    follows, a quarter of the budget for that step's activations and working memory (unknown
+    until it runs: the logits of a large vocabulary alone can take gigabytes). The plan made
+    from the probe's measurements streams more blocks, or fewer."""
     from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
 
     sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     other, working = total - sum(sizes), 2 * max(sizes)
+    if probe:
+        working = max(working, budget // 4)
     inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
                         other_weight_bytes=other, other_trainable=0, working_bytes=working,
                         vram_budget=budget, host_budget=1 << 62, grad_bytes=0,
@@ -241,7 +246,8 @@ def _paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -
     paged = chosen("param_offload", weights, len(blocks), True)
     events = []
     if is_auto(weights) and budget is not None:
-        paged = _weight_plan(model, blocks, budget, depth)
+        paged = _weight_plan(model, blocks, budget, depth,
+                             probe=is_auto(acts) and is_auto(again) and len(blocks) >= 2)
         if paged:
             events.append(("wrap.plan", f"{len(paged)} of {len(blocks)} blocks stream their "
                                         f"weights: the weights do not fit in the "
@@ -378,6 +384,16 @@ def _stream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
     offload.page_weights(pager)
 
 
+def _unstream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
+    """Blocks keep their weights in VRAM again: device tensors with the current values first,
+    then the optimizer copies their updates there."""
+    if not blocks:
+        return
+    ids = {id(p) for b in blocks for p in pager.params.get(b, ())}
+    pager.unpage_weights(blocks)
+    offload.resume_returning(ids)
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "param"
 
@@ -429,6 +445,11 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
         gpu = profile_hardware().get("gpu") or {}
         link = 1e9 * min(gpu.get("h2d_gbps", 0.0), gpu.get("d2h_gbps", 0.0))
 
+    # The optimizer's own PCIe traffic a step: gradients out, updated weights back.
+    grads = sum(p.numel() * torch.tensor([], dtype=dtype).element_size()
+                for p, dtype in zip(offload._params, offload._grad_dtypes))
+    weights_back = sum(p.numel() * p.element_size() for p in offload._params)
+
     def host_free() -> int:
         memory = client.memory()
         return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
@@ -439,10 +460,12 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
 
     return AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
                         stream_weights=lambda blocks: _stream_weights(offload, pager, blocks),
+                        unstream_weights=lambda blocks: _unstream_weights(offload, pager, blocks),
                         plan_host=plan_host, host_free=host_free, note=session.note,
                         other_weight_bytes=other, prefetch_depth=paging.depth,
                         link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
-                        others_bytes=session.config.get("_others_bytes", 0))
+                        others_bytes=session.config.get("_others_bytes", 0),
+                        transfer_bytes=(weights_back, grads))
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,

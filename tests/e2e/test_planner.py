@@ -75,6 +75,21 @@ def test_user_choices_are_kept():
     assert plan.activation_policy == ["offload"] * 7 + ["keep"]
 
 
+def test_page_or_recompute_follows_what_the_step_is_waiting_for():
+    # 2 GiB of activations a block: 40 ms over a 50 GB/s link, against a 20 ms forward.
+    link = dict(block_forward_s=0.020, link_bytes_per_s=50e9)
+    # An idle link: the copies hide under compute (8 blocks x 3 forwards = 480 ms), so paging
+    # is free and recomputing is not.
+    idle = plan_memory(inputs(vram=16 * GiB, host=200 * GiB, **link))
+    assert "recompute" not in idle.activation_policy and "offload" in idle.activation_policy
+    # A link busy for 1.2 s with the optimizer's traffic: each page would lengthen the step,
+    # a recompute hides under the transfers.
+    busy = plan_memory(inputs(vram=16 * GiB, host=200 * GiB, transfer_bytes=(60e9, 60e9),
+                              **link))
+    assert "offload" not in busy.activation_policy and "recompute" in busy.activation_policy
+    assert any("the link already busy" in line for line in busy.history)
+
+
 def test_find_blocks_returns_the_repeated_stack():
     model = TinyGPT(layers=3)
     assert trainstream.find_blocks(model) == list(model.blocks)
