@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -154,19 +153,11 @@ def worker(mode: str, case: dict) -> dict:
 
 
 def _transfer_counters(model) -> dict:
-    """Bytes moved since wrap(), each way: the pager's counters plus the optimizer's gradients
-    out and updated weights back (every trainable parameter not streamed gets its update back)."""
-    session = model._trainstream_session
-    pager, opt = session.pager, session.optimizer
-    steps = opt.steps
-    streamed = set(opt._paged_indices)
-    grads = sum(p.numel() * torch.tensor([], dtype=opt._grad_dtypes[i]).element_size()
-                for i, p in enumerate(opt._params))
-    back = sum(p.numel() * p.element_size() for i, p in enumerate(opt._params)
-               if i not in streamed)
-    offloaded = pager.bytes_offloaded if pager else 0
-    return {"h2d_bytes": (pager.bytes_fetched if pager else 0) + offloaded + back * steps,
-            "d2h_bytes": offloaded + grads * steps}
+    """Bytes that crossed PCIe each way since wrap(), as memory_report() counts them."""
+    import trainstream
+
+    pcie = trainstream.memory_report(model)["pcie"]
+    return {"h2d_bytes": pcie["to_device_bytes"], "d2h_bytes": pcie["to_host_bytes"]}
 
 
 def _plan_summary(model, opt) -> dict:
@@ -194,21 +185,6 @@ def _plan_summary(model, opt) -> dict:
                                       "client.plan.watchdog", "client.plan.settling")]}
 
 
-def run_worker(mode: str, case_name: str, socket: str | None, timeout: int) -> dict:
-    env = dict(os.environ)
-    if socket:
-        env["TRAINSTREAM_SOCKET"] = socket
-    try:
-        result = subprocess.run([sys.executable, __file__, "--worker", mode, "--case", case_name],
-                                capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"mode": mode, "failed": True, "stderr": f"timed out after {timeout} s"}
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        return {"mode": mode, "failed": True, "stderr": result.stderr[-3000:]}
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,7 +200,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("memory_plan.py needs a CUDA GPU")
-    from bench_daemon import private_daemon
+    from bench_daemon import private_daemon, run_worker
     from offload_step import pinned_bandwidth
 
     bandwidth = pinned_bandwidth()
@@ -238,7 +214,7 @@ def main() -> None:
                 ["stock", "compute", "wrap"] if case["kind"] == "gpt" else ["stock", "wrap"])
             by_mode = {}
             for mode in modes:
-                row = run_worker(mode, name, socket if mode.startswith("wrap") else None,
+                row = run_worker(__file__, mode, name, socket if mode.startswith("wrap") else None,
                                  args.timeout)
                 row["case"] = name
                 print(json.dumps(row), flush=True)

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -169,18 +168,6 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
     return out
 
 
-def run_worker(mode: str, case_name: str, socket: str | None) -> dict:
-    env = dict(os.environ)
-    if socket:
-        env["TRAINSTREAM_SOCKET"] = socket
-    result = subprocess.run([sys.executable, __file__, "--worker", mode, "--case", case_name],
-                            capture_output=True, text=True, env=env, timeout=1800)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        return {"mode": mode, "failed": True, "stderr": result.stderr[-2000:]}
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,7 +184,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("offload_step.py needs a CUDA GPU")
-    from bench_daemon import private_daemon
+    from bench_daemon import private_daemon, run_worker
 
     cases = [c for c, on in (("fits", args.fits), ("big", args.big)) if on] or ["fits", "big"]
     rows = []
@@ -214,7 +201,8 @@ def main() -> None:
             rounds = args.rounds if case_name == "fits" else 1
             for _ in range(rounds):
                 for mode in modes:
-                    row = run_worker(mode, case_name, socket if mode.startswith("wrap") else None)
+                    row = run_worker(__file__, mode, case_name,
+                                     socket if mode.startswith("wrap") else None, 1800)
                     row["case"] = case_name
                     print(json.dumps(row), flush=True)
                     best = by_mode.get(mode)

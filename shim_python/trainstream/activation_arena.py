@@ -18,7 +18,9 @@ _CHUNK = 64 << 20
 class ActivationArena:
     """``allocate(name, nbytes)`` returns a daemon buffer (``trainstream.Buffer``)."""
 
-    def __init__(self, allocate: Callable[[str, int], Any], prefix: str):
+    def __init__(self, allocate: Callable[[str, int], Any], prefix: str, cap: int = 0):
+        """``cap`` > 0: that many bytes are reserved now and the arena never grows past them
+        (``host_arena=`` bytes); 0: it grows on demand."""
         self._allocate = allocate
         self._prefix = prefix
         self._names = itertools.count()
@@ -26,6 +28,15 @@ class ActivationArena:
         self._buffers: list[Any] = []          # kept alive with their views
         self._chunk = 0
         self._offset = 0
+        self.cap = int(cap)
+        if self.cap:
+            self._add_chunk(self.cap)
+
+    def _add_chunk(self, size: int) -> None:
+        buffer = self._allocate(f"{self._prefix}/{next(self._names)}", size)
+        self._buffers.append(buffer)
+        self._chunks.append(buffer.tensor(torch.uint8, (size,)))
+        self._chunk, self._offset = len(self._chunks) - 1, 0
 
     @property
     def reserved_bytes(self) -> int:
@@ -49,8 +60,7 @@ class ActivationArena:
                 if self._chunk + 1 < len(self._chunks):
                     self._chunk, self._offset = self._chunk + 1, 0
                     continue
-            size = max(_CHUNK, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
-            buffer = self._allocate(f"{self._prefix}/{next(self._names)}", size)
-            self._buffers.append(buffer)
-            self._chunks.append(buffer.tensor(torch.uint8, (size,)))
-            self._chunk, self._offset = len(self._chunks) - 1, 0
+            if self.cap:
+                raise MemoryError(f"the activation arena's {self.cap} bytes (host_arena=) are "
+                                  "taken this step")
+            self._add_chunk(max(_CHUNK, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN))

@@ -161,6 +161,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
+        self.bytes_to_host = 0              # gradients copied off the GPU, since construction
+        self.bytes_to_device = 0            # updated weights copied back to it
         self._adaptive: Any = None          # the run-time memory plan (adaptive_plan.py)
         self._paged_indices: set[int] = set()
         # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
@@ -242,6 +244,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.cuda.stream(stream):
                 grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
         self._host.grad_buffer(i).copy_from_device(grad, stream=stream)
+        self.bytes_to_host += grad.numel() * grad.element_size()
         event = torch.cuda.Event()
         event.record(stream)
         grad.record_stream(stream)
@@ -403,6 +406,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         result = self._host.wait()
         if self._pager is not None:
             self._pager.weights_changed()
+        if self._cuda:
+            self.bytes_to_device += sum(
+                p.numel() * p.element_size() for i, p in enumerate(self._params)
+                if result["updated"][i] and i not in self._paged_indices)
         self._backwards = [0] * len(self._params)
         if self._reports_norm:
             self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]

@@ -28,6 +28,7 @@ paged weights.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Callable, Sequence
 
@@ -68,7 +69,7 @@ class BlockPager:
     def __init__(self, blocks: Sequence[torch.nn.Module], paged: Sequence[int],
                  host_copy: Callable[[torch.Tensor], torch.Tensor], prefetch_depth: int = 1,
                  activations: Sequence[int] = (), min_offload_bytes: int = 1 << 20,
-                 arena: Any = None, device: Any = None):
+                 arena: Any = None, device: Any = None, max_inflight_bytes: int = 1 << 30):
         self.blocks = list(blocks)
         if not self.blocks:
             raise ValueError("no blocks to page")
@@ -84,6 +85,12 @@ class BlockPager:
         self.cuda = self.device.type == "cuda"
         self.saved: dict[int, list[_Offloaded]] = {}
         self.bytes_offloaded = 0
+        # Activations still crossing to host memory keep their device memory until the copy
+        # lands; past this many bytes, forward waits for the oldest copies.
+        self.max_inflight_bytes = int(max_inflight_bytes)
+        self._inflight: collections.deque = collections.deque()
+        self._inflight_bytes = 0
+        self.inflight_waits = 0
         # Host memory for activations: the daemon's (an ActivationArena, or a callable making
         # one when the first block starts paging its activations), else private pinned.
         self._make_arena = arena if callable(arena) and not hasattr(arena, "take") else None
@@ -390,6 +397,7 @@ class BlockPager:
         if host is None:
             return t.detach()
         if self.cuda:
+            self._limit_inflight(nbytes)
             compute = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
@@ -397,6 +405,8 @@ class BlockPager:
             t.record_stream(self.stream)  # its memory is not reused before the copy is done
             copied = torch.cuda.Event()
             copied.record(self.stream)
+            self._inflight.append((copied, nbytes))
+            self._inflight_bytes += nbytes
         else:
             host.copy_(t)
             copied = None
@@ -404,6 +414,15 @@ class BlockPager:
         item = _Offloaded(b, host, copied)
         self.saved[b].append(item)
         return item
+
+    def _limit_inflight(self, nbytes: int) -> None:
+        while self._inflight and self._inflight[0][0].query():  # landed already
+            self._inflight_bytes -= self._inflight.popleft()[1]
+        while self._inflight and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+            event, size = self._inflight.popleft()
+            event.synchronize()
+            self._inflight_bytes -= size
+            self.inflight_waits += 1
 
     def _bring_back(self, item: _Offloaded) -> None:
         if item.device is not None:

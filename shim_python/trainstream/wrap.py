@@ -45,6 +45,11 @@ _ACCEPTED = {
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
     "vram_budget": "None or bytes: the VRAM the memory plan may use (default: what this process "
                    "may use, less vram_headroom)",
+    "max_inflight_bytes": "None or bytes: VRAM held by activations still crossing to host "
+                          "memory (default 1 GiB or 10% of the VRAM budget, the smaller)",
+    "host_arena": "'auto' (the daemon's buffers, grown on demand), bytes (reserved now, never "
+                  "more), or False (private pinned memory, not counted by the daemon)",
+    "profile": (True, False),
 }
 
 
@@ -103,6 +108,14 @@ def _check_options(options: dict) -> None:
     headroom = options.get("vram_headroom", 0.10)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
+    for name in ("max_inflight_bytes", "host_arena"):
+        value = options.get(name)
+        if value is None or value is False or (name == "host_arena" and value == "auto"):
+            continue
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"trainstream.wrap: {name}={value!r} must be " +
+                             ("None or bytes > 0" if name == "max_inflight_bytes" else
+                              "'auto', False or bytes > 0"))
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
@@ -341,13 +354,19 @@ def _page_blocks(model: torch.nn.Module, choice: _Paging | None, offload: Offloa
     def arena():
         from .activation_arena import ActivationArena
 
+        if config["host_arena"] is None or config["host_arena"] is False:
+            return None  # private pinned memory
         return ActivationArena(
             lambda name, nbytes: client.allocate(name, nbytes, tag="activations"),
-            f"activations/{client.session_id}")
+            f"activations/{client.session_id}",
+            cap=0 if config["host_arena"] == "auto" else int(config["host_arena"]))
 
     device = next(iter(offload._params)).device
+    inflight = config["max_inflight_bytes"]
+    if inflight is None:
+        inflight = min(1 << 30, (choice.budget or (10 << 30)) // 10)
     pager = BlockPager(blocks, [], host_copy, depth, min_offload_bytes=int(config["min_offload_bytes"]),
-                       arena=arena, device=device)
+                       arena=arena, device=device, max_inflight_bytes=int(inflight))
     _stream_weights(offload, pager, paged)
     pager.set_activation_blocks(offloaded)
     # A checkpoint of the model holds the paged weights' host copies, not placeholders.
@@ -439,7 +458,7 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
     inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
     other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
     link = 0.0
-    if pager.cuda:
+    if pager.cuda and session.config["profile"]:
         from .hardware import profile_hardware
 
         gpu = profile_hardware().get("gpu") or {}
@@ -546,7 +565,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
-              "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None}
+              "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
+              "max_inflight_bytes": None, "host_arena": "auto", "profile": True}
     config.update(options)
     events: list = []
 
@@ -605,7 +625,21 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
         planned = _host_bytes(model, moment, config, world, topology.machines) + frozen_streamed
         try:
-            client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
+            try:
+                client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
+            except ResourceExhaustedError as e:
+                if config["moment_dtype"] != "auto":
+                    raise
+                # moment_dtype="auto": bf16 moments (stochastically rounded) when fp32 ones do
+                # not fit; the master weights stay fp32.
+                smaller = _host_bytes(model, "bfloat16", config, world,
+                                      topology.machines) + frozen_streamed
+                client.plan_host_memory(smaller, wait_s=float(config["memory_wait_s"]))
+                events.append(("wrap.plan", f"moments in bf16: with fp32 moments this run "
+                                            f"needs {planned / 2**30:.2f} GiB of host memory "
+                                            f"and the daemon refused ({e})"))
+                planned, moment = smaller, "bfloat16"
+                kwargs["moment_dtype"] = moment
         except ResourceExhaustedError as e:
             raise ResourceExhaustedError(
                 f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
@@ -613,7 +647,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                 "moment_dtype='bfloat16' (4 bytes a parameter less), memory_wait_s= to wait for "
                 "other jobs, or check_memory=False to allocate as it goes") from None
         events.append(("wrap.admitted", f"host memory planned: {planned / 2**30:.2f} GiB for "
-                                        f"job {job_id}"))
+                                        f"job {job_id} ({moment} moments)"))
 
     if optimizer is None:
         groups = [p for p in model.parameters() if p.requires_grad]
@@ -741,6 +775,17 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
         "host_refused": pager.arena_refused if pager else None,
     }
+    opt = session.optimizer
+    offloaded = pager.bytes_offloaded if pager else 0
+    to_device = (pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device
+    to_host = offloaded + opt.bytes_to_host
+    steps = max(1, opt.steps)
+    # Since wrap(): streamed weights fetched, activations out and back, gradients out, updated
+    # weights back (on a GPU; after a switch to GPU AdamW nothing more crosses).
+    report["pcie"] = {"to_device_bytes": to_device, "to_host_bytes": to_host,
+                      "steps": opt.steps, "to_device_per_step": to_device // steps,
+                      "to_host_per_step": to_host // steps}
+    report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
     report["plan"] = session.plan.report() if session.plan is not None else None
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as

@@ -63,3 +63,27 @@ def test_wrap_is_refused_up_front_when_the_machine_cannot_hold_the_job(start_dae
     kinds = [e["kind"] for e in trainstream.memory_report(model)["events"]]
     assert "client.wrap.admitted" in kinds and "arena.plan" in kinds
     trainstream.unwrap(model)
+
+
+def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch):
+    from trainstream.wrap import _host_bytes
+
+    model = TinyGPT(dim=512, heads=8, layers=4)
+    config = {"gradient_dtype": None, "accumulation_steps": 1}
+    fp32 = _host_bytes(model, "float32", config, 1, 1)
+    bf16 = _host_bytes(model, "bfloat16", config, 1, 1)
+    assert bf16 < fp32
+    d = start_daemon(f"--memory_budget={(fp32 + bf16) // 2 // MiB}M")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
+    model, opt = trainstream.wrap(model, device="cpu")
+    events = {e["kind"]: e["message"] for e in model._trainstream_session.events}
+    assert events["wrap.plan"].startswith("moments in bf16: with fp32 moments this run needs")
+    assert events["wrap.admitted"].endswith("(bfloat16 moments)")
+    x = torch.randint(0, 128, (2, 33))
+    model(x[:, :-1]).sum().backward()
+    opt.step()
+    trainstream.unwrap(model)
+    # Asked for by name, fp32 moments are refused rather than changed.
+    with pytest.raises(MemoryError, match="this run needs"):
+        trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4), device="cpu",
+                         moment_dtype="float32")

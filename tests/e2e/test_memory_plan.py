@@ -17,7 +17,7 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, batch, loss_fn, train_steps  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RESIDENT = dict(offload=True, param_offload=False, activation_offload=False, recompute=False)
@@ -30,15 +30,7 @@ def daemon_socket(daemon, monkeypatch):
 
 
 def train(model, opt, steps, device=DEVICE, start=0):
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, device=device)
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, device, start)
 
 
 def nbytes(params) -> int:

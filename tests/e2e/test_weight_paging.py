@@ -16,7 +16,7 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, train_steps  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,15 +28,7 @@ def daemon_socket(daemon, monkeypatch):
 
 
 def train(model, opt, steps, start=0):
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, device=DEVICE)
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, DEVICE, start)
 
 
 def weights(model):
@@ -177,3 +169,56 @@ def test_activations_stay_on_the_device_when_the_daemon_has_no_room(start_daemon
     assert report["host_bytes"] == 0 and "budget" in report["host_refused"]
     trainstream.unwrap(streamed)
     trainstream.unwrap(resident)
+
+
+@pytest.mark.parametrize("host_arena", [False, 256 << 10])
+def test_host_arena_private_or_capped(daemon_socket, host_arena):
+    torch.manual_seed(8)
+    resident = TinyGPT(layers=3).to(DEVICE)
+    paged = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3,
+                                       activation_offload=False, recompute=False)
+    paged, p_opt = trainstream.wrap(paged, offload=True, device=DEVICE, lr=3e-3,
+                                    activation_offload=True, recompute=False, min_offload_bytes=0,
+                                    host_arena=host_arena, param_offload=[1])
+    assert train(resident, r_opt, 3) == train(paged, p_opt, 3)
+    report = trainstream.memory_report(paged)
+    activations = report["activations"]
+    assert activations["offloaded_bytes"] > 0
+    if host_arena is False:  # private pinned memory: nothing of it in the daemon
+        assert activations["host_bytes"] == 0 and "activations" not in report["pinned_by_tag"]
+    else:  # reserved up front, never more; what did not fit stayed on the device
+        assert activations["host_bytes"] == host_arena
+        assert "host_arena" in activations["host_refused"]
+    pcie = report["pcie"]
+    pager = paged._trainstream_session.pager
+    assert pcie["steps"] == 3
+    assert pcie["to_host_bytes"] >= pager.bytes_offloaded
+    assert pcie["to_device_bytes"] >= pager.bytes_fetched + pager.bytes_offloaded
+    for a, b in zip(weights(resident), weights(paged)):
+        assert torch.equal(a, b)
+
+
+def test_paging_options_are_checked(daemon_socket):
+    for bad in (dict(host_arena="big"), dict(host_arena=-1), dict(max_inflight_bytes=0),
+                dict(profile="yes")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            trainstream.wrap(TinyGPT(), device=DEVICE, **bad)
+
+
+@pytest.mark.gpu
+def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: copies in flight are CUDA events")
+    torch.manual_seed(9)
+    resident = TinyGPT(layers=4).to("cuda")
+    paged = copy.deepcopy(resident)
+    resident, r_opt = trainstream.wrap(resident, offload=True, lr=3e-3, activation_offload=False,
+                                       recompute=False)
+    paged, p_opt = trainstream.wrap(paged, offload=True, lr=3e-3, activation_offload=True,
+                                    recompute=False, min_offload_bytes=0, max_inflight_bytes=1)
+    assert train(resident, r_opt, 3) == train(paged, p_opt, 3)
+    # Every copy but the first waited for the one before it.
+    assert trainstream.memory_report(paged)["activations"]["inflight_waits"] > 0
+    for a, b in zip(weights(resident), weights(paged)):
+        assert torch.equal(a, b)

@@ -68,3 +68,16 @@ def batch(step: int, size: int = 8, context: int = 32, vocab: int = 128, device:
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def train_steps(model: nn.Module, opt, steps: int, device: str = "cpu", start: int = 0) -> list:
+    """Trains on the fixed batches ``start`` .. ``start + steps - 1``; returns the losses."""
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, device=device)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
