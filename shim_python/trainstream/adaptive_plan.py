@@ -44,7 +44,8 @@ class AdaptivePlan:
                  host_free: Callable[[], int], note: Callable[..., None],
                  other_weight_bytes: int = 0, prefetch_depth: int = 1,
                  link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
-                 others_bytes: int = 0, transfer_bytes: tuple = (0, 0)):
+                 others_bytes: int = 0,
+                 transfer_bytes: Callable[[], tuple] = lambda: (0, 0)):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -61,7 +62,8 @@ class AdaptivePlan:
         # What the process held on the device besides this model at wrap(): not in the budget,
         # and taken off every peak read here.
         self.others = int(others_bytes)
-        self._transfer_bytes = transfer_bytes  # the optimizer's PCIe bytes a step (to, from)
+        # The optimizer's PCIe bytes a step (to, from the GPU), as blocks stream now.
+        self._transfer_bytes = transfer_bytes
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -122,6 +124,18 @@ class AdaptivePlan:
     # -- after every step -----------------------------------------------------------------------
 
     def after_step(self) -> None:
+        """Called after every optimizer step. Never raises: a plan that cannot be made or
+        applied leaves training as it runs now, and an event says why."""
+        try:
+            self._after_step()
+        except Exception as e:  # noqa: BLE001 - training goes on; the reason is reported
+            self.adapting = False
+            self.steps_since_plan = max(self.steps_since_plan, 0)
+            self._say("plan.limit", f"the plan stays as it runs now: {e}")
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _after_step(self) -> None:
         if self.steps_since_plan < 0:
             self._plan_from_probe()
             return
@@ -137,12 +151,9 @@ class AdaptivePlan:
                       f"{size(self.budget)} budget by {size(grew)}: planning "
                       "again with that much more working memory", peak_bytes=peak,
                       budget_bytes=self.budget)
-            try:
-                self._replan()
-            except MemoryPlanError as e:
-                # Training goes on as it is; the headroom is what is being eaten into.
-                self.adapting = False
-                self._say("plan.limit", f"no plan keeps the step under the budget: {e}")
+            # The peak that was read is accounted for: the next one is read from here.
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._replan()
         elif self.adapting and self.steps_since_plan >= _SETTLE_STEPS:
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
@@ -167,7 +178,11 @@ class AdaptivePlan:
                   forward_ms=1e3 * forward_s, working_bytes=self._working)
         self.pager.measure = set()
         self._facts_cache = facts
-        self._replan()
+        try:
+            self._replan()
+        finally:
+            if self.cuda:  # the first settling step is read alone, not with the probe's peak
+                torch.cuda.reset_peak_memory_stats(self.device)
 
     def _replan(self) -> None:
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
@@ -181,7 +196,7 @@ class AdaptivePlan:
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
             activation_offload="auto", prefetch_depth=self._depth,
             block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,
-            transfer_bytes=self._transfer_bytes,
+            transfer_bytes=self._transfer_bytes(),
             # Settling and the watchdog only add streamed blocks; the probe's plan may also
             # take back those wrap() streamed to make room for the probe.
             paged_already=tuple(self.pager.paged) if self.steps_since_plan >= 0 else ())
@@ -191,13 +206,15 @@ class AdaptivePlan:
         added = [b for b in plan.paged_blocks if b not in self.pager.position]
         removed = [b for b in self.pager.paged if b not in plan.paged_blocks]
         host_bytes = sum(facts[b].activation_bytes for b in offload)
-        if host_bytes != own:
-            self._plan_host(host_bytes)
-            self.host_activation_bytes = host_bytes
+        # Weights first (streaming frozen ones adds host copies), then the job's host plan with
+        # the activations' bytes, then the activation policy, whose arena is taken at the next
+        # forward.
         if removed:
             self._unstream_weights(removed)
         if added:
             self._stream_weights(added)
+        self._plan_host(host_bytes)
+        self.host_activation_bytes = host_bytes
         self.recompute.set(again)
         self.pager.set_activation_blocks(offload)
         self.plan = plan

@@ -474,10 +474,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             fraction = float(getter(device))
         limit = total * fraction
         peak = torch.cuda.max_memory_allocated(device)
+        allowed = (1.0 - self._vram_headroom) * limit
+        if self._adaptive is not None:
+            # The memory plan's budget (vram_budget=, what else the process holds) binds too.
+            peak -= self._adaptive.others
+            allowed = min(allowed, self._adaptive.budget)
         # Stock AdamW keeps every gradient and both fp32 moments in VRAM: 12 bytes a parameter
         # more than the offloaded steps measured.
         need = peak + 12 * numel
-        allowed = (1.0 - self._vram_headroom) * limit
         numbers = dict(parameters=numel, peak_bytes=peak, need_bytes=need,
                        allowed_bytes=allowed, offloaded_step_ms=step_ms)
         if need > allowed:

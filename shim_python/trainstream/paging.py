@@ -153,10 +153,9 @@ class BlockPager:
         self.position = {b: k for k, b in enumerate(self.paged)}
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        # Slots sized for the biggest paged block (made again if a new block is bigger; the old
-        # ones go back to the allocator first).
-        self.slots = []
-        self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
+        # The blocks' device weights go first (their values are in the host copies now), then
+        # the old slots, then slots sized for the biggest paged block are made: the peak is the
+        # larger of before and after, not their sum.
         for b in added:
             for p in self.params[b]:
                 self.placeholders[id(p)] = torch.zeros(
@@ -165,6 +164,8 @@ class BlockPager:
                 if p.requires_grad:
                     self._grad_hooks.setdefault(b, []).append(
                         p.register_post_accumulate_grad_hook(self._grad_landed(b)))
+        self.slots = []
+        self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
         return added
 
     def unpage_weights(self, indices: Sequence[int]) -> list[int]:
@@ -178,6 +179,7 @@ class BlockPager:
             raise RuntimeError("blocks can stop paging only between steps")
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.slots = []  # back to the allocator before the blocks' device copies are made
         for b in removed:
             for handle in self._grad_hooks.pop(b, []):
                 handle.remove()

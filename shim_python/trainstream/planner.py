@@ -117,9 +117,9 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
     if moment == "auto":
         moment = "float32"
         if state > inputs.host_budget:
+            say(f"moments in bf16: fp32 moments would need {size(state)} of host memory, "
+                f"more than the {size(inputs.host_budget)} the daemon can give")
             moment, state = "bfloat16", _host_state(inputs, 2)
-            say(f"moments in bf16: fp32 moments would need {size(state)} more host "
-                f"memory than the {size(inputs.host_budget)} the daemon can give")
     plan.moment_dtype = moment
     if state > inputs.host_budget:
         raise MemoryPlanError(

@@ -192,12 +192,15 @@ def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
         return plan_memory(inputs).paged_blocks
     except MemoryPlanError:
         need = other + (depth + 1) * max(sizes) + working
+        room = ("room for the probe step and a block's gradients in flight" if probe else
+                "a block's gradients in flight")
         raise MemoryPlanError(
             f"trainstream.wrap: the weights do not fit in the {size(budget)} VRAM budget even "
             f"with every block streaming: the weights outside the {len(blocks)} blocks "
-            f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and a block's "
-            f"gradients in flight ({size(working)}) need {size(need)}. Use a GPU with more "
-            "free memory, lower vram_headroom, or prefetch_depth=1") from None
+            f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and {room} "
+            f"({size(working)}) need {size(need)}. Use a GPU with more free memory or a larger "
+            "vram_budget, lower vram_headroom" + (", or prefetch_depth=1" if depth > 1 else "")
+        ) from None
 
 
 def _paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -> _Paging | None:
@@ -307,16 +310,22 @@ class _FrozenWeights:
     def __init__(self, client: Any):
         self._client = client
         self._buffers: list = []
+        self._copies: dict[int, torch.Tensor] = {}
         self.bytes = 0
 
-    def copy(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        nbytes = value.numel() * value.element_size()
-        buffer = self._client.allocate(f"frozen/{self._client.session_id}/{name}",
-                                       max(nbytes, 1), tag="frozen_weights")
-        self._buffers.append(buffer)
-        self.bytes += nbytes
-        host = buffer.tensor(torch.uint8, (max(nbytes, 1),))[:nbytes].view(
-            value.dtype).view(value.shape)
+    def copy(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``p``'s host copy holding ``value``: made the first time ``p``'s block streams, and
+        written again (not made again) when it streams again after a time in VRAM."""
+        host = self._copies.get(id(p))
+        if host is None:
+            nbytes = value.numel() * value.element_size()
+            buffer = self._client.allocate(f"frozen/{self._client.session_id}/{name}",
+                                           max(nbytes, 1), tag="frozen_weights")
+            self._buffers.append(buffer)
+            self.bytes += nbytes
+            host = buffer.tensor(torch.uint8, (max(nbytes, 1),))[:nbytes].view(
+                value.dtype).view(value.shape)
+            self._copies[id(p)] = host
         host.copy_(value.detach())
         return host
 
@@ -347,7 +356,8 @@ def _page_blocks(model: torch.nn.Module, choice: _Paging | None, offload: Offloa
         if id(p) in index:
             return offload._host.param(index[id(p)])
         # A frozen weight: its own daemon buffer, filled once.
-        return frozen.copy(_safe(names.get(id(p), f"param{id(p)}")), initial.get(id(p), p.data))
+        return frozen.copy(p, _safe(names.get(id(p), f"param{id(p)}")),
+                           initial.get(id(p), p.data))
 
     client = offload.client
 
@@ -423,15 +433,15 @@ def _keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
     update starts from) take the loaded values too, and paged weights load into their host
     copies."""
     names = {id(p): n for n, p in model.named_parameters()}
-    paged: set = set()
+    streamed: list = []
 
     def before(state_dict, prefix, *rest):
-        paged.clear()  # the blocks that stream now (the plan may have added some)
-        paged.update(id(p) for ps in (pager.params.values() if pager else ()) for p in ps)
+        # The blocks that stream now (the plan may have changed them since wrap()).
+        streamed[:] = [p for ps in (pager.params.values() if pager else ()) for p in ps]
         offload.synchronize()  # no returning copy may land on top of the loaded values
-        for p in offload._params:
-            if id(p) in paged:  # a real tensor to load into, for the moment
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        for p in streamed:  # a real tensor to load into, for the moment (frozen ones too),
+            # holding the current value for keys the state dict leaves out
+            p.data = pager.host[id(p)].to(p.device, copy=True)
 
     def after(module, incompatible):
         with torch.no_grad():
@@ -441,8 +451,10 @@ def _keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
                 offload._host.master(i).copy_(p.detach().reshape(p.shape))
                 if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
                     offload._host.param(i).copy_(p.detach())
-                if id(p) in paged:
-                    p.data = pager.placeholders[id(p)]
+            for p in streamed:
+                if id(p) not in offload._index:  # frozen: its host copy takes the value
+                    pager.host[id(p)].copy_(p.detach())
+                p.data = pager.placeholders[id(p)]
         if pager is not None:
             pager.weights_changed()
 
@@ -464,18 +476,28 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
         gpu = profile_hardware().get("gpu") or {}
         link = 1e9 * min(gpu.get("h2d_gbps", 0.0), gpu.get("d2h_gbps", 0.0))
 
-    # The optimizer's own PCIe traffic a step: gradients out, updated weights back.
+    # The optimizer's own PCIe traffic a step: gradients out, updated weights back (streamed
+    # blocks' updates stay on the host: their fetches are counted by the plan).
     grads = sum(p.numel() * torch.tensor([], dtype=dtype).element_size()
                 for p, dtype in zip(offload._params, offload._grad_dtypes))
-    weights_back = sum(p.numel() * p.element_size() for p in offload._params)
+
+    def transfers() -> tuple:
+        back = sum(p.numel() * p.element_size() for i, p in enumerate(offload._params)
+                   if i not in offload._paged_indices)
+        return back, grads
 
     def host_free() -> int:
         memory = client.memory()
         return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
 
+    frozen_at_wrap = session.frozen.bytes
+
     def plan_host(activation_bytes: int) -> None:
+        # The job's plan from wrap(), with the activations paged now and the frozen weights'
+        # host copies made since (blocks the plan streamed).
         if planned is not None:  # check_memory=False: allocated as it goes
-            client.plan_host_memory(planned + activation_bytes)
+            client.plan_host_memory(planned + activation_bytes +
+                                    session.frozen.bytes - frozen_at_wrap)
 
     return AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
                         stream_weights=lambda blocks: _stream_weights(offload, pager, blocks),
@@ -484,7 +506,7 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
                         other_weight_bytes=other, prefetch_depth=paging.depth,
                         link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
                         others_bytes=session.config.get("_others_bytes", 0),
-                        transfer_bytes=(weights_back, grads))
+                        transfer_bytes=transfers)
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
@@ -593,17 +615,25 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                             if paging and paging.paged else "")))
     else:
         initial = {}
-    topology = _distributed(config["distributed"])
-    rank, world = topology.rank, topology.world
-    # A fresh name per call: a model's id() is reused once it is gone, a job is not.
-    job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
+    client = None
     try:
-        return _wrap_connected(model, optimizer, config, client, topology, paging, job_id, events,
-                               initial)
+        topology = _distributed(config["distributed"])
+        rank, world = topology.rank, topology.world
+        # A fresh name per call: a model's id() is reused once it is gone, a job is not.
+        job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
+        result = _wrap_connected(model, optimizer, config, client, topology, paging, job_id,
+                                 events, initial)
     except BaseException:
-        client.close()  # a refused or failed wrap leaves nothing behind in the daemon
+        if client is not None:
+            client.close()  # a refused or failed wrap leaves nothing behind in the daemon
+        # ...and the model keeps its weights: streamed blocks get their values back.
+        for p in model.parameters():
+            if id(p) in initial:
+                p.data = initial[id(p)]
         raise
+    initial.clear()  # the daemon's buffers hold these values now
+    return result
 
 
 def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,
@@ -624,6 +654,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         # Admission before anything is allocated: the whole job's host memory is planned with
         # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
         planned = _host_bytes(model, moment, config, world, topology.machines) + frozen_streamed
+        fp32_bytes = planned
         try:
             try:
                 client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
@@ -634,18 +665,20 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                 # not fit; the master weights stay fp32.
                 smaller = _host_bytes(model, "bfloat16", config, world,
                                       topology.machines) + frozen_streamed
+                planned, moment = smaller, "bfloat16"  # what the refusal below would be about
                 client.plan_host_memory(smaller, wait_s=float(config["memory_wait_s"]))
                 events.append(("wrap.plan", f"moments in bf16: with fp32 moments this run "
-                                            f"needs {planned / 2**30:.2f} GiB of host memory "
-                                            f"and the daemon refused ({e})"))
-                planned, moment = smaller, "bfloat16"
+                                            f"needs {fp32_bytes / 2**30:.2f} GiB of host "
+                                            f"memory and the daemon refused ({e})"))
                 kwargs["moment_dtype"] = moment
         except ResourceExhaustedError as e:
+            smaller = "" if moment == "bfloat16" else (
+                "moment_dtype='bfloat16' (4 bytes a parameter less), ")
             raise ResourceExhaustedError(
                 f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
-                f"trainstreamd and the machine cannot give it: {e}. Options: "
-                "moment_dtype='bfloat16' (4 bytes a parameter less), memory_wait_s= to wait for "
-                "other jobs, or check_memory=False to allocate as it goes") from None
+                f"trainstreamd ({moment} moments) and the machine cannot give it: {e}. "
+                f"Options: {smaller}memory_wait_s= to wait for other jobs, or "
+                "check_memory=False to allocate as it goes") from None
         events.append(("wrap.admitted", f"host memory planned: {planned / 2**30:.2f} GiB for "
                                         f"job {job_id} ({moment} moments)"))
 
@@ -696,7 +729,6 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     offload.attach_forward_waits(model)
     frozen = _FrozenWeights(client)
     pager = _page_blocks(model, paging, offload, config, events, initial, frozen)
-    initial.clear()  # the daemon's buffers hold these values now
     _keep_daemon_weights_on_load(model, offload, pager)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager

@@ -195,8 +195,44 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
     assert pager.bytes_fetched == 2 * 4 * streamed
     ours, theirs = planned.state_dict(), resident.state_dict()
     assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
+    # A block can stop streaming and stream again (the plan may move it): its frozen weights'
+    # host copy is written again, not made again.
+    from trainstream.wrap import _stream_weights, _unstream_weights
+
+    session = planned._trainstream_session
+    before = report["frozen_host_bytes"]
+    _unstream_weights(p_opt, pager, [0])
+    assert train(planned, p_opt, 1, start=4) == train(resident, r_opt, 1, start=4)
+    _stream_weights(p_opt, pager, [0])
+    assert session.frozen.bytes == before
+    assert train(planned, p_opt, 1, start=5) == train(resident, r_opt, 1, start=5)
+    # Loading a checkpoint reaches streamed frozen weights too (their host copies).
+    checkpoint = {k: v.clone() for k, v in resident.state_dict().items()}
+    with torch.no_grad():
+        for p in resident.blocks[0].attn.parameters():
+            p.mul_(0.5)
+    planned.load_state_dict(resident.state_dict())
+    frozen_weight = resident.blocks[0].attn.qkv.weight
+    assert torch.equal(pager.host[id(planned.blocks[0].attn.qkv.weight)].cpu(),
+                       frozen_weight.detach().cpu())
+    assert train(planned, p_opt, 2, start=6) == train(resident, r_opt, 2, start=6)
+    assert checkpoint.keys() == planned.state_dict().keys()
     trainstream.unwrap(planned)
     trainstream.unwrap(resident)
+
+
+def test_a_refused_wrap_leaves_the_model_its_weights(start_daemon, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=32M").socket)
+    model = TinyGPT(layers=8)
+    values = [p.detach().clone() for p in model.parameters()]
+    budget = nbytes(model.parameters()) - nbytes(model.blocks[0].parameters())
+    with pytest.raises(MemoryError, match="this run needs"):
+        trainstream.wrap(model, device="cpu", vram_budget=budget, activation_offload=False,
+                         recompute=False)
+    # Streamed blocks had device placeholders while wrap() ran; they have their values again.
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
+               for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
 
 
 @pytest.mark.gpu
