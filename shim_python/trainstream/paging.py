@@ -8,9 +8,11 @@ stream of their own, ``prefetch_depth`` blocks in advance) and the parameters po
 the forward they point at a one-element placeholder again, so the slot is free for the next
 block. Backward needs the weights once more: the block's saved references to them are packed as
 (block, layout) instead of tensors (``torch.autograd.graph.saved_tensors_hooks``), and unpacking
-fetches the block again (and the one before it, ahead). When every paged parameter of the block
-has its gradient, the slot is released. Updated weights land in the host copy that the next
-fetch reads, so nothing is copied back.
+fetches the block again (and the one before it, ahead), unless its slot still holds it (a slot
+keeps its block until another takes it: the last blocks of forward are not fetched twice). When
+every paged parameter of the block has its gradient, or backward reaches the block before it,
+the slot is released. Updated weights land in the host copy that the next fetch reads, so
+nothing is copied back.
 
 Saved activations of the chosen blocks (contiguous tensors of at least ``min_offload_bytes``,
 other than weights) are copied to pinned host memory on the paging stream as forward saves them;
@@ -232,14 +234,17 @@ class BlockPager:
         slot = self._slot_of(b)
         if slot is not None:
             return slot
-        candidates = [s for s in self.slots if s.block not in self.bound or s.block is None]
+        candidates = [s for s in self.slots if not self._in_use(s)]
         if not candidates:
             if not needed:
                 return None
             self.slots.append(_Slot(self.slot_bytes, self.device))
             candidates = [self.slots[-1]]
-        # An empty slot, else the one holding the block that runs furthest from this one.
-        slot = min(candidates, key=lambda s: (s.block is not None, self._distance(s.block, b)))
+        # An empty slot (or one holding an earlier generation's weights), else the one holding
+        # the block that runs furthest from this one.
+        slot = min(candidates, key=lambda s: (self._holds_current(s),
+                                              self._distance(s.block, b)
+                                              if self._holds_current(s) else 0))
         slot.block, slot.generation = b, self.generation
         if self.cuda:
             if slot.released is None:
@@ -253,6 +258,12 @@ class BlockPager:
         else:
             self._copy_in(b, slot)
         return slot
+
+    def _holds_current(self, slot: _Slot) -> bool:
+        return slot.block is not None and slot.generation == self.generation
+
+    def _in_use(self, slot: _Slot) -> bool:
+        return self._holds_current(slot) and slot.block in self.bound
 
     def _distance(self, held: int | None, wanted: int) -> int:
         return 0 if held is None else -abs(self.position[held] - self.position[wanted])
@@ -273,7 +284,9 @@ class BlockPager:
         self.bound.add(b)
 
     def _unbind(self, b: int) -> None:
-        """Frees block ``b``'s slot once the compute stream is done with it."""
+        """Lets block ``b``'s slot go once the compute stream is done with it. The slot keeps
+        the weights until another block takes it: the last blocks of forward are still there
+        when backward starts with them, and are not fetched again."""
         slot = self._slot_of(b)
         self.bound.discard(b)
         for p in self.params[b]:
@@ -283,7 +296,6 @@ class BlockPager:
         if self.cuda:
             slot.released = torch.cuda.Event()
             slot.released.record(torch.cuda.current_stream(self.device))
-        slot.block = None
 
     def _prefetch_after(self, b: int, step: int) -> None:
         k = self.position[b]

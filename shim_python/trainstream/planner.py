@@ -74,6 +74,23 @@ def size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in bit-reversed order (0, n/2, n/4, 3n/4, ...): any first k of them are spread
+    evenly over the stack, and the first k are among the first k+1. Streaming blocks in this
+    order puts resident blocks between streamed ones, whose compute hides the next fetch; a
+    leading run of streamed blocks would leave PCIe idle while the rest compute."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def fetch_bytes(weight_bytes: list, depth: int) -> int:
+    """Bytes a step fetches for streamed blocks of these sizes (in stack order): each once in
+    forward, and again in backward except the last ``depth + 1``, still in their slots when
+    backward starts with them."""
+    kept = weight_bytes[-(depth + 1):] if weight_bytes else []
+    return 2 * sum(weight_bytes) - sum(kept)
+
+
 def _host_state(inputs: PlanInputs, moment_bytes: int) -> int:
     trainable = inputs.other_trainable + sum(b.trainable for b in inputs.blocks)
     return trainable * (4 + 2 * moment_bytes + inputs.grad_bytes * inputs.ranks)
@@ -169,8 +186,9 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
         link, forward = inputs.link_bytes_per_s, inputs.block_forward_s
         measured = link > 0 and forward > 0
         # What a step already asks of each resource, in seconds (see plan_memory).
-        weights_in = 2 * sum(inputs.blocks[i].weight_bytes
-                             for i in (streamed_guess | streaming))
+        weights_in = fetch_bytes([inputs.blocks[i].weight_bytes
+                                  for i in sorted(streamed_guess | streaming)],
+                                 inputs.prefetch_depth)
         load = {"compute": inputs.step_compute_s or 3 * forward * n,
                 "h2d": (inputs.transfer_bytes[0] + weights_in) / link if link else 0.0,
                 "d2h": inputs.transfer_bytes[1] / link if link else 0.0}
@@ -202,9 +220,10 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
                 say(f"block {i} is recomputed in backward: host memory cannot take its "
                     f"{size(activations[i])} of activations")
 
-    # Weights: stream blocks, first ones first, while VRAM is still short.
+    # Weights: stream blocks while VRAM is still short, spread over the stack (see
+    # spread_order), so each fetch overlaps the compute of the resident blocks before it.
     if wanted is None:
-        for i in range(n):
+        for i in spread_order(n):
             if vram() <= inputs.vram_budget:
                 break
             if i in paged:
@@ -234,8 +253,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
     paged_activations = sum(activations[i] for i, p in enumerate(plan.activation_policy)
                             if p == "offload")
     plan.host_bytes = state + paged_activations
-    plan.pcie_bytes_per_step = (2 * sum(inputs.blocks[i].weight_bytes for i in paged)
-                                + 2 * paged_activations)
+    plan.pcie_bytes_per_step = (fetch_bytes([inputs.blocks[i].weight_bytes for i in sorted(paged)],
+                                            inputs.prefetch_depth) + 2 * paged_activations)
     if not plan.history:
         say(f"everything stays in VRAM: {size(need)} of {size(inputs.vram_budget)} "
             f"({size(weights)} of weights)")

@@ -172,9 +172,9 @@ def _vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> in
 
 def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
                  probe: bool) -> list:
-    """param_offload="auto" at wrap(): the fewest leading blocks whose weights must stream for
-    the weights to fit, with room for one block's gradients in flight, and, when a probe step
-    follows, a quarter of the budget for that step's activations and working memory (unknown
+    """param_offload="auto" at wrap(): the fewest blocks (spread over the stack, see
+    planner.spread_order) whose weights must stream for the weights to fit, with room for one
+    block's gradients in flight, and, when a probe step follows, a quarter of the budget for that step's activations and working memory (unknown
     until it runs: the logits of a large vocabulary alone can take gigabytes). The plan made
     from the probe's measurements streams more blocks, or fewer."""
     from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
