@@ -174,9 +174,10 @@ def _weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
                  probe: bool) -> list:
     """param_offload="auto" at wrap(): the fewest blocks (spread over the stack, see
     planner.spread_order) whose weights must stream for the weights to fit, with room for one
-    block's gradients in flight, and, when a probe step follows, a quarter of the budget for that step's activations and working memory (unknown
-    until it runs: the logits of a large vocabulary alone can take gigabytes). The plan made
-    from the probe's measurements streams more blocks, or fewer."""
+    block's gradients in flight, and, when a probe step follows, a quarter of the budget for
+    that step's activations and working memory (unknown until it runs: the logits of a large
+    vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
+    more blocks, or fewer."""
     from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
 
     sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
@@ -224,9 +225,9 @@ def _paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -
     for name, value in (("param_offload", weights), ("activation_offload", acts),
                         ("recompute", again)):
         if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
+            lists = "" if name == "activation_offload" else " or a list of block indices"
             raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
-                             "False, a fraction 0.0-1.0" +
-                             ("" if name == "activation_offload" else " or a list of block indices"))
+                             f"False, a fraction 0.0-1.0{lists}")
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == device)
     budget = _vram_budget(device, config, on_device)
@@ -375,8 +376,9 @@ def _page_blocks(model: torch.nn.Module, choice: _Paging | None, offload: Offloa
     inflight = config["max_inflight_bytes"]
     if inflight is None:
         inflight = min(1 << 30, (choice.budget or (10 << 30)) // 10)
-    pager = BlockPager(blocks, [], host_copy, depth, min_offload_bytes=int(config["min_offload_bytes"]),
-                       arena=arena, device=device, max_inflight_bytes=int(inflight))
+    pager = BlockPager(blocks, [], host_copy, depth,
+                       min_offload_bytes=int(config["min_offload_bytes"]), arena=arena,
+                       device=device, max_inflight_bytes=int(inflight))
     _stream_weights(offload, pager, paged)
     pager.set_activation_blocks(offloaded)
     # A checkpoint of the model holds the paged weights' host copies, not placeholders.
