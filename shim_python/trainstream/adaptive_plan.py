@@ -45,7 +45,8 @@ class AdaptivePlan:
                  other_weight_bytes: int = 0, prefetch_depth: int = 1,
                  link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
                  others_bytes: int = 0,
-                 transfer_bytes: Callable[[], tuple] = lambda: (0, 0)):
+                 transfer_bytes: Callable[[], tuple] = lambda: (0, 0),
+                 host_cap: int = 0):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -64,6 +65,7 @@ class AdaptivePlan:
         self.others = int(others_bytes)
         # The optimizer's PCIe bytes a step (to, from the GPU), as blocks stream now.
         self._transfer_bytes = transfer_bytes
+        self._host_cap = int(host_cap)  # host_arena= bytes: paged activations never take more
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -189,10 +191,13 @@ class AdaptivePlan:
                             activation_bytes=f.activation_bytes, input_bytes=f.input_bytes)
                  for b, f in enumerate(self._facts_cache)]
         own = self.host_activation_bytes
+        host = max(0, self._host_free()) + own
+        if self._host_cap:
+            host = min(host, self._host_cap)
         inputs = PlanInputs(
             blocks=tuple(facts), other_weight_bytes=self._other_weights, other_trainable=0,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
-            host_budget=max(0, self._host_free()) + own, grad_bytes=0, moment_dtype="float32",
+            host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
             activation_offload="auto", prefetch_depth=self._depth,
             block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,

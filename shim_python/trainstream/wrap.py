@@ -493,6 +493,8 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
         return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
 
     frozen_at_wrap = session.frozen.bytes
+    arena = session.config["host_arena"]
+    arena_cap = arena if type(arena) is int else 0  # host_arena= bytes (not "auto" or False)
 
     def plan_host(activation_bytes: int) -> None:
         # The job's plan from wrap(), with the activations paged now and the frozen weights'
@@ -508,7 +510,8 @@ def _adaptive_plan(model: torch.nn.Module, paging: _Paging, pager: Any, offload:
                         other_weight_bytes=other, prefetch_depth=paging.depth,
                         link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
                         others_bytes=session.config.get("_others_bytes", 0),
-                        transfer_bytes=transfers)
+                        transfer_bytes=transfers,
+                        host_cap=arena_cap)
 
 
 def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,

@@ -100,6 +100,26 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_a_host_arena_cap_bounds_the_activations_the_plan_pages(daemon_socket):
+    DEVICE = "cpu"  # noqa: N806  (as above)
+    torch.manual_seed(16)
+    resident = TinyGPT(layers=6).to(DEVICE)
+    planned = copy.deepcopy(resident)
+    act = saved_by_one_block(resident)
+    budget = nbytes(resident.parameters()) + 2 * act
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
+    # Room in the arena for one block's activations: the plan recomputes the others.
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
+                                      vram_budget=budget, min_offload_bytes=0,
+                                      host_arena=int(1.5 * act))
+    losses = train(planned, p_opt, 3, device=DEVICE)
+    policy = trainstream.memory_report(planned)["activations"]["policy"]
+    assert policy.count("offload") <= 1 and "recompute" in policy
+    assert losses == train(resident, r_opt, 3, device=DEVICE)
+    trainstream.unwrap(planned)
+    trainstream.unwrap(resident)
+
+
 def test_weights_that_do_not_fit_stream_from_wrap_and_train_bit_identically(daemon_socket):
     torch.manual_seed(12)
     resident = TinyGPT(layers=8).to(DEVICE)
