@@ -220,13 +220,13 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
     assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
     # A block can stop streaming and stream again (the plan may move it): its frozen weights'
     # host copy is written again, not made again.
-    from trainstream.wrap import _stream_weights, _unstream_weights
+    from trainstream.block_memory import stream_weights, unstream_weights
 
     session = planned._trainstream_session
     before = report["frozen_host_bytes"]
-    _unstream_weights(p_opt, pager, [0])
+    unstream_weights(p_opt, pager, [0])
     assert train(planned, p_opt, 1, start=4) == train(resident, r_opt, 1, start=4)
-    _stream_weights(p_opt, pager, [0])
+    stream_weights(p_opt, pager, [0])
     assert session.frozen.bytes == before
     assert train(planned, p_opt, 1, start=5) == train(resident, r_opt, 1, start=5)
     # Loading a checkpoint reaches streamed frozen weights too (their host copies).

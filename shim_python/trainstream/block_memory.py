@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The block stack's memory under ``wrap()``: which blocks stream their weights (planned
+against the VRAM budget before the model moves), where the model's tensors go, the host copies
+of streamed frozen weights, the pager and recompute set up for the chosen blocks, blocks that
+start or stop streaming between steps, ``load_state_dict`` reaching streamed weights, and the
+run-time plan (``adaptive_plan.AdaptivePlan``) wired to the optimizer and the daemon."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .offload_adamw import OffloadAdamW
+
+
+@dataclass
+class PagingChoice:
+    """What wrap() decided for the block stack before anything is set up."""
+
+    blocks: list
+    paged: list              # blocks whose weights stream from host memory
+    offloaded: list          # blocks whose saved activations go to host memory
+    recomputed: list         # blocks recomputed in backward
+    depth: int
+    budget: int | None       # usable VRAM (None: not planned against VRAM)
+    adaptive: bool           # activations decided by a probe step and the planner
+    weights_auto: bool       # param_offload="auto"
+    events: list = field(default_factory=list)
+
+    def paged_params(self) -> list:
+        return [p for b in self.paged for p in self.blocks[b].parameters()]
+
+
+def vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int | None:
+    """The VRAM this run may plan for: vram_budget= if given; on CUDA, what this process may use
+    (torch's per-process fraction, and what other processes leave free) less the headroom."""
+    if config["vram_budget"] is not None:
+        return int(config["vram_budget"])
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    limit = total * (float(getter(device)) if getter is not None else 1.0)
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = min(limit, free + torch.cuda.memory_reserved(device))
+    # Tensors this process holds besides the model's (another model, a cache) stay where they are.
+    others = max(0, torch.cuda.memory_allocated(device) - model_bytes)
+    config["_others_bytes"] = others
+    return max(0, int((1.0 - float(config["vram_headroom"])) * limit - others))
+
+
+def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
+                 probe: bool) -> list:
+    """param_offload="auto" at wrap(): the fewest blocks (spread over the stack, see
+    planner.spread_order) whose weights must stream for the weights to fit, with room for one
+    block's gradients in flight, and, when a probe step follows, a quarter of the budget for
+    that step's activations and working memory (unknown until it runs: the logits of a large
+    vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
+    more blocks, or fewer."""
+    from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
+
+    sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    other, working = total - sum(sizes), 2 * max(sizes)
+    if probe:
+        working = max(working, budget // 4)
+    inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
+                        other_weight_bytes=other, other_trainable=0, working_bytes=working,
+                        vram_budget=budget, host_budget=1 << 62, grad_bytes=0,
+                        activation_offload=False, prefetch_depth=depth)
+    try:
+        return plan_memory(inputs).paged_blocks
+    except MemoryPlanError:
+        need = other + (depth + 1) * max(sizes) + working
+        room = ("room for the probe step and a block's gradients in flight" if probe else
+                "a block's gradients in flight")
+        raise MemoryPlanError(
+            f"trainstream.wrap: the weights do not fit in the {size(budget)} VRAM budget even "
+            f"with every block streaming: the weights outside the {len(blocks)} blocks "
+            f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and {room} "
+            f"({size(working)}) need {size(need)}. Use a GPU with more free memory or a larger "
+            "vram_budget, lower vram_headroom" + (", or prefetch_depth=1" if depth > 1 else "")
+        ) from None
+
+
+def paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -> PagingChoice | None:
+    """The block stack's paging and recompute, from param_offload, activation_offload and
+    recompute (each "auto" by default: planned against the VRAM budget); checked before anything
+    is set up, so a bad choice costs nothing. None when nothing pages, recomputes or adapts."""
+    from .blocks import find_blocks
+
+    weights, acts, again = (config["param_offload"], config["activation_offload"],
+                            config["recompute"])
+    depth = config["prefetch_depth"]
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
+
+    def is_auto(value: Any) -> bool:
+        return isinstance(value, str) and value == "auto"
+
+    def is_off(value: Any) -> bool:  # by identity: 0 and 1 are not False and True here
+        return value is None or value is False or is_auto(value)
+
+    for name, value in (("param_offload", weights), ("activation_offload", acts),
+                        ("recompute", again)):
+        if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
+            lists = "" if name == "activation_offload" else " or a list of block indices"
+            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                             f"False, a fraction 0.0-1.0{lists}")
+    on_device = sum(t.numel() * t.element_size() for t in
+                    list(model.parameters()) + list(model.buffers()) if t.device == device)
+    budget = vram_budget(device, config, on_device)
+    planned = budget is not None and (is_auto(weights) or (is_auto(acts) and is_auto(again)))
+    if is_off(weights) and is_off(acts) and is_off(again) and not planned:
+        return None
+    explicit = config["blocks"] is not None
+    blocks = list(config["blocks"]) if explicit else find_blocks(model)
+    if not blocks:
+        if not (is_off(weights) and is_off(acts) and is_off(again)):
+            raise ValueError("trainstream.wrap: param_offload, activation_offload and recompute "
+                             "need a repeated block stack; none was found (pass blocks=[...])")
+        return None
+
+    def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
+        if is_off(value):
+            return []
+        if value is True:
+            return list(range(count))
+        if isinstance(value, float):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"trainstream.wrap: {name}={value} must be in [0, 1]")
+            return list(range(round(value * count)))
+        if not allow_list:
+            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                             "False or a fraction")
+        picked = sorted(set(int(i) for i in value))
+        if picked and not (0 <= picked[0] and picked[-1] < len(blocks)):
+            raise ValueError(f"trainstream.wrap: {name}={value!r} names blocks outside "
+                             f"0..{len(blocks) - 1}")
+        return picked
+
+    paged = chosen("param_offload", weights, len(blocks), True)
+    events = []
+    if is_auto(weights) and budget is not None:
+        paged = weight_plan(model, blocks, budget, depth,
+                             probe=is_auto(acts) and is_auto(again) and len(blocks) >= 2)
+        if paged:
+            events.append(("wrap.plan", f"{len(paged)} of {len(blocks)} blocks stream their "
+                                        f"weights: the weights do not fit in the "
+                                        f"{budget / 2**30:.2f} GiB VRAM budget otherwise"))
+    # The last block's activations are used as soon as backward starts: they always stay.
+    offloaded = chosen("activation_offload", acts, len(blocks) - 1, False)
+    recomputed = chosen("recompute", again, len(blocks), True)
+    both = sorted((set(paged) | set(offloaded)) & set(recomputed))
+    if both:
+        raise ValueError(f"trainstream.wrap: blocks {both} are both paged and recomputed; a "
+                         "recomputed block keeps no activations to page, and its weights are "
+                         "used again in backward: choose one")
+    adaptive = budget is not None and is_auto(acts) and is_auto(again) and len(blocks) >= 2
+    if not (paged or offloaded or recomputed or adaptive):
+        return None
+    return PagingChoice(blocks, paged, offloaded, recomputed, depth, budget, adaptive,
+                   is_auto(weights), events)
+
+
+def place_model(model: torch.nn.Module, device: torch.device, paging: PagingChoice | None) -> dict:
+    """Moves the model to ``device`` except the weights of blocks that stream: those stay where
+    they are (a model bigger than VRAM is built on the CPU) and get a placeholder on the device;
+    returns their values by parameter id, for the daemon's host copies."""
+    streamed = {id(p) for p in paging.paged_params()} if paging else set()
+    initial = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in streamed:
+                if id(p) not in initial:
+                    initial[id(p)] = p.data
+                    p.data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+            elif p.device != device:
+                p.data = p.data.to(device)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    return initial
+
+
+class FrozenWeights:
+    """Host copies of frozen weights that stream (no optimizer holds them): daemon buffers,
+    pinned and counted against the job like the rest."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._buffers: list = []
+        self._copies: dict[int, torch.Tensor] = {}
+        self.bytes = 0
+
+    def copy(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``p``'s host copy holding ``value``: made the first time ``p``'s block streams, and
+        written again (not made again) when it streams again after a time in VRAM."""
+        host = self._copies.get(id(p))
+        if host is None:
+            nbytes = value.numel() * value.element_size()
+            buffer = self._client.allocate(f"frozen/{self._client.session_id}/{name}",
+                                           max(nbytes, 1), tag="frozen_weights")
+            self._buffers.append(buffer)
+            self.bytes += nbytes
+            host = buffer.tensor(torch.uint8, (max(nbytes, 1),))[:nbytes].view(
+                value.dtype).view(value.shape)
+            self._copies[id(p)] = host
+        host.copy_(value.detach())
+        return host
+
+
+def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: OffloadAdamW,
+                 config: dict, events: list, initial: dict, frozen: FrozenWeights) -> Any:
+    """Starts weight and activation paging and recompute for the chosen blocks; returns the
+    pager (or None)."""
+    from .paging import BlockPager
+    from .recompute import Recompute
+
+    if choice is None:
+        return None
+    blocks, paged, offloaded, recomputed, depth = (choice.blocks, choice.paged, choice.offloaded,
+                                                   choice.recomputed, choice.depth)
+    if recomputed or choice.adaptive:
+        offload._recompute = Recompute(blocks, recomputed)
+        if recomputed:
+            events.append(("wrap.recompute", f"{len(recomputed)} of {len(blocks)} blocks "
+                                             "recompute their forward in backward instead of "
+                                             "keeping activations"))
+    if not paged and not offloaded and not choice.adaptive:
+        return None
+    index = offload._index
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def host_copy(p: torch.Tensor) -> torch.Tensor:
+        if id(p) in index:
+            return offload._host.param(index[id(p)])
+        # A frozen weight: its own daemon buffer, filled once.
+        return frozen.copy(p, _safe(names.get(id(p), f"param{id(p)}")),
+                           initial.get(id(p), p.data))
+
+    client = offload.client
+
+    def arena():
+        from .activation_arena import ActivationArena
+
+        if config["host_arena"] is None or config["host_arena"] is False:
+            return None  # private pinned memory
+        return ActivationArena(
+            lambda name, nbytes: client.allocate(name, nbytes, tag="activations"),
+            f"activations/{client.session_id}",
+            cap=0 if config["host_arena"] == "auto" else int(config["host_arena"]))
+
+    device = next(iter(offload._params)).device
+    inflight = config["max_inflight_bytes"]
+    if inflight is None:
+        inflight = min(1 << 30, (choice.budget or (10 << 30)) // 10)
+    pager = BlockPager(blocks, [], host_copy, depth,
+                       min_offload_bytes=int(config["min_offload_bytes"]), arena=arena,
+                       device=device, max_inflight_bytes=int(inflight))
+    stream_weights(offload, pager, paged)
+    pager.set_activation_blocks(offloaded)
+    # A checkpoint of the model holds the paged weights' host copies, not placeholders.
+
+    def host_copies(module, state_dict, prefix, local_metadata):
+        for b in pager.paged:
+            for p in pager.params[b]:
+                key = prefix + names.get(id(p), "")
+                if key in state_dict:
+                    state_dict[key] = pager.host[id(p)].detach().clone()
+
+    pager.hooks.append(model._register_state_dict_hook(host_copies))
+    if paged:
+        moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
+        events.append(("wrap.param_offload",
+                       f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
+                       f"memory ({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
+                       f"{pager.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
+    if offloaded:
+        events.append(("wrap.activation_offload",
+                       f"{len(offloaded)} of {len(blocks)} blocks page their saved activations "
+                       f"to host memory (those of {config['min_offload_bytes']} bytes and up)"))
+    return pager
+
+
+def stream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
+    """Blocks start streaming their weights: the optimizer stops returning their updates to the
+    device (nothing may still be copying there), then the pager frees their device memory."""
+    if not blocks:
+        return
+    streamed = {id(p) for b in blocks for p in pager.blocks[b].parameters()}
+    offload.stop_returning(streamed)
+    pager.page_weights(blocks)
+    offload.page_weights(pager)
+
+
+def unstream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
+    """Blocks keep their weights in VRAM again: device tensors with the current values first,
+    then the optimizer copies their updates there."""
+    if not blocks:
+        return
+    ids = {id(p) for b in blocks for p in pager.params.get(b, ())}
+    pager.unpage_weights(blocks)
+    offload.resume_returning(ids)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "param"
+
+
+def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
+                                 pager: Any) -> None:
+    """model.load_state_dict() on a wrapped model: the daemon's master weights (what the next
+    update starts from) take the loaded values too, and paged weights load into their host
+    copies."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    streamed: list = []
+
+    def before(state_dict, prefix, *rest):
+        # The blocks that stream now (the plan may have changed them since wrap()).
+        streamed[:] = [p for ps in (pager.params.values() if pager else ()) for p in ps]
+        offload.synchronize()  # no returning copy may land on top of the loaded values
+        for p in streamed:  # a real tensor to load into, for the moment (frozen ones too),
+            # holding the current value for keys the state dict leaves out
+            p.data = pager.host[id(p)].to(p.device, copy=True)
+
+    def after(module, incompatible):
+        with torch.no_grad():
+            for i, p in enumerate(offload._params):
+                if id(p) not in names:
+                    continue
+                offload._host.master(i).copy_(p.detach().reshape(p.shape))
+                if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
+                    offload._host.param(i).copy_(p.detach())
+            for p in streamed:
+                if id(p) not in offload._index:  # frozen: its host copy takes the value
+                    pager.host[id(p)].copy_(p.detach())
+                p.data = pager.placeholders[id(p)]
+        if pager is not None:
+            pager.weights_changed()
+
+    offload._hooks.append(model._register_load_state_dict_pre_hook(before))
+    offload._hooks.append(model.register_load_state_dict_post_hook(after))
+
+
+def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any, offload: OffloadAdamW,
+                   client: Any, session: Any, planned: int | None) -> Any:
+    """The run-time plan: probe step, then the planner's choices, then the watchdog."""
+    from .adaptive_plan import AdaptivePlan
+
+    inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
+    link = 0.0
+    if pager.cuda and session.config["profile"]:
+        from .hardware import profile_hardware
+
+        gpu = profile_hardware().get("gpu") or {}
+        link = 1e9 * min(gpu.get("h2d_gbps", 0.0), gpu.get("d2h_gbps", 0.0))
+
+    # The optimizer's own PCIe traffic a step: gradients out, updated weights back (streamed
+    # blocks' updates stay on the host: their fetches are counted by the plan).
+    grads = sum(p.numel() * torch.tensor([], dtype=dtype).element_size()
+                for p, dtype in zip(offload._params, offload._grad_dtypes))
+
+    def transfers() -> tuple:
+        back = sum(p.numel() * p.element_size() for i, p in enumerate(offload._params)
+                   if i not in offload._paged_indices)
+        return back, grads
+
+    def host_free() -> int:
+        memory = client.memory()
+        return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
+
+    frozen_at_wrap = session.frozen.bytes
+    arena = session.config["host_arena"]
+    arena_cap = arena if type(arena) is int else 0  # host_arena= bytes (not "auto" or False)
+
+    def plan_host(activation_bytes: int) -> None:
+        # The job's plan from wrap(), with the activations paged now and the frozen weights'
+        # host copies made since (blocks the plan streamed).
+        if planned is not None:  # check_memory=False: allocated as it goes
+            client.plan_host_memory(planned + activation_bytes +
+                                    session.frozen.bytes - frozen_at_wrap)
+
+    return AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
+                        stream_weights=lambda blocks: stream_weights(offload, pager, blocks),
+                        unstream_weights=lambda blocks: unstream_weights(offload, pager, blocks),
+                        plan_host=plan_host, host_free=host_free, note=session.note,
+                        other_weight_bytes=other, prefetch_depth=paging.depth,
+                        link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
+                        others_bytes=session.config.get("_others_bytes", 0),
+                        transfer_bytes=transfers,
+                        host_cap=arena_cap)
