@@ -85,7 +85,8 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
         ) from None
 
 
-def paging_choice(model: torch.nn.Module, config: dict, device: torch.device) -> PagingChoice | None:
+def paging_choice(model: torch.nn.Module, config: dict,
+                  device: torch.device) -> PagingChoice | None:
     """The block stack's paging and recompute, from param_offload, activation_offload and
     recompute (each "auto" by default: planned against the VRAM budget); checked before anything
     is set up, so a bad choice costs nothing. None when nothing pages, recomputes or adapts."""
@@ -145,7 +146,7 @@ def paging_choice(model: torch.nn.Module, config: dict, device: torch.device) ->
     events = []
     if is_auto(weights) and budget is not None:
         paged = weight_plan(model, blocks, budget, depth,
-                             probe=is_auto(acts) and is_auto(again) and len(blocks) >= 2)
+                            probe=is_auto(acts) and is_auto(again) and len(blocks) >= 2)
         if paged:
             events.append(("wrap.plan", f"{len(paged)} of {len(blocks)} blocks stream their "
                                         f"weights: the weights do not fit in the "
@@ -162,10 +163,11 @@ def paging_choice(model: torch.nn.Module, config: dict, device: torch.device) ->
     if not (paged or offloaded or recomputed or adaptive):
         return None
     return PagingChoice(blocks, paged, offloaded, recomputed, depth, budget, adaptive,
-                   is_auto(weights), events)
+                        is_auto(weights), events)
 
 
-def place_model(model: torch.nn.Module, device: torch.device, paging: PagingChoice | None) -> dict:
+def place_model(model: torch.nn.Module, device: torch.device,
+                paging: PagingChoice | None) -> dict:
     """Moves the model to ``device`` except the weights of blocks that stream: those stay where
     they are (a model bigger than VRAM is built on the CPU) and get a placeholder on the device;
     returns their values by parameter id, for the daemon's host copies."""
@@ -311,7 +313,7 @@ def _safe(name: str) -> str:
 
 
 def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
-                                 pager: Any) -> None:
+                                pager: Any) -> None:
     """model.load_state_dict() on a wrapped model: the daemon's master weights (what the next
     update starts from) take the loaded values too, and paged weights load into their host
     copies."""
@@ -345,8 +347,8 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
     offload._hooks.append(model.register_load_state_dict_post_hook(after))
 
 
-def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any, offload: OffloadAdamW,
-                   client: Any, session: Any, planned: int | None) -> Any:
+def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
+                  offload: OffloadAdamW, client: Any, session: Any, planned: int | None) -> Any:
     """The run-time plan: probe step, then the planner's choices, then the watchdog."""
     from .adaptive_plan import AdaptivePlan
 
