@@ -45,7 +45,7 @@ CASES = {
     "qwen14b_512": dict(kind="lora", preset="qwen2.5-14b", batch=1, seq=512, vram_gb=24),
     "qwen14b_2k": dict(kind="lora", preset="qwen2.5-14b", batch=1, seq=2048, vram_gb=24),
     "gpt3.6b": dict(kind="gpt", preset="3.6b", batch=4, seq=512, vram_gb=24,
-                    modes=["compute", "wrap_paged", "stock"]),
+                    modes=["compute", "wrap", "wrap_paged", "stock"]),
 }
 WARMUP_AFTER_SETTLED, MEASURED = 1, 4
 

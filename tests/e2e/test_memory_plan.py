@@ -289,3 +289,44 @@ def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(start_
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert all(torch.equal(a, b) for a, b in zip(expected_weights, got))
+
+
+@pytest.mark.gpu
+def test_the_watchdog_replans_when_a_later_step_grows(daemon_socket):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the watchdog reads the allocator's peak")
+    from tiny_gpt import batch, loss_fn
+
+    def step(model, opt, s, size):
+        x, y = batch(s, size=size, device="cuda")
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(17)
+    model = TinyGPT(dim=256, heads=8, layers=8).to("cuda")
+    base = torch.cuda.memory_allocated()
+    # A budget the plan settles under at 8 sequences a batch, found by a first settled run.
+    probe, p_opt = trainstream.wrap(copy.deepcopy(model), offload=True, lr=1e-3)
+    for s in range(4):
+        step(probe, p_opt, s, 8)
+    torch.cuda.reset_peak_memory_stats()
+    step(probe, p_opt, 4, 8)
+    settled_peak = torch.cuda.max_memory_allocated() - base  # the copy's whole footprint
+    trainstream.unwrap(probe)
+    del probe, p_opt
+    model, opt = trainstream.wrap(model, offload=True, lr=1e-3,
+                                  vram_budget=int(1.2 * settled_peak))
+    session = model._trainstream_session
+    for s in range(4):
+        step(model, opt, s, 8)
+    assert not session.adapting
+    for s in range(4, 8):  # eight times the activations
+        step(model, opt, s, 64)
+    kinds = [e["kind"] for e in session.events]
+    assert "plan.watchdog" in kinds
+    applied = [e for e in session.events if e["kind"] == "plan.applied"]
+    assert len(applied) >= 2  # the probe's plan, then the watchdog's
+    policy = trainstream.memory_report(model)["activations"]["policy"]
+    assert policy.count("keep") < len(policy)
+    trainstream.unwrap(model)
