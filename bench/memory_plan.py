@@ -9,7 +9,8 @@ one run, each configuration in a fresh process:
   qwen14b_2k   the same at 1x2048
   gpt3.6b      a 3.6B-parameter GPT, fp32 weights, full fine-tune, batch 4x512
 
-Modes: ``wrap`` (under the cap, every option "auto"), ``stock`` (no cap: fused AdamW on the GPU)
+Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
+block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU)
 and, for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights
 resident, no optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
 Qwen shape in bf16.
