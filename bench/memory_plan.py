@@ -40,6 +40,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
+from step_bench import (add_worker_arguments, answered_as_worker,  # noqa: E402
+                        pinned_bandwidth, run_worker)
 
 CASES = {
     "gpt1.8b": dict(kind="gpt", preset="1.8b", batch=8, seq=512, vram_gb=24),
@@ -190,19 +192,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--modes", nargs="+", default=None)
-    parser.add_argument("--json", default="")
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--worker", default="")
-    parser.add_argument("--case", default="")
+    add_worker_arguments(parser)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, CASES[args.case])), flush=True)
+    if answered_as_worker(args, worker, CASES):
         return
     if not torch.cuda.is_available():
         sys.exit("memory_plan.py needs a CUDA GPU")
-    from bench_daemon import private_daemon, run_worker
-    from offload_step import pinned_bandwidth
+    from bench_daemon import private_daemon
 
     bandwidth = pinned_bandwidth()
     print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "

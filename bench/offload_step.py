@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -34,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from gpt import GPT, PRESETS, loss_on, synthetic_batch  # noqa: E402
+from step_bench import (add_worker_arguments, answered_as_worker,  # noqa: E402
+                        pinned_bandwidth, run_worker)
 
 CASES = {
     "fits": dict(preset="124m", batch=8, seq=1024, vram_gb=0, warmup=5, steps=40),
@@ -149,42 +150,19 @@ def worker(mode: str, case: dict) -> dict:
     return row
 
 
-def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
-    n = int(gib * 2**30)
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out = {}
-    for name, fn in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
-                     ("d2h", lambda: host.copy_(dev, non_blocking=True))):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        out[f"{name}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fits", action="store_true")
     parser.add_argument("--big", action="store_true")
-    parser.add_argument("--modes", nargs="+", default=None)
-    parser.add_argument("--json", default="")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--worker", default="")
-    parser.add_argument("--case", default="")
+    add_worker_arguments(parser)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, CASES[args.case])), flush=True)
+    if answered_as_worker(args, worker, CASES):
         return
     if not torch.cuda.is_available():
         sys.exit("offload_step.py needs a CUDA GPU")
-    from bench_daemon import private_daemon, run_worker
+    from bench_daemon import private_daemon
 
     cases = [c for c, on in (("fits", args.fits), ("big", args.big)) if on] or ["fits", "big"]
     rows = []

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the training-step benchmarks share: each configuration runs in a fresh process (a worker
+mode of the same script), and the pinned-copy bandwidth their PCIe bounds are measured against."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--case", default="", help=argparse.SUPPRESS)
+
+
+def answered_as_worker(args: argparse.Namespace, worker: Callable[[str, dict], dict],
+                       cases: dict) -> bool:
+    """In a worker process: runs the one configuration, prints its row, and says so."""
+    if not args.worker:
+        return False
+    print(json.dumps(worker(args.worker, cases[args.case])), flush=True)
+    return True
+
+
+def run_worker(script: str, mode: str, case: str, socket: str | None, timeout: int) -> dict:
+    """Runs ``script --worker MODE --case CASE`` in a fresh Python process (nothing one
+    configuration allocates reaches the next) and returns the JSON row it prints last."""
+    env = dict(os.environ)
+    if socket:
+        env["TRAINSTREAM_SOCKET"] = socket
+    try:
+        result = subprocess.run([sys.executable, script, "--worker", mode, "--case", case],
+                                capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "failed": True, "stderr": f"timed out after {timeout} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"mode": mode, "failed": True, "stderr": result.stderr[-3000:]}
+    return json.loads(lines[-1])
+
+
+def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
+    """Median pinned copy bandwidth each way, GB/s, with torch's own pinned tensors."""
+    n = int(gib * 2**30)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, fn in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
+                     ("d2h", lambda: host.copy_(dev, non_blocking=True))):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
+    return out
