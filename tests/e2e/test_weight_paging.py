@@ -32,6 +32,19 @@ def train(model, opt, steps, start=0):
     return train_steps(model, opt, steps, DEVICE, start)
 
 
+def twins(seed: int, layers: int, resident: dict | None = None, **options):
+    """Two copies of one TinyGPT, trained alike (offload=True, lr=3e-3, on DEVICE unless
+    ``device=`` says otherwise): one wrapped with ``resident``'s options, one with ``options``.
+    Returns (resident model, its optimizer, the other model, its optimizer)."""
+    torch.manual_seed(seed)
+    device = options.pop("device", DEVICE)
+    model = TinyGPT(layers=layers).to(device)
+    other = copy.deepcopy(model)
+    common = dict(offload=True, device=device, lr=3e-3)
+    return (*trainstream.wrap(model, **common, **(resident or {})),
+            *trainstream.wrap(other, **common, **options))
+
+
 def weights(model):
     trainstream.unwrap(model)
     return [p.detach().clone() for p in model.parameters()]
@@ -39,13 +52,7 @@ def weights(model):
 
 @pytest.mark.parametrize("paged", [True, [1, 2], 0.5])
 def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
-    torch.manual_seed(3)
-    resident = TinyGPT(layers=4).to(DEVICE)
-    streamed = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, torch.optim.AdamW(resident.parameters(), lr=3e-3),
-                                       offload=True, device=DEVICE)
-    streamed, s_opt = trainstream.wrap(streamed, torch.optim.AdamW(streamed.parameters(), lr=3e-3),
-                                       offload=True, device=DEVICE, param_offload=paged)
+    resident, r_opt, streamed, s_opt = twins(3, 4, param_offload=paged)
     pager = streamed._trainstream_session.pager
     assert pager is not None and pager.paged
     # Between steps a paged weight holds no memory of its own: a one-element placeholder.
@@ -85,14 +92,8 @@ def test_param_offload_options_are_checked(daemon_socket):
 
 @pytest.mark.parametrize("page_weights", [False, True])
 def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_weights):
-    torch.manual_seed(4)
-    resident = TinyGPT(layers=4).to(DEVICE)
-    streamed = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, torch.optim.AdamW(resident.parameters(), lr=3e-3),
-                                       offload=True, device=DEVICE)
-    streamed, s_opt = trainstream.wrap(streamed, torch.optim.AdamW(streamed.parameters(), lr=3e-3),
-                                       offload=True, device=DEVICE, activation_offload=True,
-                                       param_offload=page_weights, min_offload_bytes=0)
+    resident, r_opt, streamed, s_opt = twins(4, 4, activation_offload=True,
+                                             param_offload=page_weights, min_offload_bytes=0)
     pager = streamed._trainstream_session.pager
     assert pager.activation_policy() == ["offload"] * 3 + ["keep"]
     assert train(resident, r_opt, 5) == train(streamed, s_opt, 5)
@@ -136,11 +137,7 @@ def test_load_state_dict_reaches_the_daemons_weights(daemon_socket, paged):
 
 
 def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_socket):
-    torch.manual_seed(6)
-    resident = TinyGPT(layers=3).to(DEVICE)
-    again = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3)
-    again, a_opt = trainstream.wrap(again, offload=True, device=DEVICE, lr=3e-3, recompute=[0, 1])
+    resident, r_opt, again, a_opt = twins(6, 3, recompute=[0, 1])
     calls = []
     # A pre-hook: recomputation stops as soon as backward has what it needs, before the MLP's
     # forward returns, so its post-hooks run only once.
@@ -159,14 +156,8 @@ def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_sock
 def test_activations_stay_on_the_device_when_the_daemon_has_no_room(start_daemon, monkeypatch):
     d = start_daemon("--memory_budget=160M")  # two jobs of one 64 MiB segment each, no more
     monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
-    torch.manual_seed(7)
-    resident = TinyGPT(layers=3).to(DEVICE)
-    streamed = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3,
-                                       check_memory=False)
-    streamed, s_opt = trainstream.wrap(streamed, offload=True, device=DEVICE, lr=3e-3,
-                                       check_memory=False, activation_offload=True,
-                                       min_offload_bytes=0)
+    resident, r_opt, streamed, s_opt = twins(7, 3, dict(check_memory=False), check_memory=False,
+                                             activation_offload=True, min_offload_bytes=0)
     assert train(resident, r_opt, 2) == train(streamed, s_opt, 2)
     report = trainstream.memory_report(streamed)["activations"]
     assert report["host_bytes"] == 0 and "budget" in report["host_refused"]
@@ -176,14 +167,9 @@ def test_activations_stay_on_the_device_when_the_daemon_has_no_room(start_daemon
 
 @pytest.mark.parametrize("host_arena", [False, 256 << 10])
 def test_host_arena_private_or_capped(daemon_socket, host_arena):
-    torch.manual_seed(8)
-    resident = TinyGPT(layers=3).to(DEVICE)
-    paged = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, offload=True, device=DEVICE, lr=3e-3,
-                                       activation_offload=False, recompute=False)
-    paged, p_opt = trainstream.wrap(paged, offload=True, device=DEVICE, lr=3e-3,
-                                    activation_offload=True, recompute=False, min_offload_bytes=0,
-                                    host_arena=host_arena, param_offload=[1])
+    resident, r_opt, paged, p_opt = twins(
+        8, 3, dict(activation_offload=False, recompute=False), activation_offload=True,
+        recompute=False, min_offload_bytes=0, host_arena=host_arena, param_offload=[1])
     assert train(resident, r_opt, 3) == train(paged, p_opt, 3)
     report = trainstream.memory_report(paged)
     activations = report["activations"]
@@ -213,13 +199,9 @@ def test_paging_options_are_checked(daemon_socket):
 def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: copies in flight are CUDA events")
-    torch.manual_seed(9)
-    resident = TinyGPT(layers=4).to("cuda")
-    paged = copy.deepcopy(resident)
-    resident, r_opt = trainstream.wrap(resident, offload=True, lr=3e-3, activation_offload=False,
-                                       recompute=False)
-    paged, p_opt = trainstream.wrap(paged, offload=True, lr=3e-3, activation_offload=True,
-                                    recompute=False, min_offload_bytes=0, max_inflight_bytes=1)
+    resident, r_opt, paged, p_opt = twins(
+        9, 4, dict(activation_offload=False, recompute=False), device="cuda",
+        activation_offload=True, recompute=False, min_offload_bytes=0, max_inflight_bytes=1)
     assert train(resident, r_opt, 3) == train(paged, p_opt, 3)
     # Every copy but the first waited for the one before it.
     assert trainstream.memory_report(paged)["activations"]["inflight_waits"] > 0
