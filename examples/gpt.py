@@ -39,6 +39,11 @@ PRESETS = {
 
 
 class Attention(nn.Module):
+    """Causal self-attention without projection biases (as in LLaMA): a key bias would get a
+    gradient that is zero in exact arithmetic, i.e. rounding noise, which Adam's normalisation
+    turns into full-size steps of random sign, so no two correct implementations would agree on
+    it beyond the first step."""
+
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads

@@ -4,27 +4,16 @@ tied head) for tests and examples: small enough for a CPU, shaped like the real 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 
-
-class Attention(nn.Module):
-    """Causal self-attention without projection biases (as in LLaMA): a key bias would get a
-    gradient that is zero in exact arithmetic, i.e. rounding noise, which Adam's normalisation
-    turns into full-size steps of random sign, so no two correct implementations would agree on
-    it beyond the first step."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, n, d))
+# The attention is the examples' GPT's (examples/gpt.py), not a copy of it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "examples"))
+from gpt import Attention  # noqa: E402
 
 
 class Block(nn.Module):
