@@ -44,14 +44,23 @@ def _measure(nbytes: int, repeats: int) -> dict:
     seconds = _timed(lambda: host_b.copy_(host_a), repeats)
     result: dict[str, Any] = {"host_copy_gbps": round(2 * nbytes / seconds / 1e9, 2), "gpu": None}
     if torch.cuda.is_available():
+        # Under a VRAM cap (or beside a big model) the full buffer may not fit; a smaller one
+        # still measures the link, down to 16 MiB where launch costs start to show.
+        while True:
+            try:
+                device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                break
+            except torch.OutOfMemoryError:
+                if nbytes <= 16 << 20:
+                    raise
+                nbytes //= 2
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         h2d = _timed(lambda: device.copy_(pinned, non_blocking=True), repeats)
         d2h = _timed(lambda: pinned.copy_(device, non_blocking=True), repeats)
         props = torch.cuda.get_device_properties(0)
         result["gpu"] = {"name": props.name, "total_memory": props.total_memory,
                          "h2d_gbps": round(nbytes / h2d / 1e9, 2),
-                         "d2h_gbps": round(nbytes / d2h / 1e9, 2)}
+                         "d2h_gbps": round(nbytes / d2h / 1e9, 2), "copy_bytes": nbytes}
     return result
 
 

@@ -8,6 +8,7 @@ a per-process VRAM cap is the budget."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 
@@ -303,6 +304,7 @@ def test_the_watchdog_replans_when_a_later_step_grows(daemon_socket):
         opt.step()
         opt.zero_grad()
 
+    gc.collect()  # what earlier tests left must not be freed between base and peak
     torch.manual_seed(17)
     model = TinyGPT(dim=256, heads=8, layers=8).to("cuda")
     base = torch.cuda.memory_allocated()

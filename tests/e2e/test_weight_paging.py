@@ -199,11 +199,22 @@ def test_paging_options_are_checked(daemon_socket):
 def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: copies in flight are CUDA events")
-    resident, r_opt, paged, p_opt = twins(
-        9, 4, dict(activation_offload=False, recompute=False), device="cuda",
-        activation_offload=True, recompute=False, min_offload_bytes=0, max_inflight_bytes=1)
-    assert train(resident, r_opt, 3) == train(paged, p_opt, 3)
-    # Every copy but the first waited for the one before it.
-    assert trainstream.memory_report(paged)["activations"]["inflight_waits"] > 0
+    options = dict(activation_offload=True, recompute=False, min_offload_bytes=0)
+    resident, r_opt, paged, p_opt = twins(9, 4, options, device="cuda",
+                                          max_inflight_bytes=1, **options)
+
+    def train_behind_a_busy_gpu(model, opt):
+        # A long kernel queued first holds every copy back (the copy stream waits for compute),
+        # so copies pile up unless the cap makes each offload wait for the one before it.
+        losses = []
+        for step in range(3):
+            torch.cuda._sleep(200_000_000)
+            losses += train(model, opt, 1, start=step)
+        return losses
+
+    assert train_behind_a_busy_gpu(resident, r_opt) == train_behind_a_busy_gpu(paged, p_opt)
+    uncapped = trainstream.memory_report(resident)["activations"]["inflight_waits"]
+    capped = trainstream.memory_report(paged)["activations"]["inflight_waits"]
+    assert uncapped == 0 and capped > 0
     for a, b in zip(weights(resident), weights(paged)):
         assert torch.equal(a, b)
