@@ -93,6 +93,7 @@ class BlockPager:
         self._inflight: collections.deque = collections.deque()
         self._inflight_bytes = 0
         self.inflight_waits = 0
+        self.left_on_host_bytes = 0  # paged weights that close() could not put back on the device
         # Host memory for activations: the daemon's (an ActivationArena, or a callable making
         # one when the first block starts paging its activations), else private pinned.
         self._make_arena = arena if callable(arena) and not hasattr(arena, "take") else None
@@ -103,7 +104,11 @@ class BlockPager:
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         self.slot_bytes = 0
         self.slots: list[_Slot] = []
+        # Copies to the device (weights, activations coming back) and to the host (activations
+        # leaving) on streams of their own: the link carries both directions at once, and a
+        # copy out, which waits for the compute that made its tensor, holds no prefetch back.
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.to_host_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.placeholders: dict[int, torch.Tensor] = {}
         self.weight_storages: dict[int, set] = {}
         self.position: dict[int, int] = {}  # weight-paged blocks only
@@ -154,7 +159,7 @@ class BlockPager:
         self.paged = sorted(set(self.paged) | set(added))
         self.position = {b: k for k, b in enumerate(self.paged)}
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._wait_for_copies()
         # The blocks' device weights go first (their values are in the host copies now), then
         # the old slots, then slots sized for the biggest paged block are made: the peak is the
         # larger of before and after, not their sum.
@@ -180,7 +185,7 @@ class BlockPager:
         if self.bound:
             raise RuntimeError("blocks can stop paging only between steps")
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._wait_for_copies()
         self.slots = []  # back to the allocator before the blocks' device copies are made
         for b in removed:
             for handle in self._grad_hooks.pop(b, []):
@@ -412,13 +417,12 @@ class BlockPager:
             return t.detach()
         if self.cuda:
             self._limit_inflight(nbytes)
-            compute = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(compute)
-            with torch.cuda.stream(self.stream):
+            self.to_host_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.to_host_stream):
                 host.copy_(t, non_blocking=True)
-            t.record_stream(self.stream)  # its memory is not reused before the copy is done
+            t.record_stream(self.to_host_stream)  # not reused before the copy is done
             copied = torch.cuda.Event()
-            copied.record(self.stream)
+            copied.record(self.to_host_stream)
             self._inflight.append((copied, nbytes))
             self._inflight_bytes += nbytes
         else:
@@ -438,22 +442,25 @@ class BlockPager:
             self._inflight_bytes -= size
             self.inflight_waits += 1
 
+    def _wait_for_copies(self) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
+        compute.wait_stream(self.to_host_stream)
+
     def _bring_back(self, item: _Offloaded) -> None:
         if item.device is not None:
             return
         if not self.cuda:
             item.device = item.host
             return
-        # Allocated from the compute stream's pool (where it is used and freed); the paging
-        # stream writes it after the compute stream's earlier work, and the allocator waits for
-        # that write before it reuses the memory.
-        compute = torch.cuda.current_stream(self.device)
-        item.device = torch.empty_like(item.host, device=self.device)
-        self.stream.wait_stream(compute)
+        # Allocated on the paging stream, so that it waits for no compute to reuse memory and
+        # prefetches queued after it are not held back; recorded on the compute stream, where
+        # it is used and freed, so the allocator reuses it only after that use.
         self.stream.wait_event(item.copied)
         with torch.cuda.stream(self.stream):
+            item.device = torch.empty_like(item.host, device=self.device)
             item.device.copy_(item.host, non_blocking=True)
-        item.device.record_stream(self.stream)
+        item.device.record_stream(torch.cuda.current_stream(self.device))
         item.returned = torch.cuda.Event()
         item.returned.record(self.stream)
 
@@ -506,14 +513,22 @@ class BlockPager:
     def close(self) -> None:
         """Stops paging: every paged parameter gets a tensor of its own again."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._wait_for_copies()
         self.bound.clear()
         for h in self.hooks + [h for hs in self._grad_hooks.values() for h in hs]:
             h.remove()
         self.hooks.clear()
         self._grad_hooks.clear()
+        self.slots.clear()  # back to the allocator before the weights' own copies are made
+        self.left_on_host_bytes = 0
         for b in self.paged:
             for p in self.params[b]:
-                p.data = self.host[id(p)].to(self.device, copy=True)
-        self.slots.clear()
+                host = self.host[id(p)]
+                try:
+                    p.data = host.to(self.device, copy=True)
+                except torch.OutOfMemoryError:
+                    # A model bigger than VRAM: the rest stays on the CPU, out of the daemon's
+                    # segment, instead of failing with half the weights moved.
+                    p.data = host.clone()
+                    self.left_on_host_bytes += host.numel() * host.element_size()
         self.saved = {b: [] for b in self.offloading}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,6 +392,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     session.optimizer.detach()
     if session.pager is not None and session.pager.hooks:
         session.pager.close()  # activation paging alone is not the optimizer's to undo
+    left = getattr(session.pager, "left_on_host_bytes", 0) if session.pager else 0
+    if left:
+        warnings.warn(f"trainstream.unwrap: {left / 2**30:.2f} GiB of streamed weights do not fit "
+                      "in VRAM and stay on the CPU; the model is split between the two devices",
+                      stacklevel=2)
     recompute = getattr(session.optimizer, "_recompute", None)
     if recompute is not None:
         recompute.close()

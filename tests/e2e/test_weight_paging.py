@@ -204,17 +204,20 @@ def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
                                           max_inflight_bytes=1, **options)
 
     def train_behind_a_busy_gpu(model, opt):
-        # A long kernel queued first holds every copy back (the copy stream waits for compute),
-        # so copies pile up unless the cap makes each offload wait for the one before it.
-        losses = []
-        for step in range(3):
-            torch.cuda._sleep(200_000_000)
-            losses += train(model, opt, 1, start=step)
+        # A long kernel queued before each block holds its copies back (the copy stream waits
+        # for compute) while the CPU runs ahead, so copies pile up unless the cap makes each
+        # offload wait for the one before it. Queued inside forward: the batch's own copy to
+        # the device would wait out a kernel queued before it.
+        hooks = [block.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(20_000_000))
+                 for block in model.blocks]
+        losses = train(model, opt, 3)
+        for h in hooks:
+            h.remove()
         return losses
 
     assert train_behind_a_busy_gpu(resident, r_opt) == train_behind_a_busy_gpu(paged, p_opt)
     uncapped = trainstream.memory_report(resident)["activations"]["inflight_waits"]
     capped = trainstream.memory_report(paged)["activations"]["inflight_waits"]
-    assert uncapped == 0 and capped > 0
+    assert uncapped == 0 and capped > 0, trainstream.memory_report(paged)["activations"]
     for a, b in zip(weights(resident), weights(paged)):
         assert torch.equal(a, b)
