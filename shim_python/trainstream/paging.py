@@ -104,11 +104,12 @@ class BlockPager:
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         self.slot_bytes = 0
         self.slots: list[_Slot] = []
-        # Copies to the device (weights, activations coming back) and to the host (activations
-        # leaving) on streams of their own: the link carries both directions at once, and a
-        # copy out, which waits for the compute that made its tensor, holds no prefetch back.
+        # Weights and activations copied on streams of their own: an activation's copy waits
+        # for compute (the copy out for the work that made it, the copy back for the memory it
+        # reuses) and so holds no weight prefetch back, and the link carries activations out
+        # while weights come in.
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.to_host_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.activation_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.placeholders: dict[int, torch.Tensor] = {}
         self.weight_storages: dict[int, set] = {}
         self.position: dict[int, int] = {}  # weight-paged blocks only
@@ -417,12 +418,12 @@ class BlockPager:
             return t.detach()
         if self.cuda:
             self._limit_inflight(nbytes)
-            self.to_host_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.to_host_stream):
+            self.activation_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.activation_stream):
                 host.copy_(t, non_blocking=True)
-            t.record_stream(self.to_host_stream)  # not reused before the copy is done
+            t.record_stream(self.activation_stream)  # not reused before the copy is done
             copied = torch.cuda.Event()
-            copied.record(self.to_host_stream)
+            copied.record(self.activation_stream)
             self._inflight.append((copied, nbytes))
             self._inflight_bytes += nbytes
         else:
@@ -445,7 +446,7 @@ class BlockPager:
     def _wait_for_copies(self) -> None:
         compute = torch.cuda.current_stream(self.device)
         compute.wait_stream(self.stream)
-        compute.wait_stream(self.to_host_stream)
+        compute.wait_stream(self.activation_stream)
 
     def _bring_back(self, item: _Offloaded) -> None:
         if item.device is not None:
@@ -453,16 +454,18 @@ class BlockPager:
         if not self.cuda:
             item.device = item.host
             return
-        # Allocated on the paging stream, so that it waits for no compute to reuse memory and
-        # prefetches queued after it are not held back; recorded on the compute stream, where
-        # it is used and freed, so the allocator reuses it only after that use.
-        self.stream.wait_event(item.copied)
-        with torch.cuda.stream(self.stream):
-            item.device = torch.empty_like(item.host, device=self.device)
+        # Allocated from the compute stream's pool (where it is used and freed); the copy waits
+        # for the compute stream's earlier work, and the allocator waits for the copy before it
+        # reuses the memory.
+        compute = torch.cuda.current_stream(self.device)
+        item.device = torch.empty_like(item.host, device=self.device)
+        self.activation_stream.wait_stream(compute)
+        self.activation_stream.wait_event(item.copied)
+        with torch.cuda.stream(self.activation_stream):
             item.device.copy_(item.host, non_blocking=True)
-        item.device.record_stream(torch.cuda.current_stream(self.device))
+        item.device.record_stream(self.activation_stream)
         item.returned = torch.cuda.Event()
-        item.returned.record(self.stream)
+        item.returned.record(self.activation_stream)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Offloaded):

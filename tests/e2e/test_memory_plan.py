@@ -295,7 +295,9 @@ def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(start_
 
 
 @pytest.mark.gpu
-def test_the_watchdog_replans_when_a_later_step_grows(daemon_socket):
+def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch):
+    # Room for the unwrapped first copy's session beside the second's.
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=2G").socket)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the watchdog reads the allocator's peak")
     from tiny_gpt import batch, loss_fn
@@ -319,7 +321,6 @@ def test_the_watchdog_replans_when_a_later_step_grows(daemon_socket):
     settled_peak = torch.cuda.max_memory_allocated() - base  # the copy's whole footprint
     trainstream.unwrap(probe)
     del probe, p_opt
-    gc.collect()  # its session closes: the daemon drops its host memory plan
     model, opt = trainstream.wrap(model, offload=True, lr=1e-3,
                                   vram_budget=int(1.2 * settled_peak))
     session = model._trainstream_session
