@@ -330,9 +330,10 @@ def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch)
     for s in range(4, 8):  # eight times the activations
         step(model, opt, s, 64)
     kinds = [e["kind"] for e in session.events]
-    assert "plan.watchdog" in kinds
+    said = "\n".join(f'{e["kind"]}: {e["message"]}' for e in session.events)
+    assert "plan.watchdog" in kinds, said
     applied = [e for e in session.events if e["kind"] == "plan.applied"]
-    assert len(applied) >= 2  # the probe's plan, then the watchdog's
+    assert len(applied) >= 2, said  # the probe's plan, then the watchdog's
     policy = trainstream.memory_report(model)["activations"]["policy"]
     assert policy.count("keep") < len(policy)
     trainstream.unwrap(model)
