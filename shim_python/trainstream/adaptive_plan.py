@@ -155,7 +155,13 @@ class AdaptivePlan:
                       budget_bytes=self.budget)
             # The peak that was read is accounted for: the next one is read from here.
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._replan()
+            try:
+                self._replan()
+            except Exception:
+                # No plan fits that much more: the next step's peak is read against the same
+                # working memory, not one grown again by the same overshoot.
+                self.extra_working -= grew
+                raise
         elif self.adapting and self.steps_since_plan >= _SETTLE_STEPS:
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
