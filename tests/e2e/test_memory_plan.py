@@ -63,6 +63,32 @@ def kinds(model):
     return [e["kind"] for e in model._trainstream_session.events]
 
 
+@pytest.mark.parametrize("warm_ms,replans", [(1.0, True), (9.0, False)])
+def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_socket, warm_ms,
+                                                                         replans):
+    # The probe's timing is a first step's (allocator growth, kernel selection); the next
+    # step's replaces it when they differ by more than a quarter. Times are given here, so
+    # that the decision does not depend on this machine's clock.
+    torch.manual_seed(12)
+    resident = TinyGPT(layers=4)
+    planned = copy.deepcopy(resident)
+    budget = nbytes(resident.parameters()) + 2 * saved_by_one_block(resident)
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device="cpu", **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device="cpu", offload=True,
+                                      vram_budget=budget, min_offload_bytes=0)
+    pager = planned._trainstream_session.pager
+    times = iter([0.010, warm_ms / 1e3])
+    pager.forward_seconds = lambda b: next(times)
+    losses = train(planned, p_opt, 4, device="cpu")
+    measured = trainstream.memory_report(planned)["plan"]["measured"]
+    assert measured["forward_s_probe"] == 0.010
+    assert measured["forward_s"] == (warm_ms / 1e3 if replans else 0.010)
+    assert ("plan.retimed" in kinds(planned)) == replans
+    applied = [e for e in planned._trainstream_session.events if e["kind"] == "plan.applied"]
+    assert len(applied) == (2 if replans else 1)
+    assert losses == train(resident, r_opt, 4, device="cpu")
+
+
 def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(daemon_socket):
     # On the CPU, where a step needs no working memory beyond weights and activations, so a
     # budget in between is exact; the CUDA path is the VRAM-cap test below and the benchmarks.
