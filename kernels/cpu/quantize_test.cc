@@ -1,0 +1,230 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "cpu/quantize.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace trainstream::kernels {
+namespace {
+
+struct Quantized {
+  QuantLayout layout;
+  float tensor_scale = 1.0f;
+  std::vector<uint8_t> data, scales;
+};
+
+Quantized QuantizeAll(QuantFormat format, const std::vector<float>& x, int block = 0,
+                      uint64_t chunk = 0) {
+  Quantized q;
+  q.layout = LayoutFor(format, x.size(), block).value();
+  q.data.assign(q.layout.data_bytes, 0);
+  q.scales.assign(q.layout.scale_bytes, 0);
+  if (format == QuantFormat::kNvfp4) {
+    float amax = 0;
+    for (float v : x) amax = std::max(amax, std::fabs(v));
+    q.tensor_scale = NvFp4TensorScale(amax);
+  }
+  if (chunk == 0) chunk = x.size();
+  for (uint64_t first = 0; first < x.size(); first += chunk) {
+    const uint64_t n = std::min<uint64_t>(chunk, x.size() - first);
+    EXPECT_TRUE(Quantize(q.layout, first, x.data() + first, n, q.tensor_scale, q.data.data(),
+                         q.scales.data())
+                    .ok());
+  }
+  return q;
+}
+
+std::vector<float> DequantizeAll(const Quantized& q) {
+  std::vector<float> out(q.layout.numel);
+  EXPECT_TRUE(Dequantize(q.layout, 0, out.size(), q.data.data(), q.scales.data(),
+                         q.tensor_scale, out.data())
+                  .ok());
+  return out;
+}
+
+std::vector<float> Normal(size_t n, uint32_t seed, float stddev = 0.02f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> x(n);
+  for (float& v : x) v = dist(rng);
+  return x;
+}
+
+TEST(E4m3, EveryCodeRoundTripsAndTiesGoToEven) {
+  for (int c = 0; c < 256; ++c) {
+    const float f = E4m3ToFloat(static_cast<uint8_t>(c));
+    if (std::isnan(f)) {
+      EXPECT_EQ(c & 0x7f, 0x7f);
+      continue;
+    }
+    EXPECT_EQ(FloatToE4m3(f), c) << "code " << c << " = " << f;
+  }
+  EXPECT_EQ(E4m3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(E4m3ToFloat(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(FloatToE4m3(1.0625f), FloatToE4m3(1.0f));     // tie: mantissa 0 is even
+  EXPECT_EQ(FloatToE4m3(1.1875f), FloatToE4m3(1.25f));    // tie: 1.125 (odd) or 1.25 (even)
+  EXPECT_EQ(FloatToE4m3(1.0626f), FloatToE4m3(1.125f));
+  EXPECT_EQ(FloatToE4m3(std::ldexp(1.0f, -10)), 0);       // half the smallest subnormal
+  EXPECT_EQ(FloatToE4m3(3 * std::ldexp(1.0f, -10)), 2);   // 1.5 steps: to 2 (even)
+  EXPECT_EQ(FloatToE4m3(1e6f), 0x7e);                     // saturates
+  EXPECT_EQ(FloatToE4m3(-1e6f), 0xfe);
+  EXPECT_EQ(FloatToE4m3(464.0f), 0x7e);
+  EXPECT_EQ(FloatToE4m3(std::nanf("")), 0x7f);
+}
+
+TEST(E2m1, EveryCodeRoundTripsAndTiesGoToEven) {
+  for (int c = 0; c < 16; ++c) {
+    if (c == 8) continue;  // -0 reads back as 0 and is written with its sign
+    EXPECT_EQ(FloatToE2m1(E2m1ToFloat(static_cast<uint8_t>(c))), c);
+  }
+  const struct { float in, out; } ties[] = {{0.25f, 0.0f}, {0.75f, 1.0f}, {1.25f, 1.0f},
+                                            {1.75f, 2.0f}, {2.5f, 2.0f},  {3.5f, 4.0f},
+                                            {5.0f, 4.0f},  {100.0f, 6.0f}, {-2.6f, -3.0f}};
+  for (const auto& t : ties) EXPECT_EQ(E2m1ToFloat(FloatToE2m1(t.in)), t.out) << t.in;
+}
+
+TEST(Nf4, CodesFollowTheTableAndItsMidpoints) {
+  for (uint8_t c = 0; c < 16; ++c) EXPECT_EQ(Nf4Code(Nf4Value(c)), c);
+  for (uint8_t c = 0; c < 15; ++c) {
+    const float mid = (Nf4Value(c) + Nf4Value(c + 1)) / 2;
+    // The decision points are the midpoints (to float rounding); a value at one stays below.
+    EXPECT_EQ(Nf4Code(std::nextafter(mid, -2.0f) - 1e-6f), c);
+    EXPECT_EQ(Nf4Code(mid + 1e-6f), c + 1);
+  }
+}
+
+TEST(Nf4, PacksTwoCodesPerByteFirstInTheHighNibble) {
+  // absmax 1: the values are their own normalized values.
+  const std::vector<float> x = {-1.0f, 1.0f, 0.0f, 0.5626170039176941f};
+  const Quantized q = QuantizeAll(QuantFormat::kNf4, x, 4);
+  ASSERT_EQ(q.data.size(), 2u);
+  EXPECT_EQ(q.data[0], 0x0f);  // codes 0 then 15
+  EXPECT_EQ(q.data[1], 0x7d);  // codes 7 then 13
+  float absmax;
+  std::memcpy(&absmax, q.scales.data(), 4);
+  EXPECT_EQ(absmax, 1.0f);
+}
+
+TEST(Nvfp4, PacksTwoValuesPerByteFirstInTheLowNibble) {
+  std::vector<float> x(16, 0.0f);
+  x[0] = 6.0f;   // the block's largest: code 7
+  x[1] = -1.0f;  // code 0xa
+  const Quantized q = QuantizeAll(QuantFormat::kNvfp4, x);
+  EXPECT_EQ(q.data[0], 0xa7);
+  const std::vector<float> back = DequantizeAll(q);
+  EXPECT_FLOAT_EQ(back[0], 6.0f);
+  EXPECT_FLOAT_EQ(back[1], -1.0f);
+}
+
+TEST(Layout, BytesPerValueAndBlockChecks) {
+  EXPECT_EQ(LayoutFor(QuantFormat::kInt8, 6400).value().total_bytes(), 6400u + 100 * 4);
+  EXPECT_EQ(LayoutFor(QuantFormat::kNf4, 6400).value().total_bytes(), 3200u + 100 * 4);
+  EXPECT_EQ(LayoutFor(QuantFormat::kFp8, 6400).value().total_bytes(), 6400u + 200 * 4);
+  EXPECT_EQ(LayoutFor(QuantFormat::kNvfp4, 6400).value().total_bytes(), 3200u + 400);
+  EXPECT_EQ(LayoutFor(QuantFormat::kNf4, 7).value().data_bytes, 4u);  // a half byte left over
+  EXPECT_FALSE(LayoutFor(QuantFormat::kInt8, 10, 3).ok());
+  EXPECT_FALSE(LayoutFor(QuantFormat::kNvfp4, 10, 32).ok());
+  EXPECT_FALSE(ParseQuantFormat("fp4").ok());
+  EXPECT_EQ(ParseQuantFormat("nf4").value(), QuantFormat::kNf4);
+}
+
+// The error each format allows for one value, from its grid and its block's scale.
+float Allowed(const Quantized& q, const std::vector<float>& x, uint64_t i) {
+  const uint64_t b = i / q.layout.block;
+  float absmax = 0;
+  for (uint64_t j = b * q.layout.block; j < std::min<uint64_t>(x.size(), (b + 1) * q.layout.block);
+       ++j) {
+    absmax = std::max(absmax, std::fabs(x[j]));
+  }
+  const float a = std::fabs(x[i]);
+  const float slack = 1e-6f * absmax;
+  switch (q.layout.format) {
+    case QuantFormat::kInt8:
+      return absmax / 127.0f / 2 + slack;  // half a step
+    case QuantFormat::kNf4:
+      return absmax * (1.0f - 0.6961928009986877f) / 2 + slack;  // half the widest gap (-1 to -0.70)
+    case QuantFormat::kFp8:
+      // Half an ulp of a 3-bit mantissa, or half the smallest subnormal step.
+      return std::max(a / 16, absmax / 448 * std::ldexp(1.0f, -10)) + slack;
+    case QuantFormat::kNvfp4: {
+      const float scale = E4m3ToFloat(q.scales[b]) * q.tensor_scale;
+      // A quarter of the value (the widest relative gap, 4 to 6), a quarter step near zero,
+      // and what the block scale's own rounding clips off the top.
+      return std::max(a / 4, scale / 4) + std::max(0.0f, a - 6 * scale) + slack;
+    }
+  }
+  return 0;
+}
+
+class RoundTrip : public ::testing::TestWithParam<std::tuple<QuantFormat, int>> {};
+
+TEST_P(RoundTrip, EveryValueWithinItsFormatsBound) {
+  const auto [format, block] = GetParam();
+  for (size_t n : {size_t{1}, size_t{63}, size_t{4097}}) {
+    std::vector<float> x = Normal(n, static_cast<uint32_t>(n) * 7 + block);
+    if (n > 100) x[n / 2] = 0.5f;  // an outlier, as LLM weights have
+    const Quantized q = QuantizeAll(format, x, block);
+    const std::vector<float> back = DequantizeAll(q);
+    double error = 0, norm = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_LE(std::fabs(back[i] - x[i]), Allowed(q, x, i))
+          << QuantFormatName(format) << " value " << i << " of " << n << ": " << x[i]
+          << " came back " << back[i];
+      error += std::fabs(back[i] - x[i]);
+      norm += std::fabs(x[i]);
+    }
+    if (n > 100) {
+      // Mean relative error, against what each format is known to cost on normal weights.
+      const double limit = format == QuantFormat::kInt8   ? 0.02
+                           : format == QuantFormat::kFp8  ? 0.04
+                                                          : 0.15;
+      EXPECT_LT(error / norm, limit) << QuantFormatName(format);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, RoundTrip,
+    ::testing::Values(std::make_tuple(QuantFormat::kInt8, 64),
+                      std::make_tuple(QuantFormat::kInt8, 128),
+                      std::make_tuple(QuantFormat::kNf4, 64), std::make_tuple(QuantFormat::kNf4, 32),
+                      std::make_tuple(QuantFormat::kFp8, 32), std::make_tuple(QuantFormat::kFp8, 128),
+                      std::make_tuple(QuantFormat::kNvfp4, 16)));
+
+TEST(Quantize, ChunksGiveTheSameBytesAsTheWholeTensor) {
+  const std::vector<float> x = Normal(1000, 3);
+  for (QuantFormat f : {QuantFormat::kInt8, QuantFormat::kNf4, QuantFormat::kFp8,
+                        QuantFormat::kNvfp4}) {
+    const Quantized whole = QuantizeAll(f, x);
+    const Quantized chunked = QuantizeAll(f, x, 0, 4 * DefaultBlockSize(f));
+    EXPECT_EQ(whole.data, chunked.data) << QuantFormatName(f);
+    EXPECT_EQ(whole.scales, chunked.scales) << QuantFormatName(f);
+  }
+}
+
+TEST(Quantize, RefusesNonFiniteValuesAndPartialBlocks) {
+  std::vector<float> x(64, 1.0f);
+  x[5] = std::numeric_limits<float>::infinity();
+  const QuantLayout layout = LayoutFor(QuantFormat::kInt8, 64).value();
+  std::vector<uint8_t> data(64), scales(4);
+  const absl::Status inf = Quantize(layout, 0, x.data(), 64, 1, data.data(), scales.data());
+  EXPECT_EQ(inf.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(inf.message().find("value 5"), std::string::npos) << inf;
+  x[5] = 1.0f;
+  EXPECT_FALSE(Quantize(layout, 0, x.data(), 30, 1, data.data(), scales.data()).ok());
+  EXPECT_FALSE(Quantize(layout, 32, x.data(), 32, 1, data.data(), scales.data()).ok());
+}
+
+TEST(Quantize, AnAllZeroBlockStaysZero) {
+  for (QuantFormat f : {QuantFormat::kInt8, QuantFormat::kNf4, QuantFormat::kFp8,
+                        QuantFormat::kNvfp4}) {
+    const std::vector<float> back = DequantizeAll(QuantizeAll(f, std::vector<float>(64, 0.0f)));
+    for (float v : back) EXPECT_EQ(v, 0.0f) << QuantFormatName(f);
+  }
+}
+
+}  // namespace
+}  // namespace trainstream::kernels
