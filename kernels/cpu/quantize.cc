@@ -220,10 +220,16 @@ absl::Status Quantize(const QuantLayout& layout, uint64_t first, const float* va
       }
       case QuantFormat::kNf4: {
         StoreScale(scales, b, absmax);
-        // bitsandbytes multiplies by the reciprocal; so does this, to pick the same codes.
-        const float inverse = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+        // As bitsandbytes does: a multiply by the reciprocal picks the codes, and an all-zero
+        // block (its 0 x inf is NaN, below every decision point) is all code 0. An odd
+        // tensor's last byte is padded with the code of a zero value.
+        const float inverse = 1.0f / absmax;
+        auto code = [&](float v) { return absmax > 0.0f ? Nf4Code(v * inverse) : uint8_t{0}; };
         for (uint64_t i = 0; i < count; ++i) {
-          PutNibble(data, e0 + i, Nf4Code(x[i] * inverse), /*first_high=*/true);
+          PutNibble(data, e0 + i, code(x[i]), /*first_high=*/true);
+        }
+        if ((e0 + count) % 2 == 1 && e0 + count == layout.numel) {
+          PutNibble(data, e0 + count, code(0.0f), /*first_high=*/true);
         }
         break;
       }

@@ -108,6 +108,15 @@ TEST(Nf4, PacksTwoCodesPerByteFirstInTheHighNibble) {
   EXPECT_EQ(absmax, 1.0f);
 }
 
+TEST(Nf4, ZeroBlocksAndOddTailsAreWrittenAsBitsandbytesWritesThem) {
+  // An all-zero block: code 0 everywhere, absmax 0 (reads back as -0.0, equal to 0).
+  const Quantized zeros = QuantizeAll(QuantFormat::kNf4, std::vector<float>(4, 0.0f), 4);
+  EXPECT_EQ(zeros.data, (std::vector<uint8_t>{0x00, 0x00}));
+  // Three values: the fourth nibble is the code of a zero value (7).
+  const Quantized odd = QuantizeAll(QuantFormat::kNf4, {1.0f, -1.0f, 1.0f}, 4);
+  EXPECT_EQ(odd.data, (std::vector<uint8_t>{0xf0, 0xf7}));
+}
+
 TEST(Nvfp4, PacksTwoValuesPerByteFirstInTheLowNibble) {
   std::vector<float> x(16, 0.0f);
   x[0] = 6.0f;   // the block's largest: code 7
