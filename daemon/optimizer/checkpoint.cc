@@ -16,13 +16,13 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "ipc/unique_fd.h"
+#include "safetensors/safetensors_file.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
 namespace {
 
 constexpr char kFormat[] = "trainstream-optimizer-v1";
-constexpr uint64_t kMaxHeaderBytes = uint64_t{256} << 20;
 
 const char* SafetensorsDtype(kernels::ScalarType type) {
   switch (type) {
@@ -90,24 +90,6 @@ absl::Status WriteAll(int fd, const void* data, uint64_t bytes, const std::strin
   return absl::OkStatus();
 }
 
-absl::Status ReadAll(int fd, void* data, uint64_t bytes, uint64_t offset,
-                     const std::string& path) {
-  uint8_t* p = static_cast<uint8_t*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pread(fd, p, std::min<uint64_t>(bytes, uint64_t{1} << 30),
-                        static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("reading checkpoint ", path));
-    }
-    if (n == 0) return absl::DataLossError(absl::StrCat("checkpoint ", path, " is truncated"));
-    p += n;
-    offset += static_cast<uint64_t>(n);
-    bytes -= static_cast<uint64_t>(n);
-  }
-  return absl::OkStatus();
-}
-
 const google::protobuf::Value* Field(const google::protobuf::Struct& s, const std::string& key) {
   auto it = s.fields().find(key);
   return it == s.fields().end() ? nullptr : &it->second;
@@ -170,36 +152,17 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
 
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
                                                   const CheckpointContents& expected) {
-  ipc::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("opening checkpoint ", path));
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
-  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
+  if (!file.ok()) return file.status();
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", why));
   };
-  if (file_bytes < 8) return bad("too short to be a safetensors file");
-  uint8_t size_bytes[8];
-  RETURN_IF_ERROR(ReadAll(fd.get(), size_bytes, 8, 0, path));
-  uint64_t header_size = 0;
-  for (int i = 0; i < 8; ++i) header_size |= static_cast<uint64_t>(size_bytes[i]) << (8 * i);
-  if (header_size > kMaxHeaderBytes || header_size > file_bytes - 8) {
-    return bad("header size runs past the end of the file (truncated or not a checkpoint)");
-  }
-  std::string header(header_size, '\0');
-  RETURN_IF_ERROR(ReadAll(fd.get(), header.data(), header_size, 8, path));
-  google::protobuf::Struct root;
-  if (!google::protobuf::util::JsonStringToMessage(header, &root).ok()) {
-    return bad("header is not valid JSON");
-  }
-  const google::protobuf::Value* metadata = Field(root, "__metadata__");
-  const google::protobuf::Value* blob =
-      metadata ? Field(metadata->struct_value(), "trainstream") : nullptr;
-  if (blob == nullptr || blob->kind_case() != google::protobuf::Value::kStringValue) {
+  const auto blob = file->metadata().find("trainstream");
+  if (blob == file->metadata().end()) {
     return bad("no trainstream optimizer metadata (was it written by SaveCheckpoint?)");
   }
   google::protobuf::Struct meta;
-  if (!google::protobuf::util::JsonStringToMessage(blob->string_value(), &meta).ok()) {
+  if (!google::protobuf::util::JsonStringToMessage(blob->second, &meta).ok()) {
     return bad("optimizer metadata is not valid JSON");
   }
   const google::protobuf::Value* format = Field(meta, "format");
@@ -238,41 +201,25 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
     }
     out.params.push_back({want.desc, step ? static_cast<uint64_t>(step->number_value()) : 0});
   }
-  const uint64_t data_start = 8 + header_size;
   for (const CheckpointArray& a : expected.arrays) {
-    const google::protobuf::Value* entry = Field(root, a.name);
-    if (!entry) return bad(absl::StrCat("tensor '", a.name, "' is missing"));
-    const google::protobuf::Struct& e = entry->struct_value();
-    const google::protobuf::Value* dtype = Field(e, "dtype");
-    const google::protobuf::Value* offsets = Field(e, "data_offsets");
+    const SafetensorsTensor* t = file->Find(a.name);
+    if (t == nullptr) return bad(absl::StrCat("tensor '", a.name, "' is missing"));
     const uint64_t bytes = a.numel * kernels::ElementSize(a.type);
-    if (!dtype || dtype->string_value() != SafetensorsDtype(a.type)) {
+    if (t->dtype != SafetensorsDtype(a.type)) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "checkpoint %s: tensor '%s' is %s; expected %s", path, a.name,
-          dtype ? dtype->string_value() : "untyped", SafetensorsDtype(a.type)));
+          "checkpoint %s: tensor '%s' is %s; expected %s", path, a.name, t->dtype,
+          SafetensorsDtype(a.type)));
     }
-    if (!offsets || offsets->list_value().values_size() != 2) {
-      return bad(absl::StrCat("tensor '", a.name, "' has no data_offsets"));
-    }
-    const uint64_t begin = static_cast<uint64_t>(offsets->list_value().values(0).number_value());
-    const uint64_t end = static_cast<uint64_t>(offsets->list_value().values(1).number_value());
-    if (end < begin || end - begin != bytes) {
+    if (t->bytes != bytes) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "checkpoint %s: tensor '%s' holds %d bytes; expected %d", path, a.name, end - begin,
+          "checkpoint %s: tensor '%s' holds %d bytes; expected %d", path, a.name, t->bytes,
           bytes));
-    }
-    if (data_start + end > file_bytes) {
-      return absl::DataLossError(
-          absl::StrFormat("checkpoint %s is truncated inside tensor '%s'", path, a.name));
     }
   }
   // Everything checked: only now overwrite the live state.
   for (const CheckpointArray& a : expected.arrays) {
-    const google::protobuf::Struct& e = Field(root, a.name)->struct_value();
-    const uint64_t begin =
-        static_cast<uint64_t>(Field(e, "data_offsets")->list_value().values(0).number_value());
-    RETURN_IF_ERROR(ReadAll(fd.get(), a.data, a.numel * kernels::ElementSize(a.type),
-                            data_start + begin, path));
+    const SafetensorsTensor* t = file->Find(a.name);
+    RETURN_IF_ERROR(file->Read(t->offset, a.data, t->bytes));
   }
   return out;
 }
