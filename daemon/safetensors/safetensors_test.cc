@@ -22,79 +22,18 @@
 #include "safetensors/checkpoint_set.h"
 #include "safetensors/safetensors_file.h"
 #include "safetensors/tensor_reader.h"
+#include "safetensors/test_checkpoints.h"
 
 namespace trainstream::daemon {
 namespace {
 
 namespace fs = std::filesystem;
+using test_checkpoints::Bytes;
+using test_checkpoints::Entry;
+using test_checkpoints::FloatEntry;
+using test_checkpoints::Normal;
+using test_checkpoints::WriteFile;
 using ::testing::HasSubstr;
-
-struct Entry {
-  std::string name, dtype;
-  std::vector<uint64_t> shape;
-  std::vector<uint8_t> bytes;
-};
-
-// Writes `entries` as a safetensors file; `header_override` replaces the JSON header.
-void WriteFile(const std::string& path, const std::vector<Entry>& entries,
-               const std::string& header_override = "", uint64_t cut_bytes = 0) {
-  std::vector<std::string> parts = {R"("__metadata__":{"format":"pt"})"};
-  uint64_t offset = 0;
-  for (const Entry& e : entries) {
-    parts.push_back(absl::StrCat("\"", e.name, "\":{\"dtype\":\"", e.dtype, "\",\"shape\":[",
-                                 absl::StrJoin(e.shape, ","), "],\"data_offsets\":[", offset,
-                                 ",", offset + e.bytes.size(), "]}"));
-    offset += e.bytes.size();
-  }
-  std::string header = header_override.empty() ? "{" + absl::StrJoin(parts, ",") + "}"
-                                               : header_override;
-  std::string blob;
-  const uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) blob.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  blob += header;
-  for (const Entry& e : entries) blob.append(e.bytes.begin(), e.bytes.end());
-  blob.resize(blob.size() - cut_bytes);
-  std::ofstream(path, std::ios::binary) << blob;
-}
-
-template <typename T>
-std::vector<uint8_t> Bytes(const std::vector<T>& v) {
-  std::vector<uint8_t> out(v.size() * sizeof(T));
-  std::memcpy(out.data(), v.data(), out.size());
-  return out;
-}
-
-std::vector<float> Normal(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 0.05f);
-  std::vector<float> x(n);
-  for (float& v : x) v = dist(rng);
-  return x;
-}
-
-// `values` in `dtype`, and the floats they read back as.
-Entry FloatEntry(const std::string& name, const std::string& dtype, const std::vector<float>& x,
-                 std::vector<float>* exact) {
-  Entry e{name, dtype, {x.size()}, {}};
-  exact->clear();
-  if (dtype == "F32") {
-    e.bytes = Bytes(x);
-    *exact = x;
-  } else if (dtype == "F64") {
-    std::vector<double> d(x.begin(), x.end());
-    e.bytes = Bytes(d);
-    *exact = x;
-  } else {
-    std::vector<uint16_t> h;
-    for (float v : x) {
-      h.push_back(dtype == "BF16" ? kernels::FloatToBFloat16(v) : kernels::FloatToHalf(v));
-      exact->push_back(dtype == "BF16" ? kernels::BFloat16ToFloat(h.back())
-                                       : kernels::HalfToFloat(h.back()));
-    }
-    e.bytes = Bytes(h);
-  }
-  return e;
-}
 
 class SafetensorsTest : public ::testing::Test {
  protected:

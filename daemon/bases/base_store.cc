@@ -1,0 +1,439 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "bases/base_store.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "bases/caller_access.h"
+#include "safetensors/checkpoint_set.h"
+
+namespace trainstream::daemon {
+namespace {
+
+constexpr uint64_t kTensorAlignment = 256;  // every tensor starts where a GPU copy likes it
+
+uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string Gb(double bytes) { return absl::StrFormat("%.2f GB", bytes / 1e9); }
+
+bool QuantizedByDefault(const SafetensorsTensor& t) {
+  const bool is_float = t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16" ||
+                        t.dtype == "F64";
+  return is_float && t.shape.size() == 2 && !absl::StrContains(t.name, "embed") &&
+         !absl::StrContains(t.name, "lm_head");
+}
+
+}  // namespace
+
+const char* BaseStateName(BaseState state) {
+  switch (state) {
+    case BaseState::kLoading: return "loading";
+    case BaseState::kReady: return "ready";
+    case BaseState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+struct BaseStore::Base {
+  uint64_t id = 0;
+  uid_t uid = 0;
+  std::string key;  // what makes two requests the same base
+  std::string name, source, format;
+  int block = 0;
+  BaseState state = BaseState::kLoading;
+  std::string error;
+  JobKey job;             // the arena job its buffers belong to
+  std::string owner;      // the arena "session" owning them
+  std::unique_ptr<CheckpointSet> checkpoint;
+  std::vector<BufferRecord> buffers;
+  std::vector<BaseTensor> tensors;
+  uint64_t stored_bytes = 0, source_bytes = 0, read_total = 0;
+  std::atomic<uint64_t> read_bytes{0};
+  absl::Time started;
+  double load_seconds = 0;
+  std::set<std::string> users;
+  std::optional<absl::Time> idle_since;
+};
+
+BaseStore::BaseStore(const Options& options, Arena* arena, EventLog* events)
+    : options_(options), arena_(arena), events_(events) {}
+
+BaseStore::~BaseStore() {
+  std::vector<std::thread> loaders;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    loaders.swap(loaders_);
+  }
+  for (std::thread& t : loaders) t.join();
+}
+
+absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
+                                             const BaseLoadRequest& request) {
+  if (request.path.empty() || request.path[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("base path '%s' must be absolute", request.path));
+  }
+  std::optional<kernels::QuantFormat> quant;
+  if (request.format != "bf16") {
+    absl::StatusOr<kernels::QuantFormat> parsed = kernels::ParseQuantFormat(request.format);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "base format '%s': one of bf16, int8, nf4, fp8, nvfp4", request.format));
+    }
+    quant = *parsed;
+    if (absl::Status s = kernels::LayoutFor(*quant, 2, request.block).status(); !s.ok()) {
+      return s;
+    }
+  } else if (request.block != 0) {
+    return absl::InvalidArgumentError("a bf16 base has no quantization block size");
+  }
+  char resolved[PATH_MAX];
+  if (::realpath(request.path.c_str(), resolved) == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("base checkpoint %s: %s", request.path, std::strerror(errno)));
+  }
+  const std::string path = resolved;
+  if (absl::Status s = CheckCallerMayRead(path, session.owner); !s.ok()) return s;
+  absl::StatusOr<CheckpointSet> opened = CheckpointSet::Open(path);
+  if (!opened.ok()) return opened.status();
+  auto checkpoint = std::make_unique<CheckpointSet>(*std::move(opened));
+  std::string key = absl::StrCat(session.owner.uid, "|", request.format, "|", request.block, "|",
+                                 absl::StrJoin(request.quantize, ","), "|");
+  for (const auto& file : checkpoint->files()) {
+    if (absl::Status s = CheckCallerMayRead(file->path(), session.owner); !s.ok()) return s;
+    struct stat st {};
+    ::stat(file->path().c_str(), &st);
+    absl::StrAppend(&key, file->path(), ":", st.st_size, ":", st.st_mtim.tv_sec, ".",
+                    st.st_mtim.tv_nsec, ";");
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the daemon is stopping");
+  for (auto& [id, base] : bases_) {
+    if (base->key == key && base->state != BaseState::kFailed) {
+      base->users.insert(session.id);
+      base->idle_since.reset();
+      events_->Emit("base.attached",
+                    absl::StrFormat("session attached to base %d '%s' (%s, %s): %d users", id,
+                                    base->name, base->format, BaseStateName(base->state),
+                                    base->users.size()),
+                    {{"base", static_cast<double>(id)},
+                     {"users", static_cast<double>(base->users.size())}},
+                    session.id, session.owner.uid);
+      return SnapshotLocked(*base);
+    }
+  }
+
+  auto base = std::make_shared<Base>();
+  base->id = next_id_++;
+  base->uid = session.owner.uid;
+  base->key = key;
+  base->source = path;
+  base->format = request.format;
+  base->block = quant ? kernels::LayoutFor(*quant, 2, request.block)->block : 0;
+  base->name = request.name;
+  if (base->name.empty()) {
+    std::string trimmed = path;
+    if (absl::EndsWith(trimmed, ".json") || absl::EndsWith(trimmed, ".safetensors")) {
+      trimmed = trimmed.substr(0, trimmed.rfind('/'));
+    }
+    base->name = trimmed.substr(trimmed.rfind('/') + 1);
+  }
+  base->job = JobKey{session.owner.uid, absl::StrCat("base/", base->id)};
+  base->owner = absl::StrCat("base/", base->id);
+  const std::set<std::string> chosen(request.quantize.begin(), request.quantize.end());
+  for (const std::string& name : chosen) {
+    if (checkpoint->Find(name) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tensor '%s' named for quantization is not in %s", name, path));
+    }
+  }
+  // Lay the tensors out: packed into buffers of up to buffer_bytes, each aligned.
+  std::vector<uint64_t> buffer_sizes = {0};
+  for (const CheckpointTensor& ct : checkpoint->tensors()) {
+    const SafetensorsTensor& t = *ct.tensor;
+    const bool is_float = t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16" ||
+                          t.dtype == "F64";
+    const bool quantize = quant && (chosen.empty() ? QuantizedByDefault(t) : chosen.count(t.name));
+    const StoredAs as = quantize ? StoredAs::kQuantized
+                                 : is_float ? StoredAs::kBFloat16 : StoredAs::kAsIs;
+    absl::StatusOr<StoredLayout> layout =
+        StoredLayoutFor(t, as, quant.value_or(kernels::QuantFormat::kInt8), request.block);
+    if (!layout.ok()) return layout.status();
+    const uint64_t need = AlignUp(layout->data_bytes, kTensorAlignment) +
+                          AlignUp(layout->scale_bytes, kTensorAlignment);
+    if (buffer_sizes.back() > 0 && buffer_sizes.back() + need > options_.buffer_bytes) {
+      buffer_sizes.push_back(0);
+    }
+    BaseTensor bt;
+    bt.name = t.name;
+    bt.shape = t.shape;
+    bt.source_dtype = t.dtype;
+    bt.stored = as;
+    bt.format = layout->quant.format;
+    bt.block = layout->quant.block;
+    bt.buffer = static_cast<uint32_t>(buffer_sizes.size() - 1);
+    bt.data_offset = buffer_sizes.back();
+    bt.data_bytes = layout->data_bytes;
+    bt.scale_offset = bt.data_offset + AlignUp(layout->data_bytes, kTensorAlignment);
+    bt.scale_bytes = layout->scale_bytes;
+    buffer_sizes.back() += need;
+    base->tensors.push_back(std::move(bt));
+    base->source_bytes += t.bytes;
+    base->read_total += t.bytes * (as == StoredAs::kQuantized &&
+                                           layout->quant.format == kernels::QuantFormat::kNvfp4
+                                       ? 2
+                                       : 1);
+  }
+  for (uint64_t b : buffer_sizes) base->stored_bytes += b;
+  // Admission first: a base that can't fit is refused with the numbers before any allocation.
+  absl::StatusOr<PlanOutcome> planned =
+      arena_->Plan(base->job, base->stored_bytes, absl::ZeroDuration());
+  if (!planned.ok()) {
+    arena_->ReleaseSession(base->job, base->owner);
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "base %s as %s needs %s of host memory: %s", path, request.format,
+        Gb(static_cast<double>(base->stored_bytes)), planned.status().message()));
+  }
+  for (size_t b = 0; b < buffer_sizes.size(); ++b) {
+    if (buffer_sizes[b] == 0) continue;
+    AllocationRequest alloc;
+    alloc.job = base->job;
+    alloc.session_id = base->owner;
+    alloc.name = absl::StrCat(base->owner, "/", b);
+    alloc.bytes = buffer_sizes[b];
+    alloc.tag = "base";
+    alloc.sealable = true;
+    absl::StatusOr<BufferRecord> record = arena_->Allocate(alloc);
+    if (!record.ok()) {
+      arena_->ReleaseSession(base->job, base->owner);
+      arena_->Plan(base->job, 0, absl::ZeroDuration()).IgnoreError();
+      return record.status();
+    }
+    base->buffers.push_back(*record);
+  }
+  base->checkpoint = std::move(checkpoint);
+  base->users.insert(session.id);
+  base->started = absl::Now();
+  bases_[base->id] = base;
+  events_->Emit("base.loading",
+                absl::StrFormat("base %d '%s': reading %d tensors (%s) from %s as %s into %s of "
+                                "host memory",
+                                base->id, base->name, base->tensors.size(),
+                                Gb(static_cast<double>(base->source_bytes)), path, base->format,
+                                Gb(static_cast<double>(base->stored_bytes))),
+                {{"base", static_cast<double>(base->id)},
+                 {"source_bytes", static_cast<double>(base->source_bytes)},
+                 {"stored_bytes", static_cast<double>(base->stored_bytes)}},
+                session.id, session.owner.uid);
+  BaseSnapshot snapshot = SnapshotLocked(*base);
+  loaders_.emplace_back([this, base, request] { RunLoad(base, request); });
+  return snapshot;
+}
+
+void BaseStore::RunLoad(std::shared_ptr<Base> base, BaseLoadRequest request) {
+  absl::Status status = absl::OkStatus();
+  absl::Time last_report = absl::Now();
+  uint64_t done_before = 0;  // file bytes of the tensors already read
+  for (size_t i = 0; i < base->tensors.size() && status.ok(); ++i) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        status = absl::CancelledError("the daemon stopped while the base was loading");
+        break;
+      }
+    }
+    BaseTensor& bt = base->tensors[i];
+    const CheckpointTensor& ct = base->checkpoint->tensors()[i];
+    absl::StatusOr<uint8_t*> data = arena_->BufferData(base->job, base->buffers[bt.buffer].buffer_id);
+    if (!data.ok()) {
+      status = data.status();
+      break;
+    }
+    StoredLayout layout;
+    layout.as = bt.stored;
+    layout.data_bytes = bt.data_bytes;
+    layout.scale_bytes = bt.scale_bytes;
+    if (bt.stored == StoredAs::kQuantized) {
+      layout.quant = *kernels::LayoutFor(bt.format, ct.tensor->numel, bt.block);
+    }
+    auto progress = [&](uint64_t bytes) {
+      base->read_bytes.store(done_before + bytes, std::memory_order_relaxed);
+      const absl::Time now = absl::Now();
+      if (now - last_report >= absl::Seconds(2)) {
+        last_report = now;
+        const uint64_t read = done_before + bytes;
+        const double seconds = absl::ToDoubleSeconds(now - base->started);
+        events_->Emit("base.progress",
+                      absl::StrFormat("base %d '%s': %.0f%% (%s of %s) at %.2f GB/s", base->id,
+                                      base->name, 100.0 * read / std::max<uint64_t>(1, base->read_total),
+                                      Gb(static_cast<double>(read)),
+                                      Gb(static_cast<double>(base->read_total)),
+                                      read / 1e9 / std::max(seconds, 1e-9)),
+                      {{"base", static_cast<double>(base->id)},
+                       {"read_bytes", static_cast<double>(read)},
+                       {"total_bytes", static_cast<double>(base->read_total)}},
+                      "", base->uid);
+      }
+    };
+    absl::StatusOr<ReadResult> read =
+        ReadTensor(*ct.file, *ct.tensor, layout, *data + bt.data_offset,
+                   *data + bt.scale_offset, progress, options_.window_bytes);
+    if (!read.ok()) {
+      status = read.status();
+      break;
+    }
+    bt.tensor_scale = read->tensor_scale;
+    done_before = base->read_bytes.load(std::memory_order_relaxed);
+  }
+  if (status.ok()) {
+    for (BufferRecord& record : base->buffers) {
+      absl::StatusOr<BufferRecord> sealed = arena_->Seal(base->job, base->owner, record.buffer_id);
+      if (!sealed.ok()) {
+        status = sealed.status();
+        break;
+      }
+      record = *sealed;
+    }
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - base->started);
+  absl::MutexLock lock(&mu_);
+  base->load_seconds = seconds;
+  base->checkpoint.reset();  // its files are closed
+  if (status.ok()) {
+    base->state = BaseState::kReady;
+    events_->Emit("base.ready",
+                  absl::StrFormat("base %d '%s' ready: %s read in %.1f s (%.2f GB/s), %s held as "
+                                  "%s, shared by %d sessions",
+                                  base->id, base->name, Gb(static_cast<double>(base->read_total)),
+                                  seconds, base->read_total / 1e9 / std::max(seconds, 1e-9),
+                                  Gb(static_cast<double>(base->stored_bytes)), base->format,
+                                  base->users.size()),
+                  {{"base", static_cast<double>(base->id)},
+                   {"seconds", seconds},
+                   {"stored_bytes", static_cast<double>(base->stored_bytes)}},
+                  "", base->uid);
+  } else {
+    base->state = BaseState::kFailed;
+    base->error = std::string(status.message());
+    events_->Emit("base.failed",
+                  absl::StrFormat("base %d '%s' failed to load: %s", base->id, base->name,
+                                  status.message()),
+                  {{"base", static_cast<double>(base->id)}}, "", base->uid);
+    // Its memory goes now; the record stays to say why until its users leave.
+    arena_->ReleaseSession(base->job, base->owner);
+    base->buffers.clear();
+  }
+}
+
+absl::StatusOr<BaseSnapshot> BaseStore::Get(uid_t uid, bool admin, uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = bases_.find(id);
+  if (it == bases_.end() || (!admin && it->second->uid != uid)) {
+    return absl::NotFoundError(absl::StrFormat("no base %d", id));
+  }
+  return SnapshotLocked(*it->second);
+}
+
+absl::Status BaseStore::Detach(const Session& session, uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  const auto it = bases_.find(id);
+  if (it == bases_.end() || it->second->users.erase(session.id) == 0) {
+    return absl::NotFoundError(absl::StrFormat("this session is not attached to base %d", id));
+  }
+  if (it->second->users.empty()) it->second->idle_since = absl::Now();
+  return absl::OkStatus();
+}
+
+void BaseStore::OnSessionEnded(const Session& session) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, base] : bases_) {
+    if (base->users.erase(session.id) > 0 && base->users.empty()) base->idle_since = absl::Now();
+  }
+}
+
+std::vector<BaseSnapshot> BaseStore::List(uid_t uid, bool admin) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<BaseSnapshot> out;
+  for (const auto& [id, base] : bases_) {
+    if (admin || base->uid == uid) out.push_back(SnapshotLocked(*base));
+  }
+  return out;
+}
+
+absl::StatusOr<SegmentGrant> BaseStore::GrantSegment(const Session& session,
+                                                     uint64_t segment_id) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, base] : bases_) {
+    if (base->state != BaseState::kReady || !base->users.count(session.id)) continue;
+    for (const BufferRecord& record : base->buffers) {
+      if (record.segment_id == segment_id) return arena_->GrantSegment(base->job, segment_id);
+    }
+  }
+  return absl::NotFoundError(absl::StrFormat("no segment %d for this session", segment_id));
+}
+
+void BaseStore::ExpireIdle(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = bases_.begin(); it != bases_.end();) {
+    Base& base = *it->second;
+    const bool idle = base.users.empty() && base.idle_since.has_value();
+    if (idle && base.state != BaseState::kLoading &&
+        (base.state == BaseState::kFailed || now - *base.idle_since >= options_.keep_warm)) {
+      FreeLocked(base);
+      it = bases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void BaseStore::FreeLocked(Base& base) {
+  const uint64_t released = arena_->ReleaseSession(base.job, base.owner);
+  if (base.state == BaseState::kReady) {
+    events_->Emit("base.freed",
+                  absl::StrFormat("base %d '%s' freed: no user for %s; %s released", base.id,
+                                  base.name, absl::FormatDuration(options_.keep_warm),
+                                  Gb(static_cast<double>(released))),
+                  {{"base", static_cast<double>(base.id)},
+                   {"released_bytes", static_cast<double>(released)}},
+                  "", base.uid);
+  }
+}
+
+BaseSnapshot BaseStore::SnapshotLocked(const Base& base) const {
+  BaseSnapshot s;
+  s.id = base.id;
+  s.uid = base.uid;
+  s.name = base.name;
+  s.source = base.source;
+  s.format = base.format;
+  s.block = base.block;
+  s.state = base.state;
+  s.error = base.error;
+  s.stored_bytes = base.state == BaseState::kFailed ? 0 : base.stored_bytes;
+  s.source_bytes = base.source_bytes;
+  s.read_bytes = base.read_bytes.load(std::memory_order_relaxed);
+  s.read_total = base.read_total;
+  s.load_seconds = base.load_seconds;
+  s.users.assign(base.users.begin(), base.users.end());
+  s.idle_since = base.idle_since;
+  if (base.state == BaseState::kReady) {
+    s.buffers = base.buffers;
+    s.tensors = base.tensors;
+  }
+  return s;
+}
+
+}  // namespace trainstream::daemon
