@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "arena/arena.h"
+#include "bases/base_store.h"
 #include "dataplane/data_channel_server.h"
 #include "doorbell/doorbell_dispatcher.h"
 #include "events/event_log.h"
@@ -44,6 +45,7 @@ absl::Status Daemon::Start() {
         if (doorbells_) doorbells_->Remove(s.id);
         if (data_server_) data_server_->Disconnect(s.id);
         if (optimizers_) optimizers_->OnSessionEnded(s, why == SessionEnd::kClosed);
+        if (bases_) bases_->OnSessionEnded(s);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
                       absl::StrFormat("session of pid %d ended (%s); released %d buffer bytes",
@@ -63,6 +65,9 @@ absl::Status Daemon::Start() {
   optimizer_options.pin_threads = options_.optimizer_pin_threads;
   optimizers_ = std::make_unique<OptimizerRegistry>(optimizer_options, arena_.get(),
                                                     doorbells_.get(), events_.get());
+  BaseStore::Options base_options;
+  base_options.keep_warm = options_.base_keep_warm;
+  bases_ = std::make_unique<BaseStore>(base_options, arena_.get(), events_.get());
   doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,
                          [this](const Session& session, const ipc::DoorbellMessage& message,
                                 DoorbellChannel&) {
@@ -75,7 +80,7 @@ absl::Status Daemon::Start() {
                    DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
                                               options_.admin_group},
                                              sessions_.get(), arena_.get(), doorbells_.get(),
-                                             events_.get()));
+                                             events_.get(), bases_.get()));
 
   DaemonFacts facts;
   facts.version = kTrainStreamVersion;
@@ -94,7 +99,7 @@ absl::Status Daemon::Start() {
   }
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
-      optimizers_.get()});
+      optimizers_.get(), bases_.get()});
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
@@ -116,6 +121,7 @@ void Daemon::Housekeeping() {
   while (!stopping_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
     sessions_->ExpireLeases(absl::Now());
     optimizers_->ExpireIdle(absl::Now());
+    bases_->ExpireIdle(absl::Now());
   }
 }
 

@@ -13,6 +13,7 @@
 namespace trainstream::daemon {
 
 class Arena;
+class BaseStore;
 class ControlListener;
 class ConnectionCredentials;
 class DataChannelServer;
@@ -49,6 +50,7 @@ class Daemon {
   std::unique_ptr<SessionRegistry> sessions_;
   std::unique_ptr<DoorbellDispatcher> doorbells_;
   std::unique_ptr<OptimizerRegistry> optimizers_;  // after doorbells_: destroyed before them
+  std::unique_ptr<BaseStore> bases_;  // after arena_: its loads stop before the arena goes
   std::unique_ptr<DataChannelServer> data_server_;
   std::unique_ptr<UserServers> servers_;
   std::unique_ptr<ControlListener> listener_;

@@ -14,6 +14,7 @@ constexpr Command kCommands[] = {
     {"memory", "", "the memory budget and who holds what", &RunMemory},
     {"optimizers", "", "each job's host optimizer: size, step, last step time and GB/s",
      &RunOptimizers},
+    {"bases", "", "the shared frozen bases: format, bytes, users, load progress", &RunBases},
     {"events", "[-f|--follow] [--since=N]", "recent events; -f keeps streaming new ones",
      &RunEvents},
 };

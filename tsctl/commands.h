@@ -51,6 +51,7 @@ absl::Status RunSessions(const Invocation& invocation);
 absl::Status RunMemory(const Invocation& invocation);
 absl::Status RunEvents(const Invocation& invocation);
 absl::Status RunOptimizers(const Invocation& invocation);
+absl::Status RunBases(const Invocation& invocation);
 
 }  // namespace trainstream::tsctl
 

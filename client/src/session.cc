@@ -61,6 +61,22 @@ absl::StatusOr<std::string> Session::EventsJson(uint64_t since_seq) {
   return impl_->EventsJson(since_seq);
 }
 
+absl::StatusOr<std::string> Session::LoadBase(const LoadBaseOptions& options) {
+  return impl_->LoadBase(options);
+}
+absl::StatusOr<std::string> Session::GetBaseJson(uint64_t base_id) {
+  ASSIGN_OR_RETURN(v1::BaseInfo info, impl_->GetBase(base_id));
+  return ToJson(info);
+}
+absl::Status Session::DetachBase(uint64_t base_id) { return impl_->DetachBase(base_id); }
+absl::StatusOr<std::string> Session::BasesJson() {
+  return impl_->Inspect<v1::ListBasesRequest, v1::ListBasesReply>(
+      &v1::TrainStream::Stub::ListBases);
+}
+absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> Session::MapBase(uint64_t base_id) {
+  return impl_->MapBase(base_id);
+}
+
 absl::StatusOr<std::string> Session::PlanHostMemory(uint64_t bytes, absl::Duration wait) {
   return impl_->PlanHostMemory(bytes, wait);
 }

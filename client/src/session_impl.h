@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "control_channel.h"
@@ -241,6 +242,57 @@ class Session::Impl {
         [&](grpc::ClientContext* c) { return channel_.stub().PlanHostMemory(c, request, &reply); },
         wait + absl::Seconds(10)));
     return ToJson(reply);
+  }
+
+  absl::StatusOr<std::string> LoadBase(const Session::LoadBaseOptions& options) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::LoadBaseRequest request;
+    request.set_session_id(id_);
+    request.set_path(options.path);
+    request.set_format(options.format);
+    request.set_block(options.block);
+    for (const std::string& name : options.quantize) request.add_quantize(name);
+    request.set_name(options.name);
+    v1::BaseInfo reply;
+    RETURN_IF_ERROR(channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().LoadBase(c, request, &reply); }));
+    return ToJson(reply);
+  }
+
+  absl::StatusOr<v1::BaseInfo> GetBase(uint64_t base_id) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::GetBaseRequest request;
+    request.set_session_id(id_);
+    request.set_base_id(base_id);
+    v1::BaseInfo reply;
+    RETURN_IF_ERROR(channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().GetBase(c, request, &reply); }));
+    return reply;
+  }
+
+  absl::Status DetachBase(uint64_t base_id) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::DetachBaseRequest request;
+    request.set_session_id(id_);
+    request.set_base_id(base_id);
+    v1::DetachBaseReply reply;
+    return channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().DetachBase(c, request, &reply); });
+  }
+
+  absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id) {
+    ASSIGN_OR_RETURN(v1::BaseInfo info, GetBase(base_id));
+    if (info.state() != "ready") {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "base %d is %s%s", base_id, info.state(),
+          info.error().empty() ? "" : absl::StrCat(": ", info.error())));
+    }
+    std::vector<std::shared_ptr<HostBuffer>> buffers;
+    for (const v1::Buffer& b : info.buffers()) {
+      ASSIGN_OR_RETURN(std::shared_ptr<HostBuffer> mapped, MapBuffer(FromProto(b)));
+      buffers.push_back(std::move(mapped));
+    }
+    return buffers;
   }
 
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,

@@ -98,6 +98,9 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   } else if (request.block != 0) {
     return absl::InvalidArgumentError("a bf16 base has no quantization block size");
   }
+  // The caller's rights first, on the path it gave: a folder it can't enter says nothing of
+  // what lies inside, not even whether it exists.
+  if (absl::Status s = CheckCallerMayRead(request.path, session.owner); !s.ok()) return s;
   char resolved[PATH_MAX];
   if (::realpath(request.path.c_str(), resolved) == nullptr) {
     return absl::NotFoundError(

@@ -135,6 +135,10 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   if (config.has_optimizer_pin_threads()) {
     options.optimizer_pin_threads = config.optimizer_pin_threads();
   }
+  if (flags.base_keep_warm_s || config.has_base_keep_warm_s()) {
+    options.base_keep_warm =
+        absl::Seconds(flags.base_keep_warm_s.value_or(config.base_keep_warm_s()));
+  }
   if (config.optimizer_retention_s() != 0) {
     options.optimizer_retention = absl::Seconds(config.optimizer_retention_s());
   }

@@ -28,6 +28,7 @@ struct DaemonOptions {
   uint32_t event_ring_size = 4096;
   absl::Duration optimizer_retention = absl::Minutes(10);
   bool optimizer_pin_threads = true;
+  absl::Duration base_keep_warm = absl::Minutes(5);
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.
@@ -39,6 +40,7 @@ struct DaemonFlags {
   std::optional<uint32_t> threads;
   std::optional<std::string> log_level;
   std::optional<uint32_t> lease_ms;
+  std::optional<uint32_t> base_keep_warm_s;
 };
 
 // Reads the config file (protobuf text format of trainstream.daemon.DaemonConfig) if one is

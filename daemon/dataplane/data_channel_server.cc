@@ -37,7 +37,7 @@ absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool 
 
 absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     const Options& options, SessionRegistry* registry, Arena* arena,
-    DoorbellDispatcher* doorbells, EventLog* events) {
+    DoorbellDispatcher* doorbells, EventLog* events, const BaseStore* bases) {
   ASSIGN_OR_RETURN(ipc::UniqueFd listener,
                    ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
   ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
@@ -51,13 +51,14 @@ absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
   }
   return std::unique_ptr<DataChannelServer>(
       new DataChannelServer(options, std::move(listener), std::move(epoll), std::move(stop),
-                            registry, arena, doorbells, events));
+                            registry, arena, doorbells, events, bases));
 }
 
 DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd listener,
                                      ipc::UniqueFd epoll, ipc::UniqueFd stop,
                                      SessionRegistry* registry, Arena* arena,
-                                     DoorbellDispatcher* doorbells, EventLog* events)
+                                     DoorbellDispatcher* doorbells, EventLog* events,
+                                     const BaseStore* bases)
     : options_(options),
       listener_(std::move(listener)),
       epoll_(std::move(epoll)),
@@ -65,7 +66,8 @@ DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd liste
       registry_(registry),
       arena_(arena),
       doorbells_(doorbells),
-      events_(events) {
+      events_(events),
+      bases_(bases) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -183,8 +185,13 @@ bool DataChannelServer::Serve(Connection& connection) {
                              "attach a session on this connection before asking for segments"))
             .ok();
       }
+      const uint64_t segment_id = request.get_segment().segment_id();
       absl::StatusOr<SegmentGrant> grant =
-          arena_->GrantSegment(connection.session->job, request.get_segment().segment_id());
+          arena_->GrantSegment(connection.session->job, segment_id);
+      if (grant.status().code() == absl::StatusCode::kNotFound && bases_ != nullptr) {
+        // Not the job's own: a shared base's, if the session is attached to it.
+        grant = bases_->GrantSegment(*connection.session, segment_id);
+      }
       if (!grant.ok()) return Reply(fd, grant.status()).ok();
       int fds[] = {grant->fd.get()};
       return Reply(fd, absl::OkStatus(), grant->bytes, grant->read_only, fds).ok();

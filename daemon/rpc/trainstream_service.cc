@@ -27,14 +27,15 @@ void FillRows(const std::vector<UsageRow>& rows,
 TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identity,
                                        SessionRegistry* sessions, Arena* arena, EventLog* events,
                                        const ConnectionCredentials* credentials,
-                                       OptimizerRegistry* optimizers)
+                                       OptimizerRegistry* optimizers, BaseStore* bases)
     : facts_(std::move(facts)),
       identity_(identity),
       sessions_(sessions),
       arena_(arena),
       events_(events),
       credentials_(credentials),
-      optimizers_(optimizers) {}
+      optimizers_(optimizers),
+      bases_(bases) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
   // The uid is the server's; the per-connection record only supplies the pid, and only when it

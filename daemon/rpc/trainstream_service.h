@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "arena/arena.h"
+#include "bases/base_store.h"
 #include "events/event_log.h"
 #include "gpu/gpu_probe.h"
 #include "optimizer/optimizer_registry.h"
@@ -38,7 +39,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
  public:
   TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
                      Arena* arena, EventLog* events, const ConnectionCredentials* credentials,
-                     OptimizerRegistry* optimizers);
+                     OptimizerRegistry* optimizers, BaseStore* bases);
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -90,6 +91,15 @@ class TrainStreamService final : public v1::TrainStream::Service {
   grpc::Status ListOptimizers(grpc::ServerContext*, const v1::ListOptimizersRequest*,
                               v1::ListOptimizersReply*) override;
 
+  // Shared frozen bases (base_rpcs.cc).
+  grpc::Status LoadBase(grpc::ServerContext*, const v1::LoadBaseRequest*,
+                        v1::BaseInfo*) override;
+  grpc::Status GetBase(grpc::ServerContext*, const v1::GetBaseRequest*, v1::BaseInfo*) override;
+  grpc::Status DetachBase(grpc::ServerContext*, const v1::DetachBaseRequest*,
+                          v1::DetachBaseReply*) override;
+  grpc::Status ListBases(grpc::ServerContext*, const v1::ListBasesRequest*,
+                         v1::ListBasesReply*) override;
+
  private:
   absl::StatusOr<PeerCredentials> Caller(grpc::ServerContext* context) const;
   // The caller's session, checked and owned by the caller.
@@ -111,6 +121,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   EventLog* const events_;
   const ConnectionCredentials* const credentials_;
   OptimizerRegistry* const optimizers_;
+  BaseStore* const bases_;
   ReportedEventLimiter reported_events_{kReportedEventsPerMinute};
   std::atomic<bool> shutting_down_{false};
 };

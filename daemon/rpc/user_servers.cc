@@ -21,7 +21,8 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   Entry entry;
   entry.service = std::make_unique<TrainStreamService>(shared_.facts, identity, shared_.sessions,
                                                        shared_.arena, shared_.events,
-                                                       shared_.credentials, shared_.optimizers);
+                                                       shared_.credentials, shared_.optimizers,
+                                                       shared_.bases);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(entry.service.get());

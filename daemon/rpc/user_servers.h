@@ -28,6 +28,7 @@ class UserServers {
     EventLog* events = nullptr;
     const ConnectionCredentials* credentials = nullptr;
     OptimizerRegistry* optimizers = nullptr;
+    BaseStore* bases = nullptr;
   };
   explicit UserServers(Shared shared) : shared_(std::move(shared)) {}
   ~UserServers() { Shutdown(); }

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "cpu/quantize.h"
 #include "status_exceptions.h"
 #include "trainstream/client.h"
 #include "trainstream/cuda_transfer.h"
@@ -71,6 +72,24 @@ PYBIND11_MODULE(_trainstream, m) {
   m.doc() = "trainstream client library (C++), used by the trainstream package";
   m.attr("__version__") = trainstream::kTrainStreamVersion;
   m.def("default_socket_path", &trainstream::client::DefaultSocketPath);
+  // The daemon's reference dequantizer, for checking the shim's own (and the GPU kernels)
+  // against it: fp32 values from a quantized tensor's stored bytes.
+  m.def("dequantize_reference", [](const std::string& format, int block, uint64_t numel,
+                                   const py::bytes& data, const py::bytes& scales,
+                                   float tensor_scale) {
+    namespace k = trainstream::kernels;
+    const k::QuantLayout layout =
+        ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
+    const std::string d = data, s = scales;
+    if (d.size() != layout.data_bytes || s.size() != layout.scale_bytes) {
+      OkOrThrow(absl::InvalidArgumentError("data or scales do not match the tensor's layout"));
+    }
+    std::string out(numel * sizeof(float), '\0');
+    OkOrThrow(k::Dequantize(layout, 0, numel, reinterpret_cast<const uint8_t*>(d.data()),
+                            reinterpret_cast<const uint8_t*>(s.data()), tensor_scale,
+                            reinterpret_cast<float*>(out.data())));
+    return py::bytes(out);
+  });
   m.def("cuda_available", [] {
     std::string why;
     bool ok = trainstream::client::CudaAvailable(&why);
@@ -163,6 +182,27 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("report_event", [](Session& s, const std::string& kind, const std::string& message,
                               const std::vector<std::pair<std::string, double>>& numbers) {
         return Released([&] { return s.ReportEvent(kind, message, numbers); });
+      })
+      .def("load_base",
+           [](Session& s, const std::string& path, const std::string& format, uint32_t block,
+              const std::vector<std::string>& quantize, const std::string& name) {
+             Session::LoadBaseOptions options;
+             options.path = path;
+             options.format = format;
+             options.block = block;
+             options.quantize = quantize;
+             options.name = name;
+             return Released([&] { return s.LoadBase(options); });
+           })
+      .def("base_json", [](Session& s, uint64_t id) {
+        return Released([&] { return s.GetBaseJson(id); });
+      })
+      .def("detach_base", [](Session& s, uint64_t id) {
+        Released([&] { return s.DetachBase(id); });
+      })
+      .def("bases_json", [](Session& s) { return Released([&] { return s.BasesJson(); }); })
+      .def("map_base", [](Session& s, uint64_t id) {
+        return Released([&] { return s.MapBase(id); });
       });
 
   namespace tc = trainstream::client;

@@ -8,6 +8,7 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
+from .bases import SharedBase, bases, load_base
 from .blocks import find_blocks
 from .hardware import profile_hardware
 from .offload_adamw import OffloadAdamW
@@ -40,5 +41,5 @@ __all__ = [
     "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
-    "PlanInputs", "plan_memory", "profile_hardware",
+    "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
 ]

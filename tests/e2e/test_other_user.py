@@ -60,21 +60,45 @@ ATTACK = textwrap.dedent("""
     s.send(pb.DataRequest(get_segment=pb.DataRequest.GetSegment(segment_id=1)).SerializeToString())
     out["segment"] = pb.DataReply.FromString(s.recv(65536)).code
     # And its own session works
-    mine = stub.OpenSession(pb.OpenSessionRequest(job_id="job", pid=os.getpid())).session_id
+    opened = stub.OpenSession(pb.OpenSessionRequest(job_id="job", pid=os.getpid()))
+    mine = opened.session_id
     out["own_sessions"] = [x.session_id for x in stub.ListSessions(pb.ListSessionsRequest()).sessions]
     out["mine"] = mine
+    # The victim's shared base: not listed, not readable, not loadable from its private path,
+    # and its segments not handed to a session of this uid, even an attached one.
+    base_id, base_path, segments = int(sys.argv[4]), sys.argv[5], json.loads(sys.argv[6])
+    out["bases"] = [b.base_id for b in stub.ListBases(pb.ListBasesRequest()).bases]
+    out["get_base_victim"] = code(lambda: stub.GetBase(pb.GetBaseRequest(session_id=victim, base_id=base_id)))
+    out["get_base"] = code(lambda: stub.GetBase(pb.GetBaseRequest(session_id=mine, base_id=base_id)))
+    out["load_base"] = code(lambda: stub.LoadBase(pb.LoadBaseRequest(session_id=mine, path=base_path)))
+    out["detach_base"] = code(lambda: stub.DetachBase(pb.DetachBaseRequest(session_id=mine, base_id=base_id)))
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    own.connect(path + ".data")
+    own.send(pb.DataRequest(attach=pb.DataRequest.Attach(session_id=mine, attach_token=opened.attach_token)).SerializeToString())
+    out["own_attach"] = pb.DataReply.FromString(own.recv(65536)).code
+    out["base_segments"] = []
+    for segment in segments:
+        own.send(pb.DataRequest(get_segment=pb.DataRequest.GetSegment(segment_id=segment)).SerializeToString())
+        out["base_segments"].append(pb.DataReply.FromString(own.recv(65536)).code)
     print(json.dumps(out))
 """)
 
 
 def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, other_user,
-                                                tsctl_binary):
+                                                tsctl_binary, tmp_path):
     d = start_daemon("--memory_budget=128M", socket_mode="0666")
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    private = tmp_path / "model.safetensors"  # under the owner's 0700 pytest folder
+    safetensors_torch.save_file({"w": torch.ones(64, 64)}, str(private))
     with trainstream.connect(d.socket, job_id="job") as owner:
         owner.allocate("secret", 4096).memoryview()[:6] = b"secret"
         owner.plan_host_memory(1 << 20)  # the owner's plan is not the other user's to see
+        base = trainstream.load_base(str(private), client=owner, progress=False)
+        segments = [int(b["segment_id"]) for b in base.info()["buffers"]]
         result = subprocess.run(
-            [sys.executable, "-c", ATTACK, d.socket, owner.session_id, proto_modules],
+            [sys.executable, "-c", ATTACK, d.socket, owner.session_id, proto_modules,
+             str(base.id), str(private), json.dumps(segments)],
             user=other_user, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
@@ -87,6 +111,14 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
         assert out["attach"] == 7  # PERMISSION_DENIED
         assert out["segment"] == 9  # FAILED_PRECONDITION: not attached, nothing handed out
         assert out["own_sessions"] == [out["mine"]]
+        assert out["bases"] == []
+        assert out["get_base_victim"].startswith("PERMISSION_DENIED"), out["get_base_victim"]
+        assert out["get_base"].startswith("NOT_FOUND"), out["get_base"]
+        assert out["load_base"].startswith("PERMISSION_DENIED"), out["load_base"]
+        assert out["detach_base"].startswith("NOT_FOUND"), out["detach_base"]
+        assert out["own_attach"] == 0 and segments
+        assert out["base_segments"] == [5] * len(segments)  # NOT_FOUND: not its base
+        assert int(base.info()["users"]) == 1  # the owner's base is untouched
         # The owner's session is untouched.
         assert bytes(owner.lookup("secret").memoryview()[:6]) == b"secret"
 

@@ -122,6 +122,24 @@ class Session {
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
                                        const std::vector<std::pair<std::string, double>>& numbers);
 
+  // Shared frozen bases. LoadBase attaches this session to the base of a checkpoint (the
+  // daemon reads it once per user and content, converting and quantizing as it reads) and
+  // returns at once with its state as JSON (BaseInfo); GetBaseJson reads the state again
+  // (progress while it loads, the tensor table once it is ready).
+  struct LoadBaseOptions {
+    std::string path;
+    std::string format = "bf16";
+    uint32_t block = 0;
+    std::vector<std::string> quantize;
+    std::string name;
+  };
+  absl::StatusOr<std::string> LoadBase(const LoadBaseOptions& options);
+  absl::StatusOr<std::string> GetBaseJson(uint64_t base_id);
+  absl::Status DetachBase(uint64_t base_id);
+  absl::StatusOr<std::string> BasesJson();
+  // A ready base's buffers, mapped read-only, in the order of BaseInfo.buffers.
+  absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id);
+
  private:
   friend class HostOptimizer;
   class Impl;

@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared frozen bases: a checkpoint held once by trainstreamd, bf16 or quantized, that every
+process of the user maps read-only instead of loading its own copy.
+
+``load_base(path, format="nf4")`` asks the daemon for the base (it reads the checkpoint the
+first time, converting and quantizing as it reads, with progress) and maps it; its tensors are
+then views of the daemon's memory (``raw()``) or dequantized copies (``dequantize()``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .client import Client, _loads, connect
+from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4")
+
+# The NormalFloat-4 table (kernels/cpu/quantize.cc) and the e2m1 magnitudes, indexed by code.
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+               -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class BaseTensor:
+    """Where one tensor of a base lies and how it is stored."""
+
+    name: str
+    shape: tuple
+    source_dtype: str  # as the checkpoint stores it: "BF16", "F32", "I64", ...
+    stored: str        # "bf16", "as_is", or a quantized format
+    block: int
+    tensor_scale: float
+    buffer: int
+    data_offset: int
+    data_bytes: int
+    scale_offset: int
+    scale_bytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+_SOURCE_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                  "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                  "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class SharedBase:
+    """A base this process is attached to. The daemon keeps it while any process is, and a
+    while after (``tsctl bases``); ``close()`` detaches this one."""
+
+    def __init__(self, client: Client, info: dict, buffers: list):
+        self._client = client
+        self._info = info
+        self._buffers = buffers
+        self.tensors = {t["name"]: BaseTensor(
+            name=t["name"], shape=tuple(int(d) for d in t.get("shape", [])),
+            source_dtype=t["source_dtype"], stored=t["stored"], block=int(t["block"]),
+            tensor_scale=float(t["tensor_scale"]), buffer=int(t["buffer"]),
+            data_offset=int(t["data_offset"]), data_bytes=int(t["data_bytes"]),
+            scale_offset=int(t["scale_offset"]), scale_bytes=int(t["scale_bytes"]))
+            for t in info.get("tensors", [])}
+
+    id = property(lambda self: int(self._info["base_id"]))
+    name = property(lambda self: self._info["name"])
+    format = property(lambda self: self._info["format"])
+    source = property(lambda self: self._info["source"])
+    stored_bytes = property(lambda self: int(self._info["stored_bytes"]))
+    load_seconds = property(lambda self: float(self._info["load_seconds"]))
+
+    def info(self) -> dict:
+        """The daemon's view now (users, bytes, state)."""
+        return _loads(self._client._native.base_json(self.id))
+
+    def _bytes(self, t: BaseTensor, offset: int, nbytes: int) -> Any:
+        import torch
+        import warnings
+
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: torch can't enforce it
+            return torch.frombuffer(self._buffers[t.buffer], dtype=torch.uint8, count=nbytes,
+                                    offset=offset)
+
+    def raw(self, name: str) -> tuple:
+        """The stored bytes of ``name``, as views of the daemon's read-only memory: (data,
+        scales), uint8 tensors (scales empty unless quantized). Never write to them."""
+        t = self._tensor(name)
+        data = self._bytes(t, t.data_offset, t.data_bytes)
+        scales = self._bytes(t, t.scale_offset, t.scale_bytes)
+        return data, scales
+
+    def tensor(self, name: str) -> Any:
+        """A tensor kept unquantized (bf16, or as the checkpoint had it), as a read-only view
+        of the shared copy with its shape; quantized ones need :meth:`dequantize`."""
+        import torch
+
+        t = self._tensor(name)
+        if t.stored not in ("bf16", "as_is"):
+            raise FailedPreconditionError(f"tensor '{name}' is stored as {t.stored}: "
+                                          "use dequantize()")
+        dtype = torch.bfloat16 if t.stored == "bf16" else getattr(
+            torch, _SOURCE_DTYPES[t.source_dtype])
+        data, _ = self.raw(name)
+        return data.view(dtype).view(t.shape)
+
+    def dequantize(self, name: str, dtype: Any = None, device: Any = None) -> Any:
+        """``name`` as a new tensor of ``dtype`` (bf16 by default) on ``device`` (the CPU by
+        default), whatever its stored format."""
+        import torch
+
+        t = self._tensor(name)
+        dtype = dtype or torch.bfloat16
+        if t.stored in ("bf16", "as_is"):
+            return self.tensor(name).to(device=device, dtype=dtype, copy=True)
+        data, scales = self.raw(name)
+        data, scales = data.to(device), scales.to(device)
+        return dequantize(t, data, scales).to(dtype).view(t.shape)
+
+    def _tensor(self, name: str) -> BaseTensor:
+        if name not in self.tensors:
+            raise NotFoundError(f"base '{self.name}' has no tensor '{name}'")
+        return self.tensors[name]
+
+    def close(self) -> None:
+        """Detaches this process; the daemon frees the base when no process uses it (after
+        its keep-warm time)."""
+        if self._buffers:
+            self._buffers = []
+            self._client._native.detach_base(self.id)
+
+    def __enter__(self) -> "SharedBase":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<trainstream.SharedBase {self.id} '{self.name}' {self.format}, "
+                f"{len(self.tensors)} tensors, {self.stored_bytes / 1e9:.2f} GB>")
+
+
+def dequantize(t: BaseTensor, data: Any, scales: Any) -> Any:
+    """fp32 values of a quantized tensor from its stored bytes (uint8 tensors on any device),
+    computed as the daemon's reference quantizer defines them."""
+    import torch
+
+    n, block, device = t.numel, t.block, data.device
+
+    def per_value(block_scales: Any) -> Any:
+        return block_scales.repeat_interleave(block)[:n]
+
+    def nibbles(first_high: bool) -> Any:
+        high, low = (data >> 4).long(), (data & 0xF).long()
+        pairs = torch.stack((high, low) if first_high else (low, high), dim=1)
+        return pairs.reshape(-1)[:n]
+
+    if t.stored == "int8":
+        return data.view(torch.int8).float() * per_value(scales.view(torch.float32))
+    if t.stored == "nf4":
+        table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
+        return table[nibbles(True)] * per_value(scales.view(torch.float32))
+    if t.stored == "fp8":
+        return data.view(torch.float8_e4m3fn).float() * per_value(scales.view(torch.float32))
+    if t.stored == "nvfp4":
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+        block_scales = scales.view(torch.float8_e4m3fn).float() * t.tensor_scale
+        return table[nibbles(False)] * per_value(block_scales)
+    raise InvalidArgumentError(f"tensor '{t.name}' is stored as {t.stored}, not quantized")
+
+
+def _print_progress(info: dict) -> None:
+    total = max(1, int(info.get("read_total", 0)))
+    read = int(info.get("read_bytes", 0))
+    print(f"\rtrainstream: loading base '{info['name']}' ({info['format']}): "
+          f"{100 * read / total:5.1f}% of {total / 1e9:.2f} GB", end="", file=sys.stderr,
+          flush=True)
+
+
+def load_base(path: str, format: str = "bf16", block: int = 0, quantize: list | None = None,
+              name: str = "", client: Client | None = None, timeout_s: float | None = None,
+              progress: bool | Callable[[dict], None] = True) -> SharedBase:
+    """The shared base of the checkpoint at ``path`` (a .safetensors file, an index, or their
+    folder) stored as ``format``; loads it in the daemon unless one of this user's processes
+    already has. ``quantize`` names the tensors to quantize (default: every 2-D float tensor but
+    the embeddings and the output head). Waits until it is ready, showing progress on stderr
+    (``progress=False`` for none, or a callable given each state)."""
+    import os
+
+    if format not in FORMATS:
+        raise InvalidArgumentError(f"format={format!r} is not one of {', '.join(FORMATS)}")
+    if not isinstance(block, int) or block < 0:
+        raise InvalidArgumentError(f"block={block!r} must be 0 (the format's default) or more")
+    client = client or connect(job_id=f"base-{os.getpid()}")
+    info = _loads(client._native.load_base(os.path.abspath(path), format, block,
+                                           list(quantize or []), name))
+    report = progress if callable(progress) else (_print_progress if progress else None)
+    start = time.monotonic()
+    shown = False
+    while info["state"] == "loading":
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"base '{info['name']}' still loading after {timeout_s} s "
+                               f"({int(info['read_bytes'])} of {int(info['read_total'])} bytes)")
+        if report is not None:
+            report(info)
+            shown = True
+        time.sleep(0.1)
+        info = _loads(client._native.base_json(int(info["base_id"])))
+    if shown and report is _print_progress:
+        print(file=sys.stderr)
+    if info["state"] != "ready":
+        raise FailedPreconditionError(f"base '{info['name']}' failed to load: {info['error']}")
+    return SharedBase(client, info, client._native.map_base(int(info["base_id"])))
+
+
+def bases(client: Client | None = None) -> list:
+    """This user's bases in the daemon (all users' for an admin), as dicts."""
+    client = client or connect()
+    return _loads(client._native.bases_json()).get("bases", [])
