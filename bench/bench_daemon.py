@@ -16,12 +16,14 @@ import trainstream
 
 
 @contextlib.contextmanager
-def private_daemon(memory_budget: str) -> Iterator[str]:
-    """Starts trainstreamd on a temporary socket, yields the socket path, stops it after."""
+def private_daemon(memory_budget: str, *flags: str) -> Iterator[str]:
+    """Starts trainstreamd on a temporary socket (with `flags` added), yields the socket path,
+    stops it after."""
     directory = tempfile.mkdtemp(prefix="ts-bench-")
     socket = os.path.join(directory, "d.sock")
     daemon = subprocess.Popen([shutil.which("trainstreamd") or "trainstreamd", f"--socket={socket}",
-                               f"--memory_budget={memory_budget}", "--log_level=warning"])
+                               f"--memory_budget={memory_budget}", "--log_level=warning",
+                               *flags])
     try:
         for _ in range(500):
             try:

@@ -205,9 +205,15 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
       arena_->Plan(base->job, base->stored_bytes, absl::ZeroDuration());
   if (!planned.ok()) {
     arena_->ReleaseSession(base->job, base->owner);
+    if (planned.status().code() != absl::StatusCode::kResourceExhausted) return planned.status();
+    const ArenaUsage usage = arena_->Usage();
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "base %s as %s needs %s of host memory: %s", path, request.format,
-        Gb(static_cast<double>(base->stored_bytes)), planned.status().message()));
+        "base %s as %s needs %s of host memory; the daemon's budget is %s and jobs hold or "
+        "planned %s of it. Use a smaller format (nf4 holds about a quarter of bf16, int8 about "
+        "half), end other jobs, or raise --memory_budget",
+        path, request.format, Gb(static_cast<double>(base->stored_bytes)),
+        Gb(static_cast<double>(usage.budget_bytes)),
+        Gb(static_cast<double>(usage.committed_bytes))));
   }
   for (size_t b = 0; b < buffer_sizes.size(); ++b) {
     if (buffer_sizes[b] == 0) continue;

@@ -4,6 +4,9 @@
 #include <pybind11/stl.h>
 
 #include "cpu/quantize.h"
+#ifdef TRAINSTREAM_HAVE_CUDA
+#include "cuda/dequantize.h"
+#endif
 #include "status_exceptions.h"
 #include "trainstream/client.h"
 #include "trainstream/cuda_transfer.h"
@@ -89,6 +92,24 @@ PYBIND11_MODULE(_trainstream, m) {
                             reinterpret_cast<const uint8_t*>(s.data()), tensor_scale,
                             reinterpret_cast<float*>(out.data())));
     return py::bytes(out);
+  });
+  // The GPU dequantizer, on device pointers (torch tensors' data_ptr()), queued on `stream`.
+  m.def("dequantize_cuda", [](const std::string& format, int block, uint64_t numel,
+                              uintptr_t data, uintptr_t scales, float tensor_scale, uintptr_t out,
+                              bool bf16, uintptr_t stream) {
+#ifdef TRAINSTREAM_HAVE_CUDA
+    namespace k = trainstream::kernels;
+    const k::QuantLayout layout =
+        ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
+    OkOrThrow(k::DequantizeOnDevice(
+        layout, reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const uint8_t*>(scales),
+        tensor_scale, reinterpret_cast<void*>(out),
+        bf16 ? k::DeviceOutput::kBFloat16 : k::DeviceOutput::kFloat32,
+        reinterpret_cast<void*>(stream)));
+#else
+    OkOrThrow(absl::FailedPreconditionError(
+        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+#endif
   });
   m.def("cuda_available", [] {
     std::string why;

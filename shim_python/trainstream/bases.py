@@ -128,6 +128,8 @@ class SharedBase:
             return self.tensor(name).to(device=device, dtype=dtype, copy=True)
         data, scales = self.raw(name)
         data, scales = data.to(device), scales.to(device)
+        if data.is_cuda and dtype in (torch.bfloat16, torch.float32):
+            return dequantize_cuda(t, data, scales, dtype).view(t.shape)
         return dequantize(t, data, scales).to(dtype).view(t.shape)
 
     def _tensor(self, name: str) -> BaseTensor:
@@ -180,6 +182,27 @@ def dequantize(t: BaseTensor, data: Any, scales: Any) -> Any:
         block_scales = scales.view(torch.float8_e4m3fn).float() * t.tensor_scale
         return table[nibbles(False)] * per_value(block_scales)
     raise InvalidArgumentError(f"tensor '{t.name}' is stored as {t.stored}, not quantized")
+
+
+def dequantize_cuda(t: BaseTensor, data: Any, scales: Any, dtype: Any = None) -> Any:
+    """The GPU kernel's dequantization (kernels/cuda/dequantize.cu) of a quantized tensor whose
+    stored bytes are CUDA tensors, into a new bf16 (default) or fp32 tensor, queued on the
+    current stream."""
+    import torch
+
+    from . import _trainstream
+
+    dtype = dtype or torch.bfloat16
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise InvalidArgumentError(f"dequantize_cuda writes bf16 or fp32, not {dtype}")
+    if t.stored not in ("int8", "nf4", "fp8", "nvfp4"):
+        raise InvalidArgumentError(f"tensor '{t.name}' is stored as {t.stored}, not quantized")
+    out = torch.empty(t.numel, dtype=dtype, device=data.device)
+    data, scales = data.contiguous(), scales.contiguous()
+    _trainstream.dequantize_cuda(t.stored, t.block, t.numel, data.data_ptr(), scales.data_ptr(),
+                                 t.tensor_scale, out.data_ptr(), dtype == torch.bfloat16,
+                                 torch.cuda.current_stream(data.device).cuda_stream)
+    return out
 
 
 def _print_progress(info: dict) -> None:

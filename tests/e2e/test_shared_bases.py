@@ -93,14 +93,18 @@ SHARER = textwrap.dedent("""
     for name in sorted(base.tensors):
         data, scales = base.raw(name)
         digest.update(data.numpy().tobytes()); digest.update(scales.numpy().tobytes())
-    rollup = {}
-    for line in open("/proc/self/smaps_rollup"):
+    print("mapped", flush=True)
+    sys.stdin.readline()  # every process has mapped the base
+    seg = {"Rss": 0, "Pss": 0}
+    inside = False
+    for line in open("/proc/self/smaps"):
         parts = line.split()
-        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
-            rollup[parts[0][:-1]] = int(parts[1]) * 1024
+        if parts and "-" in parts[0] and ":" not in parts[0]:
+            inside = "trainstream-segment" in line
+        elif inside and parts[0].rstrip(":") in seg:
+            seg[parts[0].rstrip(":")] += int(parts[1]) * 1024
     print(json.dumps({"id": base.id, "digest": digest.hexdigest(), "users": base.info()["users"],
-                      "shared": rollup.get("Shared_Clean", 0) + rollup.get("Shared_Dirty", 0)}))
-    sys.stdout.flush()
+                      "rss": seg["Rss"], "pss": seg["Pss"]}), flush=True)
     sys.stdin.read()  # stays attached until the test lets it go
 """)
 
@@ -115,6 +119,11 @@ def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "mapped"
+        for p in procs:
+            p.stdin.write("measure\n")
+            p.stdin.flush()
         results = [json.loads(p.stdout.readline()) for p in procs]
         assert len({r["id"] for r in results}) == 1  # one base
         assert len({r["digest"] for r in results}) == 1  # the same bytes in every process
@@ -126,8 +135,11 @@ def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path):
         stored = int(listed[0]["stored_bytes"])
         assert stored >= 32 << 20
         assert held["base"] == stored  # the daemon holds one copy, not three
-        for r in results:  # each process maps the copy as shared pages, not private ones
-            assert r["shared"] >= stored
+        # Each process has the whole base resident, and their proportional shares of those
+        # pages add up to one copy: the pages are the same pages.
+        for r in results:
+            assert r["rss"] >= stored
+        assert 0.95 * stored <= sum(r["pss"] for r in results) <= 1.05 * stored
         out = subprocess.run(["tsctl", "--socket", d.socket, "bases"], capture_output=True,
                              text=True, check=True, env=env).stdout
         row = next(line for line in out.splitlines() if tmp_path.name[:20] in line)
@@ -178,3 +190,34 @@ def test_broken_checkpoints_and_bad_requests_fail_with_the_reason(client, tmp_pa
                        match="model.layers.1.mlp.up_proj.weight.*value 197 is inf"):
         trainstream.load_base(str(tmp_path / "nan.safetensors"), format="int8", client=client,
                               progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp_path, fmt):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the kernel runs there")
+    from trainstream.bases import dequantize_cuda
+
+    g = torch.Generator().manual_seed(5)
+    # Odd sizes: partial blocks, partial 8-value units, a half byte at the end of 4-bit ones.
+    shapes = [(1, 1), (3, 7), (33, 65), (512, 1001), (4096, 1024)]
+    tensors = {f"model.layers.{i}.w": torch.randn(*s, generator=g) * 10 ** (i - 2)
+               for i, s in enumerate(shapes)}
+    tensors["model.layers.9.w"] = torch.zeros(64, 64)  # all-zero blocks
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    base = trainstream.load_base(str(tmp_path), format=fmt, client=client, progress=False,
+                                 quantize=list(tensors))
+    for name in tensors:
+        t = base.tensors[name]
+        data, scales = base.raw(name)
+        reference = torch.frombuffer(bytearray(_trainstream.dequantize_reference(
+            fmt, t.block, t.numel, data.numpy().tobytes(), scales.numpy().tobytes(),
+            t.tensor_scale)), dtype=torch.float32)
+        on_gpu = dequantize_cuda(t, data.cuda(), scales.cuda(), torch.float32).cpu()
+        assert torch.equal(on_gpu, reference), name
+        as_bf16 = dequantize_cuda(t, data.cuda(), scales.cuda(), torch.bfloat16).cpu()
+        assert torch.equal(as_bf16, reference.to(torch.bfloat16)), name
+        assert torch.equal(base.dequantize(name, device="cuda").cpu().reshape(-1),
+                           reference.to(torch.bfloat16)), name
+    base.close()
