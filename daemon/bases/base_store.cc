@@ -169,8 +169,11 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
     const bool is_float = t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16" ||
                           t.dtype == "F64";
     const bool quantize = quant && (chosen.empty() ? QuantizedByDefault(t) : chosen.count(t.name));
-    const StoredAs as = quantize ? StoredAs::kQuantized
-                                 : is_float ? StoredAs::kBFloat16 : StoredAs::kAsIs;
+    // A bf16 base converts every float; a quantized one keeps what it does not quantize
+    // (norms, biases, embeddings) exactly as the file has it.
+    const StoredAs as = quantize               ? StoredAs::kQuantized
+                        : (is_float && !quant) ? StoredAs::kBFloat16
+                                               : StoredAs::kAsIs;
     absl::StatusOr<StoredLayout> layout =
         StoredLayoutFor(t, as, quant.value_or(kernels::QuantFormat::kInt8), request.block);
     if (!layout.ok()) return layout.status();

@@ -33,8 +33,8 @@ struct BaseLoadRequest {
   std::string format = "bf16"; // bf16, int8, nf4, fp8 or nvfp4
   int block = 0;               // 0: the format's default
   // Tensors to quantize, by name; empty: every 2-D floating-point tensor but the embeddings
-  // and the output head (names holding "embed" or "lm_head"). Other floats are kept in bf16,
-  // integer tensors as they are.
+  // and the output head (names holding "embed" or "lm_head"). A quantized base keeps the
+  // others as the file has them; a bf16 base converts every float to bf16.
   std::vector<std::string> quantize;
   std::string name;  // shown by tsctl; default: the checkpoint's folder or file name
 };

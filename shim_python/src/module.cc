@@ -1,5 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // trainstream._trainstream: the client library for Python. Blocking calls release the GIL.
+#include <algorithm>
+#include <cmath>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -92,6 +95,30 @@ PYBIND11_MODULE(_trainstream, m) {
                             reinterpret_cast<const uint8_t*>(s.data()), tensor_scale,
                             reinterpret_cast<float*>(out.data())));
     return py::bytes(out);
+  });
+  // The daemon's reference quantizer, for models quantized in the process (quantize_model):
+  // fp32 values in, (data, scales, tensor scale, block) out.
+  m.def("quantize_reference", [](const std::string& format, int block, const py::bytes& values) {
+    namespace k = trainstream::kernels;
+    const std::string v = values;
+    const uint64_t numel = v.size() / sizeof(float);
+    const k::QuantFormat f = ValueOrThrow(k::ParseQuantFormat(format));
+    const k::QuantLayout layout = ValueOrThrow(k::LayoutFor(f, numel, block));
+    const auto* x = reinterpret_cast<const float*>(v.data());
+    float tensor_scale = 1.0f;
+    if (f == k::QuantFormat::kNvfp4) {
+      float amax = 0.0f;
+      for (uint64_t i = 0; i < numel; ++i) amax = std::max(amax, std::fabs(x[i]));
+      tensor_scale = k::NvFp4TensorScale(amax);
+    }
+    std::string data(layout.data_bytes, '\0'), scales(layout.scale_bytes, '\0');
+    {
+      py::gil_scoped_release release;
+      OkOrThrow(k::Quantize(layout, 0, x, numel, tensor_scale,
+                            reinterpret_cast<uint8_t*>(data.data()),
+                            reinterpret_cast<uint8_t*>(scales.data())));
+    }
+    return py::make_tuple(py::bytes(data), py::bytes(scales), tensor_scale, layout.block);
   });
   // The GPU dequantizer, on device pointers (torch tensors' data_ptr()), queued on `stream`.
   m.def("dequantize_cuda", [](const std::string& format, int block, uint64_t numel,

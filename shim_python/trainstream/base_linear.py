@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Linear layers whose frozen weight is a shared base's tensor (bf16 or quantized), and the
+functions that put them into a model: ``attach_base`` (weights from a daemon base, one host copy
+for every process) and ``quantize_model`` (weights quantized in this process).
+
+A ``BaseLinear`` keeps the weight as stored; each forward turns it into the compute dtype (the
+CUDA kernel on a GPU, torch operations on the CPU), multiplies, and lets it go; backward does
+the same for the input's gradient. The weight gets no gradient: adapters (LoRA) next to it
+train.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .bases import BaseTensor, SharedBase, dequantize, dequantize_cuda
+from .errors import InvalidArgumentError
+
+
+def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
+    t, data, scales = layer.stored, layer.data, layer.scales
+    if data.device != device:  # kept on the host: this use's copy (DMA from registered memory)
+        data = data.to(device, non_blocking=True)
+        scales = scales.to(device, non_blocking=True)
+    if t.stored == "bf16":
+        return data.view(torch.bfloat16).view(t.shape).to(layer.compute_dtype)
+    if data.is_cuda and layer.compute_dtype in (torch.bfloat16, torch.float32):
+        return dequantize_cuda(t, data, scales, layer.compute_dtype).view(t.shape)
+    return dequantize(t, data, scales).to(layer.compute_dtype).view(t.shape)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x W^T + b with W made from stored bytes in forward and again in backward, so no
+    full-precision copy of it outlives either."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: Any, layer: "BaseLinear") -> torch.Tensor:
+        ctx.layer = layer
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return nn.functional.linear(x, _weight(layer, x.device), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = grad @ _weight(ctx.layer, grad.device) if ctx.needs_input_grad[0] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad_x, grad_b, None
+
+
+class BaseLinear(nn.Module):
+    """A linear layer over a stored weight (``stored`` describes it; ``data`` and ``scales`` are
+    its bytes, on the CPU as views of a shared base, or copied to a device)."""
+
+    def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, compute_dtype: torch.dtype):
+        super().__init__()
+        if len(stored.shape) != 2:
+            raise InvalidArgumentError(f"'{stored.name}' is not a matrix: {stored.shape}")
+        self.stored = stored
+        self.out_features, self.in_features = stored.shape
+        # Buffers, not parameters: frozen, moved by .to(), and left out of state_dict (the base
+        # holds them).
+        self.register_buffer("data", data, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.compute_dtype = compute_dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight in the compute dtype, made now (for inspection; forward makes its own)."""
+        return _weight(self, self.data.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FrozenLinear.apply(x.to(self.compute_dtype), self.bias, self)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"stored={self.stored.stored}, bias={self.bias is not None}")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
+                keep_on_host: bool = False) -> dict:
+    """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
+    the base holds becomes a :class:`BaseLinear` over the base's bytes (copied to ``device``
+    once, or read from the shared host copy at every use with ``keep_on_host``); other frozen
+    tensors the base holds (norms, embeddings) get its values. Trainable parameters are left as
+    they are. Returns what was taken: {"linear": [...], "copied": [...], "bytes": n}."""
+    device = torch.device(device) if device is not None else next(
+        (p.device for p in model.parameters()), torch.device("cpu"))
+    taken: dict = {"linear": [], "copied": [], "bytes": 0}
+    handled: set = set()  # biases of the layers replaced, set with them
+    for name, module in list(model.named_modules()):
+        key = f"{name}.weight" if name else "weight"
+        if not isinstance(module, nn.Linear) or key not in base.tensors:
+            continue
+        if module.weight.requires_grad:
+            continue  # trained: it is not the base's
+        stored = base.tensors[key]
+        if stored.shape != tuple(module.weight.shape):
+            raise InvalidArgumentError(f"base tensor '{key}' is {stored.shape}; the model's "
+                                       f"weight is {tuple(module.weight.shape)}")
+        data, scales = base.raw(key)
+        if not keep_on_host:
+            data, scales = data.to(device, copy=True), scales.to(device, copy=True)
+        bias = None
+        if module.bias is not None:
+            bias_key = f"{name}.bias"
+            handled.add(bias_key)
+            bias = (base.dequantize(bias_key, dtype=module.weight.dtype, device=device)
+                    if bias_key in base.tensors else module.bias.detach().to(device))
+        layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype)
+        _replace(model, name, layer)
+        taken["linear"].append(key)
+        taken["bytes"] += stored.data_bytes + stored.scale_bytes
+    for name, param in model.named_parameters():
+        if param.requires_grad or name not in base.tensors or name in handled:
+            continue
+        stored = base.tensors[name]
+        if stored.shape != tuple(param.shape):
+            raise InvalidArgumentError(f"base tensor '{name}' is {stored.shape}; the model's "
+                                       f"parameter is {tuple(param.shape)}")
+        with torch.no_grad():
+            param.data = base.dequantize(name, dtype=param.dtype, device=device)
+        taken["copied"].append(name)
+    model._trainstream_base = base  # the mapping lives as long as the model
+    return taken
+
+
+def quantize_model(model: nn.Module, format: str = "int8", block: int = 0) -> list:
+    """Quantizes the frozen ``nn.Linear`` weights of ``model`` in this process (the daemon's
+    reference quantizer) into :class:`BaseLinear` layers on their device; returns their names.
+    Trainable layers, and those without frozen weights, stay as they are. For one host copy
+    shared by several processes, load the checkpoint with :func:`trainstream.load_base` and
+    :func:`attach_base` instead."""
+    from . import _trainstream
+
+    if format not in ("int8", "nf4", "fp8", "nvfp4"):
+        raise InvalidArgumentError(f"format={format!r} is not one of int8, nf4, fp8, nvfp4")
+    done = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            continue
+        w = module.weight.detach()
+        data, scales, tensor_scale, block_used = _trainstream.quantize_reference(
+            format, block, w.float().cpu().contiguous().numpy().tobytes())
+        stored = BaseTensor(name=f"{name}.weight", shape=tuple(w.shape), source_dtype="F32",
+                            stored=format, block=block_used, tensor_scale=tensor_scale, buffer=0,
+                            data_offset=0, data_bytes=len(data), scale_offset=0,
+                            scale_bytes=len(scales))
+        as_tensor = (lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                     if b else torch.empty(0, dtype=torch.uint8))
+        bias = module.bias.detach() if module.bias is not None else None
+        layer = BaseLinear(stored, as_tensor(data).to(w.device), as_tensor(scales).to(w.device),
+                           bias, compute_dtype=w.dtype)
+        _replace(model, name, layer)
+        done.append(name)
+    return done

@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Models over a shared base: frozen Linear weights taken from the daemon's one host copy
+(bf16 or quantized), LoRA adapters beside them trained through wrap(), with the same results as
+a model holding the dequantized weights itself, and as a model quantized in its own process."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+nn = torch.nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, rank: int = 4):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+        self.lora_a = nn.Linear(dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, 4 * dim, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(nn.functional.gelu(self.up(h) + self.lora_b(self.lora_a(h))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 64, layers: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def frozen_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    net = Net()
+    for name, p in net.named_parameters():
+        p.requires_grad_("lora" in name or name.startswith("head"))
+    return net
+
+
+def base_weights(net: Net) -> dict:
+    """The frozen tensors, as a checkpoint holds them."""
+    return {n: p.detach().clone().contiguous() for n, p in net.named_parameters()
+            if not p.requires_grad}
+
+
+def with_dequantized(net: Net, base) -> Net:
+    """The same model holding the base's (dequantized) values as its own frozen parameters."""
+    ref = copy.deepcopy(net)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name in base.tensors:
+                p.copy_(base.dequantize(name, dtype=torch.float32))
+    return ref
+
+
+def train(model, steps=4, seed=3):
+    opt = None
+    model, opt = trainstream.wrap(model, lr=1e-2, offload=True, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 64, generator=g)
+        y = torch.randint(0, 10, (8,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def client(daemon, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    c = trainstream.connect(daemon.socket, job_id="base-models")
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4", "fp8", "nvfp4"])
+def test_lora_on_a_shared_base_trains_as_on_its_dequantized_weights(client, tmp_path, fmt):
+    net = frozen_net()
+    safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
+    base = trainstream.load_base(str(tmp_path), format=fmt, client=client, progress=False)
+    reference = with_dequantized(net, base)
+    taken = trainstream.attach_base(net, base)
+    assert sorted(taken["linear"]) == sorted(f"blocks.{i}.{m}.weight" for i in range(3)
+                                             for m in ("up", "down"))
+    assert sorted(taken["copied"]) == sorted(f"blocks.{i}.norm.{w}" for i in range(3)
+                                             for w in ("weight", "bias"))
+    assert all(isinstance(net.blocks[i].up, trainstream.BaseLinear) for i in range(3))
+    # No full-precision copy of a frozen weight stays in the model.
+    assert not any("up.weight" in n or "down.weight" in n for n, _ in net.named_parameters())
+    x = torch.randn(5, 64)
+    assert torch.equal(net(x), reference(x))
+    assert train(net) == train(reference)
+
+
+def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path):
+    net = frozen_net(1)
+    safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
+    local = copy.deepcopy(net)
+    assert sorted(trainstream.quantize_model(local, "nf4")) == sorted(
+        f"blocks.{i}.{m}" for i in range(3) for m in ("up", "down"))
+    shared = copy.deepcopy(net)
+    trainstream.attach_base(shared, trainstream.load_base(str(tmp_path), format="nf4",
+                                                          client=client, progress=False))
+    x = torch.randn(4, 64)
+    assert torch.equal(local(x), shared(x))
+    with pytest.raises(trainstream.InvalidArgumentError, match="format='fp4'"):
+        trainstream.quantize_model(copy.deepcopy(net), "fp4")
+
+
+TRAINER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch, trainstream
+    from test_base_models import frozen_net, train
+    net = frozen_net()
+    trainstream.attach_base(net, trainstream.load_base(sys.argv[1], format="nf4", progress=False))
+    print(json.dumps(train(net)))
+""")
+
+
+def test_two_jobs_train_on_one_base_as_each_would_on_its_own_copy(start_daemon, tmp_path):
+    d = start_daemon("--memory_budget=256M")
+    net = frozen_net()
+    safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
+    env = dict(os.environ, TRAINSTREAM_SOCKET=d.socket)
+    here = os.path.dirname(__file__)
+    runs = [subprocess.run([sys.executable, "-c", TRAINER, str(tmp_path), here], env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    with trainstream.connect(d.socket, job_id="observer") as observer:
+        bases = trainstream.bases(observer)
+        assert len(bases) == 1  # both jobs used the one base, now kept warm
+        own = copy.deepcopy(net)
+        trainstream.quantize_model(own, "nf4")
+        os.environ["TRAINSTREAM_SOCKET"] = d.socket
+        try:
+            expected = train(own)
+        finally:
+            del os.environ["TRAINSTREAM_SOCKET"]
+    assert runs[0].stdout == runs[1].stdout
+    assert [float(v) for v in runs[0].stdout.strip()[1:-1].split(",")] == expected
+
+
+@pytest.mark.gpu
+def test_base_linear_on_cuda_matches_the_reference(client, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    net = frozen_net()
+    safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
+    for fmt in ("int8", "nf4", "fp8", "nvfp4"):
+        base = trainstream.load_base(str(tmp_path), format=fmt, client=client, progress=False)
+        reference = with_dequantized(net, base).cuda()
+        for keep_on_host in (False, True):
+            model = copy.deepcopy(net).cuda()
+            trainstream.attach_base(model, base, device="cuda", keep_on_host=keep_on_host)
+            x = torch.randn(6, 64, device="cuda", requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_(True)
+            out, out_ref = model(x), reference(x_ref)
+            assert torch.equal(out, out_ref), (fmt, keep_on_host)
+            out.sum().backward()
+            out_ref.sum().backward()
+            assert torch.equal(x.grad, x_ref.grad), (fmt, keep_on_host)
