@@ -58,6 +58,23 @@ def stored(fmt: str, n: int) -> tuple:
     return t, data, scales
 
 
+def device_copy_gbps(n: int, repeats: int) -> float:
+    """The GPU's memory bandwidth as a bf16 copy of `n` values sees it (read + write)."""
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * 2 * n / timed(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def measure(fmt: str, n: int, repeats: int, copy_gbps: float) -> dict:
+    t, data, scales = stored(fmt, n)
+    moved = data.numel() + scales.numel() + 2 * n
+    kernel_s = timed(lambda: dequantize_cuda(t, data, scales, torch.bfloat16), repeats)
+    torch_s = timed(lambda: dequantize(t, data, scales).to(torch.bfloat16), max(3, repeats // 4))
+    return {"format": fmt, "values": n, "bytes_moved": moved, "kernel_s": kernel_s,
+            "kernel_gbps": moved / kernel_s / 1e9, "torch_ops_s": torch_s,
+            "fraction_of_copy": moved / kernel_s / 1e9 / copy_gbps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--values", type=int, default=1 << 28)
@@ -67,27 +84,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     n = args.values
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), args.repeats)
-    copy_gbps = 2 * src.numel() * 2 / copy_s / 1e9
-    del src, dst
+    copy_gbps = device_copy_gbps(n, args.repeats)
     print(f"device copy (read + write): {copy_gbps:.0f} GB/s  [{torch.cuda.get_device_name()}]")
     rows = []
     for fmt in BLOCKS:
-        t, data, scales = stored(fmt, n)
-        moved = data.numel() + scales.numel() + 2 * n
-        kernel_s = timed(lambda: dequantize_cuda(t, data, scales, torch.bfloat16), args.repeats)
-        torch_s = timed(lambda: dequantize(t, data, scales).to(torch.bfloat16),
-                        max(3, args.repeats // 4))
-        row = {"format": fmt, "values": n, "bytes_moved": moved, "kernel_s": kernel_s,
-               "kernel_gbps": moved / kernel_s / 1e9, "torch_ops_s": torch_s,
-               "fraction_of_copy": moved / kernel_s / 1e9 / copy_gbps}
+        row = measure(fmt, n, args.repeats, copy_gbps)
         rows.append(row)
-        print(f"{fmt:6s} kernel {1e3 * kernel_s:7.3f} ms  {row['kernel_gbps']:6.0f} GB/s "
+        print(f"{fmt:6s} kernel {1e3 * row['kernel_s']:7.3f} ms  {row['kernel_gbps']:6.0f} GB/s "
               f"({100 * row['fraction_of_copy']:.0f}% of the copy)   torch ops "
-              f"{1e3 * torch_s:8.3f} ms ({torch_s / kernel_s:.1f}x slower)")
-        del data, scales
+              f"{1e3 * row['torch_ops_s']:8.3f} ms "
+              f"({row['torch_ops_s'] / row['kernel_s']:.1f}x slower)")
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

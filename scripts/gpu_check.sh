@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
 #   scripts/gpu_check.sh plan [CASE...]      the memory plan's GPU tests, then bench/memory_plan.py
 #   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only
+#   scripts/gpu_check.sh bases [PRESET]      shared bases: their GPU tests, the dequantization
+#                                            kernels' bandwidth, load speed and sharing
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -67,6 +69,17 @@ if [[ $what == plan_bench ]]; then
   python3 bench/memory_plan.py --cases "$@" --json "$OUT/memory_plan.json" \
     > "$OUT/memory_plan.txt" 2>&1 || status=1
 fi
+if [[ $what == bases ]]; then
+  preset=${2:-qwen2.5-14b}
+  python3 -m pytest -ra -m gpu tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  python3 -m pytest -ra -m "not gpu" tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py \
+    > "$OUT/pytest_cpu.log" 2>&1 || status=1
+  (cd bench && python3 dequantize.py --json "$OUT/dequantize.json") > "$OUT/dequantize.txt" 2>&1 \
+    || status=1
+  (cd bench && python3 shared_base.py --preset "$preset" --json "$OUT/shared_base.json") \
+    > "$OUT/shared_base.txt" 2>&1 || status=1
+fi
 if [[ $what == tests || $what == all ]]; then
   ctest --test-dir build/py --output-on-failure -j8 > "$OUT/ctest.log" 2>&1 || status=1
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
@@ -84,5 +97,6 @@ cat "$OUT/gpu.txt" | head -3
 for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
-for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
+         dequantize.txt shared_base.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status
