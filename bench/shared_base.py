@@ -122,17 +122,9 @@ SHARER = textwrap.dedent("""
         int(data[::4096].sum()) if data.numel() else 0
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base: measure now
-    # The daemon's segments as this process maps them: resident, and this process's
-    # proportional share (Pss: a page mapped by n processes counts 1/n in each).
-    seg = {"Rss": 0, "Pss": 0}
-    inside = False
-    for line in open("/proc/self/smaps"):
-        parts = line.split()
-        if parts and "-" in parts[0] and ":" not in parts[0]:
-            inside = "trainstream-segment" in line
-        elif inside and parts[0].rstrip(":") in seg:
-            seg[parts[0].rstrip(":")] += int(parts[1]) * 1024
-    print(json.dumps({"segment_rss": seg["Rss"], "segment_pss": seg["Pss"]}), flush=True)
+    seg = trainstream.bases.mapped_segments()
+    print(json.dumps({"segment_rss": seg["resident_bytes"],
+                      "segment_pss": seg["proportional_bytes"]}), flush=True)
     sys.stdin.read()
 """)
 

@@ -2,9 +2,14 @@
 #include "cpu/quantize.h"
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
+#include "cpu/numeric.h"
 #include "gtest/gtest.h"
 
 namespace trainstream::kernels {
@@ -115,6 +120,52 @@ TEST(Nf4, ZeroBlocksAndOddTailsAreWrittenAsBitsandbytesWritesThem) {
   // Three values: the fourth nibble is the code of a zero value (7).
   const Quantized odd = QuantizeAll(QuantFormat::kNf4, {1.0f, -1.0f, 1.0f}, 4);
   EXPECT_EQ(odd.data, (std::vector<uint8_t>{0xf0, 0xf7}));
+}
+
+// Vectors bitsandbytes itself wrote (testdata/make_nf4_vectors.py): the same inputs must give
+// the same packed bytes and absmax, bit for bit.
+TEST(Nf4, MatchesBitsandbytesOnItsOwnVectors) {
+  std::ifstream in(TRAINSTREAM_KERNELS_TESTDATA "/nf4_bitsandbytes.txt");
+  ASSERT_TRUE(in) << "missing " << TRAINSTREAM_KERNELS_TESTDATA << "/nf4_bitsandbytes.txt";
+  auto words = [](const std::string& line) {
+    std::vector<std::string> out;
+    std::istringstream ss(line);
+    for (std::string w; ss >> w;) out.push_back(w);
+    return out;
+  };
+  auto float_of = [](const std::string& hex) {
+    return BitsToFloat(static_cast<uint32_t>(std::stoul(hex, nullptr, 16)));
+  };
+  int cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("case ", 0) != 0) continue;
+    int block = 0;
+    size_t n = 0;
+    ASSERT_EQ(std::sscanf(line.c_str(), "case %d %zu", &block, &n), 2);
+    std::string values_line, packed_line, absmax_line;
+    std::getline(in, values_line);
+    std::getline(in, packed_line);
+    std::getline(in, absmax_line);
+    std::vector<float> x;
+    for (const std::string& w : words(values_line)) x.push_back(float_of(w));
+    ASSERT_EQ(x.size(), n);
+    std::vector<uint8_t> packed;
+    for (size_t i = 0; i + 1 < packed_line.size(); i += 2) {
+      packed.push_back(static_cast<uint8_t>(std::stoul(packed_line.substr(i, 2), nullptr, 16)));
+    }
+    std::vector<float> absmax;
+    for (const std::string& w : words(absmax_line)) absmax.push_back(float_of(w));
+    const Quantized q = QuantizeAll(QuantFormat::kNf4, x, block);
+    EXPECT_EQ(q.data, packed) << "block " << block << ", " << n << " values";
+    ASSERT_EQ(q.scales.size(), absmax.size() * 4);
+    for (size_t b = 0; b < absmax.size(); ++b) {
+      float ours;
+      std::memcpy(&ours, q.scales.data() + 4 * b, 4);
+      EXPECT_EQ(FloatToBits(ours), FloatToBits(absmax[b])) << "block " << b;
+    }
+    ++cases;
+  }
+  EXPECT_EQ(cases, 4);
 }
 
 TEST(Nvfp4, PacksTwoValuesPerByteFirstInTheLowNibble) {

@@ -88,8 +88,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 keep_on_host: bool = False) -> dict:
     """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
-    the base holds becomes a :class:`BaseLinear` over the base's bytes (copied to ``device``
-    once, or read from the shared host copy at every use with ``keep_on_host``); other frozen
+    the base holds becomes a :class:`BaseLinear` over the base's bytes (on the CPU the shared
+    copy itself; on a GPU copied there once, or read from the shared host copy at every use with
+    ``keep_on_host``); other frozen
     tensors the base holds (norms, embeddings) get its values. Trainable parameters are left as
     they are. Returns what was taken: {"linear": [...], "copied": [...], "bytes": n}."""
     device = torch.device(device) if device is not None else next(
@@ -107,7 +108,7 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
             raise InvalidArgumentError(f"base tensor '{key}' is {stored.shape}; the model's "
                                        f"weight is {tuple(module.weight.shape)}")
         data, scales = base.raw(key)
-        if not keep_on_host:
+        if not keep_on_host and device.type != "cpu":  # on the CPU the shared copy is used
             data, scales = data.to(device, copy=True), scales.to(device, copy=True)
         bias = None
         if module.bias is not None:

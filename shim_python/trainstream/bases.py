@@ -249,6 +249,23 @@ def load_base(path: str, format: str = "bf16", block: int = 0, quantize: list | 
     return SharedBase(client, info, client._native.map_base(int(info["base_id"])))
 
 
+def mapped_segments() -> dict:
+    """The daemon's segments as this process maps them (Linux /proc/self/smaps): bytes
+    resident, and this process's proportional share of them (a page mapped by n processes
+    counts 1/n in each, so the processes' shares of a shared base add up to one copy)."""
+    totals = {"resident_bytes": 0, "proportional_bytes": 0}
+    keys = {"Rss:": "resident_bytes", "Pss:": "proportional_bytes"}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                inside = "trainstream-segment" in line  # a mapping's header line
+            elif inside and parts and parts[0] in keys:
+                totals[keys[parts[0]]] += int(parts[1]) * 1024
+    return totals
+
+
 def bases(client: Client | None = None) -> list:
     """This user's bases in the daemon (all users' for an admin), as dicts."""
     client = client or connect()

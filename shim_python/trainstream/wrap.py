@@ -453,6 +453,14 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
     report["plan"] = session.plan.report() if session.plan is not None else None
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
+    base = getattr(model, "_trainstream_base", None)
+    if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
+        info = base.info()
+        report["base"] = {"id": base.id, "name": base.name, "format": base.format,
+                          "stored_bytes": base.stored_bytes, "users": int(info["users"])}
+    if os.path.exists("/proc/self/smaps"):
+        from .bases import mapped_segments
+        report["mapped_segments"] = mapped_segments()
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.
     report["events"] = [e for e in session.client.events()

@@ -72,7 +72,6 @@ def with_dequantized(net: Net, base) -> Net:
 
 
 def train(model, steps=4, seed=3):
-    opt = None
     model, opt = trainstream.wrap(model, lr=1e-2, offload=True, device="cpu")
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -112,6 +111,9 @@ def test_lora_on_a_shared_base_trains_as_on_its_dequantized_weights(client, tmp_
     x = torch.randn(5, 64)
     assert torch.equal(net(x), reference(x))
     assert train(net) == train(reference)
+    report = trainstream.memory_report(net)
+    assert report["base"]["id"] == base.id and report["base"]["format"] == fmt
+    assert report["mapped_segments"]["resident_bytes"] >= base.stored_bytes
 
 
 def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path):

@@ -95,16 +95,9 @@ SHARER = textwrap.dedent("""
         digest.update(data.numpy().tobytes()); digest.update(scales.numpy().tobytes())
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base
-    seg = {"Rss": 0, "Pss": 0}
-    inside = False
-    for line in open("/proc/self/smaps"):
-        parts = line.split()
-        if parts and "-" in parts[0] and ":" not in parts[0]:
-            inside = "trainstream-segment" in line
-        elif inside and parts[0].rstrip(":") in seg:
-            seg[parts[0].rstrip(":")] += int(parts[1]) * 1024
+    seg = trainstream.bases.mapped_segments()
     print(json.dumps({"id": base.id, "digest": digest.hexdigest(), "users": base.info()["users"],
-                      "rss": seg["Rss"], "pss": seg["Pss"]}), flush=True)
+                      "rss": seg["resident_bytes"], "pss": seg["proportional_bytes"]}), flush=True)
     sys.stdin.read()  # stays attached until the test lets it go
 """)
 
