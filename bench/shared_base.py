@@ -122,7 +122,8 @@ SHARER = textwrap.dedent("""
         int(data[::4096].sum()) if data.numel() else 0
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base: measure now
-    seg = trainstream.bases.mapped_segments()
+    from trainstream.bases import mapped_segments
+    seg = mapped_segments()
     print(json.dumps({"segment_rss": seg["resident_bytes"],
                       "segment_pss": seg["proportional_bytes"]}), flush=True)
     sys.stdin.read()

@@ -67,6 +67,9 @@ absl::Status Daemon::Start() {
                                                     doorbells_.get(), events_.get());
   BaseStore::Options base_options;
   base_options.keep_warm = options_.base_keep_warm;
+  base_options.session_alive = [this](const Session& s) {
+    return sessions_->Get(s.owner, s.id).ok();
+  };
   bases_ = std::make_unique<BaseStore>(base_options, arena_.get(), events_.get());
   doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,
                          [this](const Session& session, const ipc::DoorbellMessage& message,

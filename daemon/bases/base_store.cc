@@ -61,21 +61,20 @@ struct BaseStore::Base {
   std::atomic<uint64_t> read_bytes{0};
   absl::Time started;
   double load_seconds = 0;
-  std::set<std::string> users;
+  std::set<std::string> users;    // attached (LoadBase), until DetachBase or their end
+  std::set<std::string> mappers;  // granted its segments, until their end
   std::optional<absl::Time> idle_since;
+  std::vector<uint64_t> buffer_sizes;  // allocated by the loader
 };
 
 BaseStore::BaseStore(const Options& options, Arena* arena, EventLog* events)
     : options_(options), arena_(arena), events_(events) {}
 
 BaseStore::~BaseStore() {
-  std::vector<std::thread> loaders;
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-    loaders.swap(loaders_);
-  }
-  for (std::thread& t : loaders) t.join();
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;  // loads stop at their next tensor
+  mu_.Await(absl::Condition(
+      +[](int* active) { return *active == 0; }, &active_loaders_));
 }
 
 absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
@@ -98,31 +97,52 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   } else if (request.block != 0) {
     return absl::InvalidArgumentError("a bf16 base has no quantization block size");
   }
-  // The caller's rights first, on the path it gave: a folder it can't enter says nothing of
-  // what lies inside, not even whether it exists.
-  if (absl::Status s = CheckCallerMayRead(request.path, session.owner); !s.ok()) return s;
-  char resolved[PATH_MAX];
-  if (::realpath(request.path.c_str(), resolved) == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("base checkpoint %s: %s", request.path, std::strerror(errno)));
+  const int block = quant ? kernels::LayoutFor(*quant, 2, request.block)->block : 0;
+  const std::set<std::string> chosen(request.quantize.begin(), request.quantize.end());
+  std::unique_ptr<CheckpointSet> checkpoint;
+  {
+    // Every file is opened as the caller: the kernel checks its rights on the way (when the
+    // daemon can't take them, the permission bits of each file's real path are checked).
+    absl::StatusOr<std::unique_ptr<CallerFiles>> as_caller = CallerFiles::Enter(session.owner);
+    if (!as_caller.ok()) return as_caller.status();
+    if (!(*as_caller)->switched()) {
+      // Before anything is opened: a folder the caller can't enter says nothing of what lies
+      // inside, not even whether it exists.
+      if (absl::Status s = CheckCallerMayRead(request.path, session.owner); !s.ok()) return s;
+    }
+    absl::StatusOr<CheckpointSet> opened = CheckpointSet::Open(request.path);
+    if (!opened.ok()) return opened.status();
+    checkpoint = std::make_unique<CheckpointSet>(*std::move(opened));
+    if (!(*as_caller)->switched()) {
+      std::vector<std::string> paths = {checkpoint->index_path()};
+      for (const auto& file : checkpoint->files()) paths.push_back(file->path());
+      for (const std::string& real : paths) {
+        if (real.empty()) continue;
+        if (absl::Status s = CheckCallerMayRead(real, session.owner); !s.ok()) return s;
+      }
+    }
   }
-  const std::string path = resolved;
-  if (absl::Status s = CheckCallerMayRead(path, session.owner); !s.ok()) return s;
-  absl::StatusOr<CheckpointSet> opened = CheckpointSet::Open(path);
-  if (!opened.ok()) return opened.status();
-  auto checkpoint = std::make_unique<CheckpointSet>(*std::move(opened));
-  std::string key = absl::StrCat(session.owner.uid, "|", request.format, "|", request.block, "|",
-                                 absl::StrJoin(request.quantize, ","), "|");
+  const std::string path = checkpoint->index_path().empty()
+                               ? checkpoint->files().front()->path()
+                               : checkpoint->index_path();
+  // Two requests for the same content are one base: same user, files (by real path, size and
+  // modification time), format, block and the set of names to quantize.
+  std::string key = absl::StrCat(session.owner.uid, "\n", request.format, "\n", block, "\n",
+                                 absl::StrJoin(chosen, "\n"), "\n\n");
   for (const auto& file : checkpoint->files()) {
-    if (absl::Status s = CheckCallerMayRead(file->path(), session.owner); !s.ok()) return s;
     struct stat st {};
     ::stat(file->path().c_str(), &st);
-    absl::StrAppend(&key, file->path(), ":", st.st_size, ":", st.st_mtim.tv_sec, ".",
-                    st.st_mtim.tv_nsec, ";");
+    absl::StrAppend(&key, file->path(), "\n", st.st_size, "\n", st.st_mtim.tv_sec, ".",
+                    st.st_mtim.tv_nsec, "\n");
   }
 
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the daemon is stopping");
+  // A session that ended while this request read headers is not attached to anything: it
+  // would keep the base alive with no one to leave it.
+  if (options_.session_alive && !options_.session_alive(session)) {
+    return absl::NotFoundError("the session ended while the base was requested");
+  }
   for (auto& [id, base] : bases_) {
     if (base->key == key && base->state != BaseState::kFailed) {
       base->users.insert(session.id);
@@ -144,7 +164,7 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   base->key = key;
   base->source = path;
   base->format = request.format;
-  base->block = quant ? kernels::LayoutFor(*quant, 2, request.block)->block : 0;
+  base->block = block;
   base->name = request.name;
   if (base->name.empty()) {
     std::string trimmed = path;
@@ -153,9 +173,9 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
     }
     base->name = trimmed.substr(trimmed.rfind('/') + 1);
   }
-  base->job = JobKey{session.owner.uid, absl::StrCat("base/", base->id)};
-  base->owner = absl::StrCat("base/", base->id);
-  const std::set<std::string> chosen(request.quantize.begin(), request.quantize.end());
+  // '#' is in no job id a client may choose: no session shares the base's arena job.
+  base->job = JobKey{session.owner.uid, absl::StrCat("base#", base->id)};
+  base->owner = base->job.job_id;
   for (const std::string& name : chosen) {
     if (checkpoint->Find(name) == nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -218,23 +238,7 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
         Gb(static_cast<double>(usage.budget_bytes)),
         Gb(static_cast<double>(usage.committed_bytes))));
   }
-  for (size_t b = 0; b < buffer_sizes.size(); ++b) {
-    if (buffer_sizes[b] == 0) continue;
-    AllocationRequest alloc;
-    alloc.job = base->job;
-    alloc.session_id = base->owner;
-    alloc.name = absl::StrCat(base->owner, "/", b);
-    alloc.bytes = buffer_sizes[b];
-    alloc.tag = "base";
-    alloc.sealable = true;
-    absl::StatusOr<BufferRecord> record = arena_->Allocate(alloc);
-    if (!record.ok()) {
-      arena_->ReleaseSession(base->job, base->owner);
-      arena_->Plan(base->job, 0, absl::ZeroDuration()).IgnoreError();
-      return record.status();
-    }
-    base->buffers.push_back(*record);
-  }
+  base->buffer_sizes = std::move(buffer_sizes);
   base->checkpoint = std::move(checkpoint);
   base->users.insert(session.id);
   base->started = absl::Now();
@@ -250,12 +254,31 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
                  {"stored_bytes", static_cast<double>(base->stored_bytes)}},
                 session.id, session.owner.uid);
   BaseSnapshot snapshot = SnapshotLocked(*base);
-  loaders_.emplace_back([this, base, request] { RunLoad(base, request); });
+  // The memory is taken (fallocate of up to the whole base) and the files read on a thread of
+  // the base's own, not under the store's lock nor in the caller's request.
+  ++active_loaders_;
+  std::thread([this, base] { RunLoad(base); }).detach();
   return snapshot;
 }
 
-void BaseStore::RunLoad(std::shared_ptr<Base> base, BaseLoadRequest request) {
+void BaseStore::RunLoad(std::shared_ptr<Base> base) {
   absl::Status status = absl::OkStatus();
+  for (size_t b = 0; b < base->buffer_sizes.size() && status.ok(); ++b) {
+    if (base->buffer_sizes[b] == 0) continue;
+    AllocationRequest alloc;
+    alloc.job = base->job;
+    alloc.session_id = base->owner;
+    alloc.name = absl::StrCat("buffer-", b);
+    alloc.bytes = base->buffer_sizes[b];
+    alloc.tag = "base";
+    alloc.sealable = true;
+    absl::StatusOr<BufferRecord> record = arena_->Allocate(alloc);
+    if (!record.ok()) {
+      status = record.status();
+    } else {
+      base->buffers.push_back(*record);
+    }
+  }
   absl::Time last_report = absl::Now();
   uint64_t done_before = 0;  // file bytes of the tensors already read
   for (size_t i = 0; i < base->tensors.size() && status.ok(); ++i) {
@@ -347,6 +370,7 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base, BaseLoadRequest request) {
     arena_->ReleaseSession(base->job, base->owner);
     base->buffers.clear();
   }
+  --active_loaders_;  // the last use of `this`: the destructor may go on from here
 }
 
 absl::StatusOr<BaseSnapshot> BaseStore::Get(uid_t uid, bool admin, uint64_t id) const {
@@ -364,14 +388,17 @@ absl::Status BaseStore::Detach(const Session& session, uint64_t id) {
   if (it == bases_.end() || it->second->users.erase(session.id) == 0) {
     return absl::NotFoundError(absl::StrFormat("this session is not attached to base %d", id));
   }
-  if (it->second->users.empty()) it->second->idle_since = absl::Now();
+  if (it->second->users.empty() && it->second->mappers.empty()) {
+    it->second->idle_since = absl::Now();
+  }
   return absl::OkStatus();
 }
 
 void BaseStore::OnSessionEnded(const Session& session) {
   absl::MutexLock lock(&mu_);
   for (auto& [id, base] : bases_) {
-    if (base->users.erase(session.id) > 0 && base->users.empty()) base->idle_since = absl::Now();
+    const bool was_used = base->users.erase(session.id) + base->mappers.erase(session.id) > 0;
+    if (was_used && base->users.empty() && base->mappers.empty()) base->idle_since = absl::Now();
   }
 }
 
@@ -385,12 +412,17 @@ std::vector<BaseSnapshot> BaseStore::List(uid_t uid, bool admin) const {
 }
 
 absl::StatusOr<SegmentGrant> BaseStore::GrantSegment(const Session& session,
-                                                     uint64_t segment_id) const {
+                                                     uint64_t segment_id) {
   absl::MutexLock lock(&mu_);
   for (const auto& [id, base] : bases_) {
     if (base->state != BaseState::kReady || !base->users.count(session.id)) continue;
     for (const BufferRecord& record : base->buffers) {
-      if (record.segment_id == segment_id) return arena_->GrantSegment(base->job, segment_id);
+      if (record.segment_id == segment_id) {
+        // The session maps it from now on: the base stays until the session ends, detached
+        // or not, since its pages stay in that process whatever it says.
+        base->mappers.insert(session.id);
+        return arena_->GrantSegment(base->job, segment_id);
+      }
     }
   }
   return absl::NotFoundError(absl::StrFormat("no segment %d for this session", segment_id));
@@ -400,7 +432,7 @@ void BaseStore::ExpireIdle(absl::Time now) {
   absl::MutexLock lock(&mu_);
   for (auto it = bases_.begin(); it != bases_.end();) {
     Base& base = *it->second;
-    const bool idle = base.users.empty() && base.idle_since.has_value();
+    const bool idle = base.users.empty() && base.mappers.empty() && base.idle_since.has_value();
     if (idle && base.state != BaseState::kLoading &&
         (base.state == BaseState::kFailed || now - *base.idle_since >= options_.keep_warm)) {
       FreeLocked(base);

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -78,6 +79,8 @@ class BaseStore {
     absl::Duration keep_warm = absl::Minutes(5);  // after the last user leaves
     uint64_t window_bytes = uint64_t{16} << 20;   // the reader's memory, per load
     uint64_t buffer_bytes = uint64_t{1} << 30;    // tensors are packed into buffers this big
+    // Whether a session still lives (the daemon's registry); unset: all do.
+    std::function<bool(const Session& session)> session_alive;
   };
   BaseStore(const Options& options, Arena* arena, EventLog* events);
   ~BaseStore();  // stops loads in progress and waits for them
@@ -93,14 +96,15 @@ class BaseStore {
   absl::Status Detach(const Session& session, uint64_t id);
   void OnSessionEnded(const Session& session);
   std::vector<BaseSnapshot> List(uid_t uid, bool admin) const;
-  // A read-only segment of a base `session` is attached to, once it is ready.
-  absl::StatusOr<SegmentGrant> GrantSegment(const Session& session, uint64_t segment_id) const;
+  // A read-only segment of a base `session` is attached to, once it is ready. From then on the
+  // base stays while the session lives, even detached: its pages stay in that process.
+  absl::StatusOr<SegmentGrant> GrantSegment(const Session& session, uint64_t segment_id);
   // Frees the bases nobody has used for keep_warm.
   void ExpireIdle(absl::Time now);
 
  private:
   struct Base;
-  void RunLoad(std::shared_ptr<Base> base, BaseLoadRequest request);
+  void RunLoad(std::shared_ptr<Base> base);
   void FreeLocked(Base& base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   BaseSnapshot SnapshotLocked(const Base& base) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
@@ -110,7 +114,7 @@ class BaseStore {
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<Base>> bases_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> loaders_ ABSL_GUARDED_BY(mu_);
+  int active_loaders_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -129,7 +129,7 @@ TEST_F(BaseStoreTest, TwoSessionsOfAUserShareOneCopy) {
   ASSERT_TRUE(kernels::Quantize(layout, 0, weights_.data(), 4096, 1.0f, data.data(),
                                 scales.data())
                   .ok());
-  const uint8_t* held = *arena_->BufferData(JobKey{1000, absl::StrCat("base/", ready.id)},
+  const uint8_t* held = *arena_->BufferData(JobKey{1000, absl::StrCat("base#", ready.id)},
                                             ready.buffers[w.buffer].buffer_id);
   EXPECT_EQ(std::memcmp(held + w.data_offset, data.data(), data.size()), 0);
   EXPECT_EQ(std::memcmp(held + w.scale_offset, scales.data(), scales.size()), 0);
@@ -184,6 +184,60 @@ TEST_F(BaseStoreTest, ABaseIsKeptWarmAfterItsLastUserThenFreed) {
   EXPECT_EQ(arena_->Usage().committed_bytes, 0u);  // its plan went with it
   const std::vector<std::string> kinds = EventKinds();
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "base.freed"), kinds.end());
+}
+
+TEST_F(BaseStoreTest, AMappedBaseStaysUntilItsMappersEndEvenDetached) {
+  BaseStore& store = Store(absl::ZeroDuration());
+  const Session a = MakeSession("s-a", 1000, "job-a");
+  const BaseSnapshot base =
+      WaitLoaded(store.Load(a, Request(Path("model.safetensors"), "int8"))->id);
+  ASSERT_TRUE(store.GrantSegment(a, base.buffers[0].segment_id).ok());  // now it maps it
+  ASSERT_TRUE(store.Detach(a, base.id).ok());
+  store.ExpireIdle(absl::Now() + absl::Hours(1));
+  EXPECT_TRUE(store.Get(1000, false, base.id).ok());  // its pages are still in that process
+  store.OnSessionEnded(a);
+  store.ExpireIdle(absl::Now());
+  EXPECT_EQ(store.Get(1000, false, base.id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(BaseStoreTest, TheSameContentAskedDifferentlyIsOneBase) {
+  BaseStore& store = Store();
+  const Session a = MakeSession("s-a", 1000, "job-a");
+  BaseLoadRequest first = Request(Path("model.safetensors"), "nf4");  // default block: 64
+  first.quantize = {"model.layers.0.mlp.weight", "model.embed_tokens.weight"};
+  BaseLoadRequest second = Request(dir_.string() + "/./model.safetensors", "nf4", 64);
+  second.quantize = {"model.embed_tokens.weight", "model.layers.0.mlp.weight",
+                     "model.embed_tokens.weight"};
+  EXPECT_EQ(store.Load(a, first)->id, store.Load(a, second)->id);
+}
+
+TEST_F(BaseStoreTest, ASessionThatEndedMidRequestAttachesToNothing) {
+  BaseStore::Options options;
+  options.session_alive = [](const Session&) { return false; };
+  BaseStore store(options, arena_.get(), events_.get());
+  EXPECT_EQ(store.Load(MakeSession("s-a", 1000, "job"), Request(Path("model.safetensors"), "bf16"))
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store.List(1000, false).empty());
+}
+
+TEST_F(BaseStoreTest, FilesAreOpenedWithTheCallersRights) {
+  if (::geteuid() != 0) GTEST_SKIP() << "taking another user's rights needs root";
+  fs::permissions(Path("model.safetensors"), fs::perms::owner_read | fs::perms::owner_write);
+  fs::create_directories(Path("open"));
+  fs::permissions(Path("open"), fs::perms::all);
+  fs::permissions(dir_, fs::perms::owner_all | fs::perms::others_exec);
+  // A link the other user could make to a file it may not read.
+  fs::create_symlink(Path("model.safetensors"), Path("open/link.safetensors"));
+  BaseStore& store = Store();
+  const Session other = MakeSession("s-o", 65534, "job");
+  const absl::Status denied = store.Load(other, Request(Path("open/link.safetensors"), "bf16"))
+                                  .status();
+  EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied) << denied;
+  // The thread has its own rights back: root reads the file.
+  const Session root = MakeSession("s-r", 0, "job");
+  EXPECT_TRUE(store.Load(root, Request(Path("open/link.safetensors"), "bf16")).ok());
 }
 
 TEST_F(BaseStoreTest, RequestsAreCheckedAndFailuresSayWhy) {

@@ -37,7 +37,7 @@ absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool 
 
 absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     const Options& options, SessionRegistry* registry, Arena* arena,
-    DoorbellDispatcher* doorbells, EventLog* events, const BaseStore* bases) {
+    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases) {
   ASSIGN_OR_RETURN(ipc::UniqueFd listener,
                    ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
   ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
@@ -58,7 +58,7 @@ DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd liste
                                      ipc::UniqueFd epoll, ipc::UniqueFd stop,
                                      SessionRegistry* registry, Arena* arena,
                                      DoorbellDispatcher* doorbells, EventLog* events,
-                                     const BaseStore* bases)
+                                     BaseStore* bases)
     : options_(options),
       listener_(std::move(listener)),
       epoll_(std::move(epoll)),

@@ -33,7 +33,7 @@ class DataChannelServer {
   };
   static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
       const Options& options, SessionRegistry* registry, Arena* arena,
-      DoorbellDispatcher* doorbells, EventLog* events, const BaseStore* bases);
+      DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases);
   ~DataChannelServer();
 
   // Closes the session's data connection if it has one (after the session ended elsewhere).
@@ -48,7 +48,7 @@ class DataChannelServer {
   };
   DataChannelServer(const Options& options, ipc::UniqueFd listener, ipc::UniqueFd epoll,
                     ipc::UniqueFd stop, SessionRegistry* registry, Arena* arena,
-                    DoorbellDispatcher* doorbells, EventLog* events, const BaseStore* bases);
+                    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases);
   void Loop();
   void Accept();
   // Returns false when the connection must close.
@@ -63,7 +63,7 @@ class DataChannelServer {
   Arena* const arena_;
   DoorbellDispatcher* const doorbells_;
   EventLog* const events_;
-  const BaseStore* const bases_;  // a base's segments, for the sessions attached to it
+  BaseStore* const bases_;  // a base's segments, for the sessions attached to it
   absl::Mutex mu_;
   std::map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;

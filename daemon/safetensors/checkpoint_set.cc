@@ -2,12 +2,14 @@
 #include "safetensors/checkpoint_set.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
-#include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,33 +35,53 @@ std::string Directory(const std::string& path) {
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
+// `path` with every symlink resolved: the file a check of its folders must look at.
+absl::StatusOr<std::string> RealPath(const std::string& path) {
+  char resolved[PATH_MAX];
+  if (::realpath(path.c_str(), resolved) == nullptr) {
+    const int err = errno;
+    const std::string why = absl::StrFormat("%s: %s", path, std::strerror(err));
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::NotFoundError(why);
+  }
+  return std::string(resolved);
+}
+
 // The shard file of each tensor, from an index file.
 absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open checkpoint index ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (text.str().size() > kMaxIndexBytes) {
-    return absl::DataLossError(absl::StrCat(path, ": too large to be a checkpoint index"));
+  uint64_t bytes = 0;
+  absl::StatusOr<ipc::UniqueFd> fd = OpenRegularFile(path, &bytes);
+  if (!fd.ok()) return fd.status();
+  if (bytes > kMaxIndexBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": too large to be a checkpoint index"));
+  }
+  std::string text(bytes, '\0');
+  for (uint64_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd->get(), text.data() + done, bytes - done,
+                              static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::DataLossError(absl::StrCat("reading ", path, " failed"));
+    done += static_cast<uint64_t>(n);
   }
   google::protobuf::Struct root;
-  if (!google::protobuf::util::JsonStringToMessage(text.str(), &root).ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": not a JSON object"));
+  if (!google::protobuf::util::JsonStringToMessage(text, &root).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   }
   const auto map = root.fields().find("weight_map");
   if (map == root.fields().end() ||
       map->second.kind_case() != google::protobuf::Value::kStructValue) {
-    return absl::DataLossError(absl::StrCat(path, ": no \"weight_map\" object"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no \"weight_map\" object"));
   }
   std::map<std::string, std::string> shard_of;
   for (const auto& [name, file] : map->second.struct_value().fields()) {
     if (file.kind_case() != google::protobuf::Value::kStringValue) {
-      return absl::DataLossError(absl::StrCat(path, ": the shard of '", name, "' is not a name"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": the shard of '", name, "' is not a name"));
     }
     const std::string& shard = file.string_value();
     // Shards sit beside the index: a name that leaves the folder is refused.
     if (shard.empty() || absl::StrContains(shard, "/") || shard == "." || shard == "..") {
-      return absl::DataLossError(
+      return absl::InvalidArgumentError(
           absl::StrCat(path, ": shard '", shard, "' of '", name, "' is not a file name"));
     }
     shard_of[name] = shard;
@@ -84,6 +106,12 @@ absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path) {
     }
   }
   CheckpointSet set;
+  // Every file is opened by its real path, which is the one the files() list reports (and
+  // the one a caller's rights are checked on).
+  absl::StatusOr<std::string> real = RealPath(target);
+  if (!real.ok()) return real.status();
+  target = *real;
+  set.index_path_ = absl::EndsWith(target, ".json") ? target : "";
   if (!absl::EndsWith(target, ".json")) {
     absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(target);
     if (!file.ok()) return file.status();
@@ -94,8 +122,11 @@ absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path) {
     std::set<std::string> shards;
     for (const auto& [name, shard] : *shard_of) shards.insert(shard);
     const std::string folder = Directory(target);
+    std::map<std::string, const SafetensorsFile*> file_of_shard;
     for (const std::string& shard : shards) {
-      absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(folder + "/" + shard);
+      absl::StatusOr<std::string> shard_path = RealPath(folder + "/" + shard);
+      if (!shard_path.ok()) return shard_path.status();
+      absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(*shard_path);
       if (!file.ok()) return file.status();
       for (const SafetensorsTensor& t : file->tensors()) {
         const auto listed = shard_of->find(t.name);
@@ -107,15 +138,14 @@ absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path) {
         }
       }
       set.files_.push_back(std::make_unique<SafetensorsFile>(*std::move(file)));
+      file_of_shard[shard] = set.files_.back().get();
     }
     for (const auto& [name, shard] : *shard_of) {
-      const auto file = std::find_if(set.files_.begin(), set.files_.end(), [&](const auto& f) {
-        return absl::EndsWith(f->path(), "/" + shard);
-      });
-      if ((*file)->Find(name) == nullptr) {
+      const SafetensorsFile* file = file_of_shard.at(shard);
+      if (file->Find(name) == nullptr) {
         return absl::DataLossError(absl::StrFormat(
             "the index %s places tensor '%s' in %s, which does not hold it", target, name,
-            (*file)->path()));
+            file->path()));
       }
     }
   }

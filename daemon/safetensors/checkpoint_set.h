@@ -31,12 +31,15 @@ class CheckpointSet {
   const std::vector<CheckpointTensor>& tensors() const { return tensors_; }
   const CheckpointTensor* Find(const std::string& name) const;
   uint64_t tensor_bytes() const { return tensor_bytes_; }
+  // The index's real path, when the checkpoint is sharded ("" otherwise).
+  const std::string& index_path() const { return index_path_; }
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<CheckpointTensor> tensors_;
   absl::flat_hash_map<std::string, size_t> index_;  // name to position in tensors_
   uint64_t tensor_bytes_ = 0;
+  std::string index_path_;
 };
 
 }  // namespace trainstream::daemon

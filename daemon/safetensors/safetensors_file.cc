@@ -18,8 +18,6 @@
 namespace trainstream::daemon {
 namespace {
 
-// Headers of real checkpoints are tens of kilobytes; the format's own readers cap them too.
-constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 // Integers in the header are JSON numbers, read as doubles: exact up to 2^53.
 constexpr double kMaxExactInteger = 9007199254740992.0;
 
@@ -44,11 +42,10 @@ absl::StatusOr<uint32_t> SafetensorsElementSize(std::string_view dtype) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", std::string(dtype), "'"));
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  SafetensorsFile file;
-  file.path_ = path;
-  file.fd_.Reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!file.fd_.valid()) {
+absl::StatusOr<ipc::UniqueFd> OpenRegularFile(const std::string& path, uint64_t* bytes) {
+  // Non-blocking: opening a FIFO does not wait for a writer; it is then refused below.
+  ipc::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd.valid()) {
     const int err = errno;
     const std::string why = absl::StrFormat("cannot open %s: %s", path, std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(why);
@@ -56,12 +53,23 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     return absl::InternalError(why);
   }
   struct stat st {};
-  if (::fstat(file.fd_.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd.get(), &st) != 0) {
+    return absl::InternalError(absl::StrFormat("stat %s: %s", path, std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrFormat("%s is not a regular file", path));
   }
-  file.file_bytes_ = static_cast<uint64_t>(st.st_size);
-  // A malformed header is not a safetensors file (INVALID_ARGUMENT); bytes missing from the
-  // end of one that is, a truncated file (DATA_LOSS).
+  *bytes = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
+                                                      uint64_t max_header_bytes) {
+  SafetensorsFile file;
+  file.path_ = path;
+  absl::StatusOr<ipc::UniqueFd> fd = OpenRegularFile(path, &file.file_bytes_);
+  if (!fd.ok()) return fd.status();
+  file.fd_ = *std::move(fd);
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: %s", path, why));
   };
@@ -73,7 +81,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   if (absl::Status s = file.Read(0, size_bytes, 8); !s.ok()) return s;
   uint64_t header_bytes = 0;
   for (int i = 0; i < 8; ++i) header_bytes |= static_cast<uint64_t>(size_bytes[i]) << (8 * i);
-  if (header_bytes > kMaxHeaderBytes) {
+  if (header_bytes > max_header_bytes) {
     return bad(absl::StrFormat("the header claims %d bytes, more than a header may hold",
                                header_bytes));
   }
@@ -161,11 +169,16 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
               return a.offset < b.offset || (a.offset == b.offset && a.name < b.name);
             });
   for (size_t i = 0; i < file.tensors_.size(); ++i) file.index_[file.tensors_[i].name] = i;
-  for (size_t i = 1; i < file.tensors_.size(); ++i) {
-    const SafetensorsTensor& a = file.tensors_[i - 1];
-    const SafetensorsTensor& b = file.tensors_[i];
-    if (a.offset + a.bytes > b.offset && a.bytes > 0 && b.bytes > 0) {
-      return bad(absl::StrCat("tensors '", a.name, "' and '", b.name, "' overlap"));
+  // Sorted by start: a tensor overlaps an earlier one when it starts before the furthest end
+  // seen so far (empty tensors hold no bytes and overlap nothing).
+  const SafetensorsTensor* furthest = nullptr;
+  for (const SafetensorsTensor& t : file.tensors_) {
+    if (t.bytes == 0) continue;
+    if (furthest != nullptr && t.offset < furthest->offset + furthest->bytes) {
+      return bad(absl::StrCat("tensors '", furthest->name, "' and '", t.name, "' overlap"));
+    }
+    if (furthest == nullptr || t.offset + t.bytes > furthest->offset + furthest->bytes) {
+      furthest = &t;
     }
   }
   return file;

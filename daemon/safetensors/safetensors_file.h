@@ -28,6 +28,10 @@ struct SafetensorsTensor {
   uint64_t bytes = 0;
 };
 
+// Opens `path` for reading only if it is a regular file (a FIFO or a device would block a
+// request or never end); sets `*bytes` to its size. Errors name the file.
+absl::StatusOr<ipc::UniqueFd> OpenRegularFile(const std::string& path, uint64_t* bytes);
+
 // Bytes per element of a safetensors dtype name; INVALID_ARGUMENT for an unknown one.
 absl::StatusOr<uint32_t> SafetensorsElementSize(std::string_view dtype);
 
@@ -36,7 +40,11 @@ class SafetensorsFile {
   // NOT_FOUND or PERMISSION_DENIED when it can't be opened; INVALID_ARGUMENT when its header
   // is malformed; DATA_LOSS when it is truncated. Each message names the file (and the tensor,
   // where one is at fault).
-  static absl::StatusOr<SafetensorsFile> Open(const std::string& path);
+  // Headers of real checkpoints are tens of kilobytes; an optimizer's own checkpoint, which
+  // lists every parameter, may need more (it passes its own limit).
+  static constexpr uint64_t kDefaultMaxHeaderBytes = uint64_t{16} << 20;
+  static absl::StatusOr<SafetensorsFile> Open(const std::string& path,
+                                              uint64_t max_header_bytes = kDefaultMaxHeaderBytes);
 
   SafetensorsFile(SafetensorsFile&&) = default;
   SafetensorsFile& operator=(SafetensorsFile&&) = default;

@@ -2,6 +2,7 @@
 // The safetensors reader on small checkpoints written here, whole and broken in each way a
 // header or a file can be, and the tensor reader's conversions against the reference
 // quantizers.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -110,6 +111,23 @@ TEST_F(SafetensorsTest, BrokenFilesFailWithTheFileAndTensorNamed) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SafetensorsFile::Open(Path("absent.safetensors")).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+TEST_F(SafetensorsTest, OnlyRegularFilesAreReadAndOverlapsPastAnEmptyTensorAreFound) {
+  // A FIFO would block an open and never end a read: refused at once.
+  ASSERT_EQ(::mkfifo(Path("fifo.safetensors").c_str(), 0600), 0);
+  EXPECT_THAT(std::string(SafetensorsFile::Open(Path("fifo.safetensors")).status().message()),
+              HasSubstr("is not a regular file"));
+  fs::create_symlink("/dev/zero", Path("model.safetensors.index.json"));
+  EXPECT_THAT(std::string(CheckpointSet::Open(dir_.string()).status().message()),
+              HasSubstr("is not a regular file"));
+  // [0, 16) and [8, 12) overlap though an empty tensor sits between them in offset order.
+  WriteFile(Path("o.safetensors"), {{"w", "F32", {4}, Bytes(std::vector<float>{1, 2, 3, 4})}},
+            R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+            R"("e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+            R"("v":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})");
+  EXPECT_THAT(std::string(SafetensorsFile::Open(Path("o.safetensors")).status().message()),
+              HasSubstr("'w' and 'v' overlap"));
 }
 
 TEST_F(SafetensorsTest, ShardedCheckpointsAreCheckedAgainstTheirIndex) {

@@ -96,7 +96,7 @@ absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const Safeten
       const uint64_t n = std::min(window_elems, tensor.numel - first);
       if (absl::Status s = file.Read(tensor.offset + first * size, data + first * size, n * size);
           !s.ok()) {
-        return s;
+        return absl::Status(s.code(), absl::StrCat("tensor '", tensor.name, "': ", s.message()));
       }
       advance(n * size);
     }
@@ -106,7 +106,7 @@ absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const Safeten
   std::vector<float> values(window_elems);
   auto read_window = [&](uint64_t first, uint64_t n) -> absl::Status {
     if (absl::Status s = file.Read(tensor.offset + first * size, raw.data(), n * size); !s.ok()) {
-      return s;
+      return absl::Status(s.code(), absl::StrCat("tensor '", tensor.name, "': ", s.message()));
     }
     ToFloat(tensor.dtype, raw.data(), n, values.data());
     for (uint64_t i = 0; i < n; ++i) {

@@ -67,7 +67,7 @@ __global__ void DequantizeKernel(const uint8_t* __restrict__ data,
   for (uint64_t unit = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        unit * kValuesPerThread < numel; unit += stride) {
     const uint64_t e0 = unit * kValuesPerThread;
-    Out values[kValuesPerThread];
+    __align__(16) Out values[kValuesPerThread];  // stored as uint4 below
     const bool whole = e0 + kValuesPerThread <= numel;
     // With blocks a multiple of 8 values, the thread's 8 share one scale: one division.
     const bool one_block = block % kValuesPerThread == 0;

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bases import BaseTensor, SharedBase, dequantize, dequantize_cuda
+from .bases import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
 from .errors import InvalidArgumentError
 
 
@@ -25,8 +25,9 @@ def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
     if data.device != device:  # kept on the host: this use's copy (DMA from registered memory)
         data = data.to(device, non_blocking=True)
         scales = scales.to(device, non_blocking=True)
-    if t.stored == "bf16":
-        return data.view(torch.bfloat16).view(t.shape).to(layer.compute_dtype)
+    if t.stored in ("bf16", "as_is"):  # as_is: a float kept as the file has it
+        dtype = torch.bfloat16 if t.stored == "bf16" else getattr(torch, source_dtype(t))
+        return data.view(dtype).view(t.shape).to(layer.compute_dtype)
     if data.is_cuda and layer.compute_dtype in (torch.bfloat16, torch.float32):
         return dequantize_cuda(t, data, scales, layer.compute_dtype).view(t.shape)
     return dequantize(t, data, scales).to(layer.compute_dtype).view(t.shape)
@@ -54,7 +55,7 @@ class BaseLinear(nn.Module):
     its bytes, on the CPU as views of a shared base, or copied to a device)."""
 
     def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None, compute_dtype: torch.dtype):
+                 bias: Any, compute_dtype: torch.dtype):
         super().__init__()
         if len(stored.shape) != 2:
             raise InvalidArgumentError(f"'{stored.name}' is not a matrix: {stored.shape}")
@@ -64,7 +65,10 @@ class BaseLinear(nn.Module):
         # holds them).
         self.register_buffer("data", data, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        # A trained bias (an nn.Parameter that requires grad) is kept as it is, trained.
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias, requires_grad=False)
+        self.bias = bias
         self.compute_dtype = compute_dtype
 
     @property
@@ -114,8 +118,12 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         if module.bias is not None:
             bias_key = f"{name}.bias"
             handled.add(bias_key)
-            bias = (base.dequantize(bias_key, dtype=module.weight.dtype, device=device)
-                    if bias_key in base.tensors else module.bias.detach().to(device))
+            if module.bias.requires_grad:
+                bias = module.bias  # trained: not the base's
+            elif bias_key in base.tensors:
+                bias = base.dequantize(bias_key, dtype=module.weight.dtype, device=device)
+            else:
+                bias = module.bias.detach().to(device)
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype)
         _replace(model, name, layer)
         taken["linear"].append(key)
@@ -157,7 +165,9 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0) -> li
                             scale_bytes=len(scales))
         as_tensor = (lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
                      if b else torch.empty(0, dtype=torch.uint8))
-        bias = module.bias.detach() if module.bias is not None else None
+        bias = module.bias
+        if bias is not None and not bias.requires_grad:
+            bias = bias.detach()
         layer = BaseLinear(stored, as_tensor(data).to(w.device), as_tensor(scales).to(w.device),
                            bias, compute_dtype=w.dtype)
         _replace(model, name, layer)

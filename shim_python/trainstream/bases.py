@@ -53,8 +53,14 @@ class BaseTensor:
 
 
 _SOURCE_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                  "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                  "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                  "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
+                  "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+                  "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def source_dtype(t: BaseTensor) -> str:
+    """The torch dtype name of the tensor as the checkpoint stores it."""
+    return _SOURCE_DTYPES[t.source_dtype]
 
 
 class SharedBase:
@@ -112,8 +118,7 @@ class SharedBase:
         if t.stored not in ("bf16", "as_is"):
             raise FailedPreconditionError(f"tensor '{name}' is stored as {t.stored}: "
                                           "use dequantize()")
-        dtype = torch.bfloat16 if t.stored == "bf16" else getattr(
-            torch, _SOURCE_DTYPES[t.source_dtype])
+        dtype = torch.bfloat16 if t.stored == "bf16" else getattr(torch, source_dtype(t))
         data, _ = self.raw(name)
         return data.view(dtype).view(t.shape)
 
@@ -133,6 +138,8 @@ class SharedBase:
         return dequantize(t, data, scales).to(dtype).view(t.shape)
 
     def _tensor(self, name: str) -> BaseTensor:
+        if not self._buffers:
+            raise FailedPreconditionError(f"base '{self.name}' is closed in this process")
         if name not in self.tensors:
             raise NotFoundError(f"base '{self.name}' has no tensor '{name}'")
         return self.tensors[name]
@@ -197,11 +204,15 @@ def dequantize_cuda(t: BaseTensor, data: Any, scales: Any, dtype: Any = None) ->
         raise InvalidArgumentError(f"dequantize_cuda writes bf16 or fp32, not {dtype}")
     if t.stored not in ("int8", "nf4", "fp8", "nvfp4"):
         raise InvalidArgumentError(f"tensor '{t.name}' is stored as {t.stored}, not quantized")
-    out = torch.empty(t.numel, dtype=dtype, device=data.device)
+    if not (data.is_cuda and scales.is_cuda and data.device == scales.device):
+        raise InvalidArgumentError("dequantize_cuda needs the stored bytes on one CUDA device")
     data, scales = data.contiguous(), scales.contiguous()
-    _trainstream.dequantize_cuda(t.stored, t.block, t.numel, data.data_ptr(), scales.data_ptr(),
-                                 t.tensor_scale, out.data_ptr(), dtype == torch.bfloat16,
-                                 torch.cuda.current_stream(data.device).cuda_stream)
+    with torch.cuda.device(data.device):  # the kernel runs on the data's device
+        out = torch.empty(t.numel, dtype=dtype, device=data.device)
+        _trainstream.dequantize_cuda(t.stored, t.block, t.numel, data.data_ptr(),
+                                     scales.data_ptr(), t.tensor_scale, out.data_ptr(),
+                                     dtype == torch.bfloat16,
+                                     torch.cuda.current_stream(data.device).cuda_stream)
     return out
 
 

@@ -116,6 +116,25 @@ def test_lora_on_a_shared_base_trains_as_on_its_dequantized_weights(client, tmp_
     assert report["mapped_segments"]["resident_bytes"] >= base.stored_bytes
 
 
+def test_frozen_layers_left_unquantized_and_trained_biases_keep_working(client, tmp_path):
+    net = frozen_net(2)
+    net.head.weight.requires_grad_(False)  # frozen, but not among the names quantized
+    net.blocks[0].up.bias.requires_grad_(True)  # trained beside a frozen weight
+    trained_bias = net.blocks[0].up.bias
+    safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
+    base = trainstream.load_base(str(tmp_path), format="nf4", client=client, progress=False,
+                                 quantize=[f"blocks.{i}.{m}.weight" for i in range(3)
+                                           for m in ("up", "down")])
+    assert base.tensors["head.weight"].stored == "as_is"  # exactly as the file has it
+    reference = with_dequantized(net, base)
+    trainstream.attach_base(net, base)
+    assert isinstance(net.head, trainstream.BaseLinear)
+    assert net.blocks[0].up.bias is trained_bias and trained_bias.requires_grad
+    x = torch.randn(3, 64)
+    assert torch.equal(net(x), reference(x))
+    assert train(net) == train(reference)
+
+
 def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path):
     net = frozen_net(1)
     safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))

@@ -71,6 +71,11 @@ ATTACK = textwrap.dedent("""
     out["get_base_victim"] = code(lambda: stub.GetBase(pb.GetBaseRequest(session_id=victim, base_id=base_id)))
     out["get_base"] = code(lambda: stub.GetBase(pb.GetBaseRequest(session_id=mine, base_id=base_id)))
     out["load_base"] = code(lambda: stub.LoadBase(pb.LoadBaseRequest(session_id=mine, path=base_path)))
+    # Through a link of its own to the victim's file: the daemon opens it with this uid's rights.
+    import tempfile
+    link = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    os.symlink(base_path, link)
+    out["load_base_link"] = code(lambda: stub.LoadBase(pb.LoadBaseRequest(session_id=mine, path=link)))
     out["detach_base"] = code(lambda: stub.DetachBase(pb.DetachBaseRequest(session_id=mine, base_id=base_id)))
     own = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     own.connect(path + ".data")
@@ -115,6 +120,7 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
         assert out["get_base_victim"].startswith("PERMISSION_DENIED"), out["get_base_victim"]
         assert out["get_base"].startswith("NOT_FOUND"), out["get_base"]
         assert out["load_base"].startswith("PERMISSION_DENIED"), out["load_base"]
+        assert out["load_base_link"].startswith("PERMISSION_DENIED"), out["load_base_link"]
         assert out["detach_base"].startswith("NOT_FOUND"), out["detach_base"]
         assert out["own_attach"] == 0 and segments
         assert out["base_segments"] == [5] * len(segments)  # NOT_FOUND: not its base

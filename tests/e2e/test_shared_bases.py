@@ -95,7 +95,8 @@ SHARER = textwrap.dedent("""
         digest.update(data.numpy().tobytes()); digest.update(scales.numpy().tobytes())
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base
-    seg = trainstream.bases.mapped_segments()
+    from trainstream.bases import mapped_segments
+    seg = mapped_segments()
     print(json.dumps({"id": base.id, "digest": digest.hexdigest(), "users": base.info()["users"],
                       "rss": seg["resident_bytes"], "pss": seg["proportional_bytes"]}), flush=True)
     sys.stdin.read()  # stays attached until the test lets it go
