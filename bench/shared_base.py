@@ -59,8 +59,9 @@ def tensor_shapes(cfg) -> list:
     return shapes + [("model.norm.weight", (cfg.dim,)), ("lm_head.weight", (cfg.vocab, cfg.dim))]
 
 
-def write_checkpoint(folder: str, cfg) -> list:
-    """Writes the checkpoint unless a complete one is there; returns its shard paths."""
+def write_checkpoint(folder: str, shapes: list) -> list:
+    """Writes a checkpoint of random bf16 tensors with these (name, shape) pairs unless a
+    complete one is there; returns its shard paths."""
     from safetensors.torch import save_file
 
     index_path = os.path.join(folder, "model.safetensors.index.json")
@@ -70,7 +71,7 @@ def write_checkpoint(folder: str, cfg) -> list:
         return [os.path.join(folder, s) for s in shards]
     os.makedirs(folder, exist_ok=True)
     groups, current, size = [], [], 0
-    for name, shape in tensor_shapes(cfg):
+    for name, shape in shapes:
         nbytes = 2 * int(torch.Size(shape).numel())
         if current and size + nbytes > SHARD_BYTES:
             groups.append(current)
@@ -143,7 +144,7 @@ def main() -> None:
     cfg = CONFIGS[args.preset]
     folder = os.path.join(args.dir, args.preset)
     print(f"checkpoint: {args.preset} in {folder}", flush=True)
-    shards = write_checkpoint(folder, cfg)
+    shards = write_checkpoint(folder, tensor_shapes(cfg))
     file_bytes = sum(os.path.getsize(p) for p in shards)
     drop_cache(shards)
     disk = read_gbps(shards)

@@ -79,6 +79,8 @@ if [[ $what == bases ]]; then
     || status=1
   (cd bench && python3 shared_base.py --preset "$preset" --json "$OUT/shared_base.json") \
     > "$OUT/shared_base.txt" 2>&1 || status=1
+  (cd bench && python3 base_lora.py --json "$OUT/base_lora.json") > "$OUT/base_lora.txt" 2>&1 \
+    || status=1
 fi
 if [[ $what == tests || $what == all ]]; then
   ctest --test-dir build/py --output-on-failure -j8 > "$OUT/ctest.log" 2>&1 || status=1
@@ -98,5 +100,5 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt shared_base.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+         dequantize.txt shared_base.txt base_lora.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status

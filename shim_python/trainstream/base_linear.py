@@ -128,15 +128,19 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         _replace(model, name, layer)
         taken["linear"].append(key)
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
-    for name, param in model.named_parameters():
+    for name, param in list(model.named_parameters()):
         if param.requires_grad or name not in base.tensors or name in handled:
             continue
         stored = base.tensors[name]
         if stored.shape != tuple(param.shape):
             raise InvalidArgumentError(f"base tensor '{name}' is {stored.shape}; the model's "
                                        f"parameter is {tuple(param.shape)}")
-        with torch.no_grad():
-            param.data = base.dequantize(name, dtype=param.dtype, device=device)
+        # A new frozen parameter in its place: the old one may live on another device, or on
+        # the meta device of a model built without memory.
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        value = base.dequantize(name, dtype=param.dtype, device=device)
+        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
         taken["copied"].append(name)
     model._trainstream_base = base  # the mapping lives as long as the model
     return taken

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LoRA r=16 on a Qwen2.5-14B-shaped model whose frozen weights come from a shared base held by
+trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap().
+
+    python bench/base_lora.py [--formats nf4 int8 fp8 nvfp4] [--seq 512] [--dir DIR]
+                              [--json out.json]
+
+The checkpoint (random bf16 weights, the model's own tensor names) is written once into
+--dir and reused. Each format runs in a fresh process: the base is loaded (or found) in the
+daemon, the quantized weights are copied to the GPU once, each projection dequantizes its
+weight at every use (the CUDA kernel) and the adapters train. Reported: step time (median of the
+timed steps after the plan settled), peak VRAM, the base's host bytes. The bf16 base (29.5 GB,
+which does not fit) is bench/memory_plan.py's qwen14b case: the plan streams it. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from bench_daemon import private_daemon  # noqa: E402
+from qwen_shape import CONFIGS, LoRALinear, add_lora, build, lm_loss  # noqa: E402
+from shared_base import write_checkpoint  # noqa: E402
+from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
+
+PRESET = "qwen2.5-14b"
+WARMUP, MEASURED, VRAM_GB = 3, 5, 24
+
+
+def lora_model():
+    """The decoder with LoRA adapters, on the meta device (no memory): its frozen tensors come
+    from the base, its adapters are made on the GPU."""
+    model = build(CONFIGS[PRESET], dtype=torch.bfloat16, device="meta")
+    add_lora(model, r=16)
+    return model
+
+
+def frozen_shapes() -> list:
+    return [(n, tuple(p.shape)) for n, p in lora_model().named_parameters()
+            if not p.requires_grad]
+
+
+def worker(fmt: str, case: dict) -> dict:
+    import trainstream
+
+    row = {"format": fmt, "seq": case["seq"], "vram_gb": VRAM_GB}
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, VRAM_GB * 2**30 / total), 0)
+    model = lora_model()
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            a = torch.empty(module.lora_a.shape, dtype=torch.bfloat16, device="cuda")
+            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+            module.lora_a = torch.nn.Parameter(a)
+            module.lora_b = torch.nn.Parameter(torch.zeros(module.lora_b.shape,
+                                                           dtype=torch.bfloat16, device="cuda"))
+    began = time.perf_counter()
+    base = trainstream.load_base(case["dir"], format=fmt, progress=False)
+    row["load_s"] = round(time.perf_counter() - began, 1)
+    row["base_host_bytes"] = base.stored_bytes
+    taken = trainstream.attach_base(model, base, device="cuda")
+    row["base_linear"] = len(taken["linear"])
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.is_meta]
+    if left:
+        raise RuntimeError(f"not from the base: {left[:5]}")
+    model, opt = trainstream.wrap(model, lr=1e-4, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    vocab = CONFIGS[PRESET].vocab
+
+    def step():
+        idx = torch.randint(0, vocab, (1, case["seq"] + 1), generator=g).cuda()
+        lm_loss(model, idx).backward()
+        opt.step()
+        opt.zero_grad()
+
+    session = model._trainstream_session
+    s = 0
+    while (session.adapting and s < 12) or s < WARMUP:
+        step()
+        s += 1
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(MEASURED):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    row.update(step_s=round(statistics.median(times), 4),
+               peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               settle_steps=s)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--formats", nargs="+", default=["nf4", "int8", "fp8", "nvfp4"])
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--dir", default="/var/tmp/ts-bench-base")
+    parser.add_argument("--timeout", type=int, default=900)
+    add_worker_arguments(parser)
+    args = parser.parse_args()
+    folder = os.path.join(args.dir, f"{PRESET}-lora")
+    cases = {"lora": {"seq": args.seq, "dir": folder}}
+    if answered_as_worker(args, worker, cases):
+        return
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    print(f"checkpoint: {folder}", flush=True)
+    shards = write_checkpoint(folder, frozen_shapes())
+    file_bytes = sum(os.path.getsize(p) for p in shards)
+    rows = []
+    with private_daemon(f"{int(file_bytes * 1.3) >> 20}M") as socket:
+        for fmt in args.formats:
+            row = run_worker(os.path.abspath(__file__), fmt, "lora", socket, args.timeout)
+            rows.append(row)
+            if row.get("failed"):
+                print(f"{fmt:6s} failed: {row['stderr'][-800:]}", flush=True)
+                continue
+            print(f"{fmt:6s} {1e3 * row['step_s']:7.1f} ms/step, peak {row['peak_vram_gib']:5.2f}"
+                  f" GiB, base {row['base_host_bytes'] / 1e9:5.2f} GB in host memory "
+                  f"(loaded in {row['load_s']} s), {row['base_linear']} projections from it",
+                  flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"bench": "base_lora", "preset": PRESET, "gpu":
+                               torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
