@@ -10,6 +10,7 @@ from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
 from .bases import SharedBase, bases, load_base
 from .base_linear import BaseLinear, attach_base, quantize_model
+from .huggingface import load_model
 from .blocks import find_blocks
 from .hardware import profile_hardware
 from .offload_adamw import OffloadAdamW
@@ -43,5 +44,5 @@ __all__ = [
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
-    "BaseLinear", "attach_base", "quantize_model",
+    "BaseLinear", "attach_base", "quantize_model", "load_model",
 ]

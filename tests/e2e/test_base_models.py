@@ -204,3 +204,32 @@ def test_base_linear_on_cuda_matches_the_reference(client, tmp_path):
             out.sum().backward()
             out_ref.sum().backward()
             assert torch.equal(x.grad, x_ref.grad), (fmt, keep_on_host)
+
+
+@pytest.mark.parametrize("fmt,tied", [(None, False), ("nf4", False), ("int8", True)])
+def test_load_model_builds_a_hugging_face_lm_over_the_shared_base(client, tmp_path, fmt, tied):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(4)
+    original = transformers.Qwen2ForCausalLM(config).eval()
+    for p in original.parameters():  # bf16 weights; computed buffers (rotary) stay fp32
+        p.data = p.data.to(torch.bfloat16)
+    original.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = trainstream.load_model(str(tmp_path), quantize=fmt, device="cpu", client=client,
+                                   progress=False).eval()
+    assert not any(p.requires_grad for p in model.parameters())
+    base = model._trainstream_base
+    assert base.format == (fmt or "bf16")
+    # The reference: the original model holding the base's values, dequantized.
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if name in base.tensors:
+                p.copy_(base.dequantize(name, dtype=p.dtype))
+    idx = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, original(idx).logits)
+    if fmt is not None:
+        quantized = [n for n, t in base.tensors.items() if t.stored == fmt]
+        assert quantized and all(".layers." in n for n in quantized)
