@@ -17,6 +17,7 @@ from . import client as _client
 from .block_memory import (FrozenWeights, adaptive_plan, keep_daemon_weights_on_load,
                            page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, ResourceExhaustedError
+from .base_linear import quantize_model
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
@@ -53,6 +54,8 @@ _ACCEPTED = {
     "host_arena": "'auto' (the daemon's buffers, grown on demand), bytes (reserved now, never "
                   "more), or False (private pinned memory, not counted by the daemon)",
     "profile": (True, False),
+    "quantize": (None, False, "none", "int8", "nf4", "fp8", "nvfp4"),
+    "quant_block_size": "0 (the format's default) or an even number of values per scale",
 }
 
 
@@ -119,6 +122,11 @@ def _check_options(options: dict) -> None:
             raise ValueError(f"trainstream.wrap: {name}={value!r} must be " +
                              ("None or bytes > 0" if name == "max_inflight_bytes" else
                               "'auto', False or bytes > 0"))
+    block = options.get("quant_block_size", 0)
+    if not (isinstance(block, int) and not isinstance(block, bool) and block >= 0
+            and block % 2 == 0):
+        raise ValueError(f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
+                         "number of values")
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
@@ -216,9 +224,17 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
-              "max_inflight_bytes": None, "host_arena": "auto", "profile": True}
+              "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
+              "quantize": None, "quant_block_size": 0}
     config.update(options)
     events: list = []
+    quantize = config["quantize"]
+    if quantize not in (None, False, "none"):
+        # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
+        done = quantize_model(model, quantize, config["quant_block_size"])
+        events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
+                                        f"{quantize} in this process (load_base() and "
+                                        "attach_base() share one copy between processes)"))
 
     device = config["device"]
     devices = {p.device for p in model.parameters()}

@@ -150,6 +150,24 @@ def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path)
         trainstream.quantize_model(copy.deepcopy(net), "fp4")
 
 
+def test_wrap_quantizes_frozen_layers_when_asked(client, tmp_path):
+    net = frozen_net(3)
+    own = copy.deepcopy(net)
+    trainstream.quantize_model(own, "int8", block=32)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=g)
+    y = torch.randint(0, 10, (8,), generator=g)
+    model, opt = trainstream.wrap(net, lr=1e-2, device="cpu", quantize="int8",
+                                  quant_block_size=32)
+    assert isinstance(model.blocks[0].up, trainstream.BaseLinear)
+    assert model.blocks[0].up.stored.block == 32
+    assert any(e["kind"] == "wrap.quantize" for e in model._trainstream_session.events)
+    assert torch.equal(model(x), own(x))
+    for bad in (dict(quantize="fp4"), dict(quant_block_size=3)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            trainstream.wrap(frozen_net(), device="cpu", **bad)
+
+
 TRAINER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])
