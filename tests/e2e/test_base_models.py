@@ -154,9 +154,7 @@ def test_wrap_quantizes_frozen_layers_when_asked(client, tmp_path):
     net = frozen_net(3)
     own = copy.deepcopy(net)
     trainstream.quantize_model(own, "int8", block=32)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 64, generator=g)
-    y = torch.randint(0, 10, (8,), generator=g)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     model, opt = trainstream.wrap(net, lr=1e-2, device="cpu", quantize="int8",
                                   quant_block_size=32)
     assert isinstance(model.blocks[0].up, trainstream.BaseLinear)
