@@ -306,7 +306,7 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
     auto progress = [&](uint64_t bytes) {
       base->read_bytes.store(done_before + bytes, std::memory_order_relaxed);
       const absl::Time now = absl::Now();
-      if (now - last_report >= absl::Seconds(2)) {
+      if (now - last_report >= options_.progress_every) {
         last_report = now;
         const uint64_t read = done_before + bytes;
         const double seconds = absl::ToDoubleSeconds(now - base->started);

@@ -66,6 +66,7 @@ class BaseStoreTest : public ::testing::Test {
   BaseStore& Store(absl::Duration keep_warm = absl::Minutes(5)) {
     BaseStore::Options options;
     options.keep_warm = keep_warm;
+    options.progress_every = absl::ZeroDuration();  // every window: small loads show progress
     options.window_bytes = 1000;  // many windows even for these small tensors
     store_ = std::make_unique<BaseStore>(options, arena_.get(), events_.get());
     return *store_;
@@ -145,6 +146,17 @@ TEST_F(BaseStoreTest, TwoSessionsOfAUserShareOneCopy) {
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "base.loading"), kinds.end());
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "base.attached"), kinds.end());
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "base.ready"), kinds.end());
+  // A load says how far it is as it goes: read bytes that only grow, up to the whole.
+  std::vector<double> read;
+  for (const Event& e : events_->Since(0, [](const Event&) { return true; })) {
+    if (e.kind != "base.progress") continue;
+    for (const auto& [name, value] : e.numbers) {
+      if (name == "read_bytes") read.push_back(value);
+    }
+  }
+  ASSERT_GT(read.size(), 3u);
+  EXPECT_TRUE(std::is_sorted(read.begin(), read.end()));
+  EXPECT_EQ(read.back(), static_cast<double>(ready.read_total));
 }
 
 TEST_F(BaseStoreTest, AnotherUserGetsNeitherTheBaseNorItsSegments) {
