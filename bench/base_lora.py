@@ -5,8 +5,8 @@ trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap
     python bench/base_lora.py [--formats nf4 int8 fp8 nvfp4] [--seq 512] [--dir DIR]
                               [--json out.json]
 
-The checkpoint (random bf16 weights, the model's own tensor names) is written once into
---dir and reused. Each format runs in a fresh process: the base is loaded (or found) in the
+The checkpoint is bench/shared_base.py's (random bf16 weights, Hugging Face names, in
+--dir), written once and reused; the model's own names map onto it. Each format runs in a fresh process: the base is loaded (or found) in the
 daemon, the quantized weights are copied to the GPU once, each projection dequantizes its
 weight at every use (the CUDA kernel) and the adapters train. Reported: step time (median of the
 timed steps after the plan settled), peak VRAM, the base's host bytes. The bf16 base (29.5 GB,
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_daemon import private_daemon  # noqa: E402
 from qwen_shape import CONFIGS, LoRALinear, add_lora, build, lm_loss  # noqa: E402
-from shared_base import write_checkpoint  # noqa: E402
+from shared_base import tensor_shapes, write_checkpoint  # noqa: E402
 from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
 
 PRESET = "qwen2.5-14b"
@@ -42,9 +42,10 @@ def lora_model():
     return model
 
 
-def frozen_shapes() -> list:
-    return [(n, tuple(p.shape)) for n, p in lora_model().named_parameters()
-            if not p.requires_grad]
+def checkpoint_name(name: str) -> str:
+    """The Hugging Face name of one of this model's tensors (LoRA wraps each projection)."""
+    name = name.replace(".base.", ".")
+    return name if name.startswith("lm_head.") else "model." + name
 
 
 def worker(fmt: str, case: dict) -> dict:
@@ -65,7 +66,7 @@ def worker(fmt: str, case: dict) -> dict:
     base = trainstream.load_base(case["dir"], format=fmt, progress=False)
     row["load_s"] = round(time.perf_counter() - began, 1)
     row["base_host_bytes"] = base.stored_bytes
-    taken = trainstream.attach_base(model, base, device="cuda")
+    taken = trainstream.attach_base(model, base, device="cuda", rename=checkpoint_name)
     row["base_linear"] = len(taken["linear"])
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta]
@@ -108,14 +109,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900)
     add_worker_arguments(parser)
     args = parser.parse_args()
-    folder = os.path.join(args.dir, f"{PRESET}-lora")
+    folder = os.path.join(args.dir, PRESET)
     cases = {"lora": {"seq": args.seq, "dir": folder}}
     if answered_as_worker(args, worker, cases):
         return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"checkpoint: {folder}", flush=True)
-    shards = write_checkpoint(folder, frozen_shapes())
+    shards = write_checkpoint(folder, tensor_shapes(CONFIGS[PRESET]))
     file_bytes = sum(os.path.getsize(p) for p in shards)
     rows = []
     with private_daemon(f"{int(file_bytes * 1.3) >> 20}M") as socket:

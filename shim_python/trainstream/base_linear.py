@@ -90,19 +90,22 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
-                keep_on_host: bool = False) -> dict:
+                keep_on_host: bool = False, rename: Any = None) -> dict:
     """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
     the base holds becomes a :class:`BaseLinear` over the base's bytes (on the CPU the shared
     copy itself; on a GPU copied there once, or read from the shared host copy at every use with
     ``keep_on_host``); other frozen
     tensors the base holds (norms, embeddings) get its values. Trainable parameters are left as
-    they are. Returns what was taken: {"linear": [...], "copied": [...], "bytes": n}."""
+    they are. ``rename(model_name) -> base_name`` maps the model's tensor names to the
+    checkpoint's where they differ (adapters wrapping the layers, another prefix). Returns what
+    was taken: {"linear": [...], "copied": [...], "bytes": n}, by the model's names."""
+    rename = rename or (lambda name: name)
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
     taken: dict = {"linear": [], "copied": [], "bytes": 0}
     handled: set = set()  # biases of the layers replaced, set with them
     for name, module in list(model.named_modules()):
-        key = f"{name}.weight" if name else "weight"
+        key = rename(f"{name}.weight" if name else "weight")
         if not isinstance(module, nn.Linear) or key not in base.tensors:
             continue
         if module.weight.requires_grad:
@@ -116,8 +119,8 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
             data, scales = data.to(device, copy=True), scales.to(device, copy=True)
         bias = None
         if module.bias is not None:
-            bias_key = f"{name}.bias"
-            handled.add(bias_key)
+            handled.add(f"{name}.bias")
+            bias_key = rename(f"{name}.bias")
             if module.bias.requires_grad:
                 bias = module.bias  # trained: not the base's
             elif bias_key in base.tensors:
@@ -126,20 +129,21 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 bias = module.bias.detach().to(device)
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype)
         _replace(model, name, layer)
-        taken["linear"].append(key)
+        taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
     for name, param in list(model.named_parameters()):
-        if param.requires_grad or name not in base.tensors or name in handled:
+        key = rename(name)
+        if param.requires_grad or key not in base.tensors or name in handled:
             continue
-        stored = base.tensors[name]
+        stored = base.tensors[key]
         if stored.shape != tuple(param.shape):
-            raise InvalidArgumentError(f"base tensor '{name}' is {stored.shape}; the model's "
-                                       f"parameter is {tuple(param.shape)}")
+            raise InvalidArgumentError(f"base tensor '{key}' is {stored.shape}; the model's "
+                                       f"parameter '{name}' is {tuple(param.shape)}")
         # A new frozen parameter in its place: the old one may live on another device, or on
         # the meta device of a model built without memory.
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        value = base.dequantize(name, dtype=param.dtype, device=device)
+        value = base.dequantize(key, dtype=param.dtype, device=device)
         setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
         taken["copied"].append(name)
     model._trainstream_base = base  # the mapping lives as long as the model

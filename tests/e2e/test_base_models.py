@@ -135,6 +135,24 @@ def test_frozen_layers_left_unquantized_and_trained_biases_keep_working(client, 
     assert train(net) == train(reference)
 
 
+def test_attach_base_maps_the_models_names_onto_the_checkpoints(client, tmp_path):
+    net = frozen_net(5)
+    # The checkpoint names everything under "model.", as Hugging Face checkpoints do.
+    safetensors_torch.save_file({f"model.{n}": t for n, t in base_weights(net).items()},
+                                str(tmp_path / "model.safetensors"))
+    base = trainstream.load_base(str(tmp_path), format="int8", client=client, progress=False)
+    assert trainstream.attach_base(copy.deepcopy(net), base)["linear"] == []  # names differ
+    reference = copy.deepcopy(net)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if f"model.{name}" in base.tensors:
+                p.copy_(base.dequantize(f"model.{name}", dtype=torch.float32))
+    taken = trainstream.attach_base(net, base, rename=lambda name: f"model.{name}")
+    assert len(taken["linear"]) == 6 and "blocks.0.up.weight" in taken["linear"]
+    x = torch.randn(2, 64)
+    assert torch.equal(net(x), reference(x))
+
+
 def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path):
     net = frozen_net(1)
     safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
