@@ -172,6 +172,9 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
       trimmed = trimmed.substr(0, trimmed.rfind('/'));
     }
     base->name = trimmed.substr(trimmed.rfind('/') + 1);
+    for (char& c : base->name) {  // shown by tsctl and in events: no terminal control codes
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+    }
   }
   // '#' is in no job id a client may choose: no session shares the base's arena job.
   base->job = JobKey{session.owner.uid, absl::StrCat("base#", base->id)};

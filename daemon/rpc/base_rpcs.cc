@@ -64,6 +64,11 @@ grpc::Status TrainStreamService::LoadBase(grpc::ServerContext* context,
     return ToGrpcStatus(absl::InvalidArgumentError(
         "path, name or the list of tensors to quantize is longer than a base request may be"));
   }
+  for (unsigned char c : request->name()) {
+    if (c < 0x20 || c == 0x7f) {  // shown by tsctl and in events: no terminal control codes
+      return ToGrpcStatus(absl::InvalidArgumentError("a base name holds no control characters"));
+    }
+  }
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
   if (!session.ok()) return ToGrpcStatus(session.status());

@@ -168,6 +168,8 @@ def test_broken_checkpoints_and_bad_requests_fail_with_the_reason(client, tmp_pa
         trainstream.load_base(str(garbage), client=client, progress=False)
     with pytest.raises(trainstream.NotFoundError):
         trainstream.load_base(str(tmp_path / "absent.safetensors"), client=client, progress=False)
+    with pytest.raises(trainstream.InvalidArgumentError, match="control characters"):
+        trainstream.load_base(str(good), name="evil\x1b[2J", client=client, progress=False)
     with pytest.raises(trainstream.InvalidArgumentError, match="format='fp4'"):
         trainstream.load_base(str(good), format="fp4", client=client, progress=False)
     with pytest.raises(trainstream.InvalidArgumentError, match="not in"):
