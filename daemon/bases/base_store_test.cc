@@ -3,12 +3,16 @@
 // loaded once, shared while in use, kept warm, then freed; refusals with their reasons.
 #include "bases/base_store.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "bases/caller_access.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "safetensors/test_checkpoints.h"
@@ -250,6 +254,32 @@ TEST_F(BaseStoreTest, FilesAreOpenedWithTheCallersRights) {
   // The thread has its own rights back: root reads the file.
   const Session root = MakeSession("s-r", 0, "job");
   EXPECT_TRUE(store.Load(root, Request(Path("open/link.safetensors"), "bf16")).ok());
+}
+
+TEST(CallerFilesTest, OpensAsTheCallerThenAsTheDaemonAgain) {
+  if (::geteuid() != 0) GTEST_SKIP() << "taking another user's rights needs root";
+  const std::string path = (fs::temp_directory_path() /
+                            absl::StrCat("ts-caller-", ::getpid())).string();
+  std::ofstream(path) << "private";
+  fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
+  PeerCredentials nobody;
+  nobody.uid = 65534;
+  nobody.gid = 65534;
+  {
+    std::unique_ptr<CallerFiles> as_caller = *CallerFiles::Enter(nobody);
+    EXPECT_TRUE(as_caller->switched());
+    errno = 0;
+    EXPECT_LT(::open(path.c_str(), O_RDONLY), 0);  // the kernel checked as uid 65534
+    EXPECT_EQ(errno, EACCES);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY);  // root's own rights are back
+  EXPECT_GE(fd, 0);
+  if (fd >= 0) ::close(fd);
+  // The daemon's own user needs no switch.
+  PeerCredentials self;
+  self.uid = ::geteuid();
+  EXPECT_FALSE((*CallerFiles::Enter(self))->switched());
+  fs::remove(path);
 }
 
 TEST_F(BaseStoreTest, RequestsAreCheckedAndFailuresSayWhy) {
