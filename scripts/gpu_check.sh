@@ -7,8 +7,11 @@
 #   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
 #   scripts/gpu_check.sh plan [CASE...]      the memory plan's GPU tests, then bench/memory_plan.py
 #   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only
-#   scripts/gpu_check.sh bases [PRESET]      shared bases: their GPU tests, the dequantization
-#                                            kernels' bandwidth, load speed and sharing
+#   scripts/gpu_check.sh bases               shared bases: their GPU tests and the dequantization
+#                                            kernels' bandwidth
+#   scripts/gpu_check.sh bases_share [PRESET] the daemon's load speed per format and sharing
+#   scripts/gpu_check.sh bases_lora          LoRA per quantized format over a shared base
+#   (each of the last two writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -70,15 +73,18 @@ if [[ $what == plan_bench ]]; then
     > "$OUT/memory_plan.txt" 2>&1 || status=1
 fi
 if [[ $what == bases ]]; then
-  preset=${2:-qwen2.5-14b}
   python3 -m pytest -ra -m gpu tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
   python3 -m pytest -ra -m "not gpu" tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py \
     > "$OUT/pytest_cpu.log" 2>&1 || status=1
   (cd bench && python3 dequantize.py --json "$OUT/dequantize.json") > "$OUT/dequantize.txt" 2>&1 \
     || status=1
-  (cd bench && python3 shared_base.py --preset "$preset" --json "$OUT/shared_base.json") \
+fi
+if [[ $what == bases_share ]]; then
+  (cd bench && python3 shared_base.py --preset "${2:-qwen2.5-14b}" --json "$OUT/shared_base.json") \
     > "$OUT/shared_base.txt" 2>&1 || status=1
+fi
+if [[ $what == bases_lora ]]; then
   (cd bench && python3 base_lora.py --json "$OUT/base_lora.json") > "$OUT/base_lora.txt" 2>&1 \
     || status=1
 fi

@@ -282,40 +282,61 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
       base->buffers.push_back(*record);
     }
   }
+  // Several tensors are read at once: quantizing is CPU work, and a fast disk serves several
+  // reads. Each thread holds one window, so memory stays bounded by threads x window.
+  const size_t count = base->tensors.size();
+  const unsigned threads = static_cast<unsigned>(std::max<size_t>(
+      1, std::min<size_t>(options_.load_threads != 0
+                              ? options_.load_threads
+                              : std::min(8u, std::max(1u, std::thread::hardware_concurrency())),
+                          count)));
+  std::atomic<size_t> next{0};
+  absl::Mutex report_mu;  // orders the progress events and keeps the first error
   absl::Time last_report = absl::Now();
-  uint64_t done_before = 0;  // file bytes of the tensors already read
-  for (size_t i = 0; i < base->tensors.size() && status.ok(); ++i) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (stopping_) {
-        status = absl::CancelledError("the daemon stopped while the base was loading");
-        break;
+  auto work = [&] {
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) {
+          absl::MutexLock report(&report_mu);
+          if (status.ok()) {
+            status = absl::CancelledError("the daemon stopped while the base was loading");
+          }
+          return;
+        }
       }
-    }
-    BaseTensor& bt = base->tensors[i];
-    const CheckpointTensor& ct = base->checkpoint->tensors()[i];
-    absl::StatusOr<uint8_t*> data = arena_->BufferData(base->job, base->buffers[bt.buffer].buffer_id);
-    if (!data.ok()) {
-      status = data.status();
-      break;
-    }
-    StoredLayout layout;
-    layout.as = bt.stored;
-    layout.data_bytes = bt.data_bytes;
-    layout.scale_bytes = bt.scale_bytes;
-    if (bt.stored == StoredAs::kQuantized) {
-      layout.quant = *kernels::LayoutFor(bt.format, ct.tensor->numel, bt.block);
-    }
-    auto progress = [&](uint64_t bytes) {
-      base->read_bytes.store(done_before + bytes, std::memory_order_relaxed);
-      const absl::Time now = absl::Now();
-      if (now - last_report >= options_.progress_every) {
+      {
+        absl::MutexLock report(&report_mu);
+        if (!status.ok()) return;
+      }
+      const size_t i = next.fetch_add(1);
+      if (i >= count) return;
+      BaseTensor& bt = base->tensors[i];
+      const CheckpointTensor& ct = base->checkpoint->tensors()[i];
+      absl::StatusOr<uint8_t*> data =
+          arena_->BufferData(base->job, base->buffers[bt.buffer].buffer_id);
+      StoredLayout layout;
+      layout.as = bt.stored;
+      layout.data_bytes = bt.data_bytes;
+      layout.scale_bytes = bt.scale_bytes;
+      if (bt.stored == StoredAs::kQuantized) {
+        layout.quant = *kernels::LayoutFor(bt.format, ct.tensor->numel, bt.block);
+      }
+      uint64_t counted = 0;  // of this tensor's bytes, those already in read_bytes
+      auto progress = [&](uint64_t bytes) {
+        base->read_bytes.fetch_add(bytes - counted, std::memory_order_relaxed);
+        counted = bytes;
+        absl::MutexLock report(&report_mu);
+        const absl::Time now = absl::Now();
+        if (now - last_report < options_.progress_every) return;
         last_report = now;
-        const uint64_t read = done_before + bytes;
+        // Read under the lock, from a count that only grows: events never go backwards.
+        const uint64_t read = base->read_bytes.load(std::memory_order_relaxed);
         const double seconds = absl::ToDoubleSeconds(now - base->started);
         events_->Emit("base.progress",
                       absl::StrFormat("base %d '%s': %.0f%% (%s of %s) at %.2f GB/s", base->id,
-                                      base->name, 100.0 * read / std::max<uint64_t>(1, base->read_total),
+                                      base->name,
+                                      100.0 * read / std::max<uint64_t>(1, base->read_total),
                                       Gb(static_cast<double>(read)),
                                       Gb(static_cast<double>(base->read_total)),
                                       read / 1e9 / std::max(seconds, 1e-9)),
@@ -323,17 +344,24 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
                        {"read_bytes", static_cast<double>(read)},
                        {"total_bytes", static_cast<double>(base->read_total)}},
                       "", base->uid);
+      };
+      absl::StatusOr<ReadResult> read =
+          data.ok() ? ReadTensor(*ct.file, *ct.tensor, layout, *data + bt.data_offset,
+                                 *data + bt.scale_offset, progress, options_.window_bytes)
+                    : absl::StatusOr<ReadResult>(data.status());
+      if (!read.ok()) {
+        absl::MutexLock report(&report_mu);
+        if (status.ok()) status = read.status();
+        return;
       }
-    };
-    absl::StatusOr<ReadResult> read =
-        ReadTensor(*ct.file, *ct.tensor, layout, *data + bt.data_offset,
-                   *data + bt.scale_offset, progress, options_.window_bytes);
-    if (!read.ok()) {
-      status = read.status();
-      break;
+      bt.tensor_scale = read->tensor_scale;
     }
-    bt.tensor_scale = read->tensor_scale;
-    done_before = base->read_bytes.load(std::memory_order_relaxed);
+  };
+  if (status.ok()) {
+    std::vector<std::thread> helpers;
+    for (unsigned t = 1; t < threads; ++t) helpers.emplace_back(work);
+    work();
+    for (std::thread& t : helpers) t.join();
   }
   if (status.ok()) {
     for (BufferRecord& record : base->buffers) {

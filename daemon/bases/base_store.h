@@ -80,6 +80,7 @@ class BaseStore {
     uint64_t window_bytes = uint64_t{16} << 20;   // the reader's memory, per load
     uint64_t buffer_bytes = uint64_t{1} << 30;    // tensors are packed into buffers this big
     absl::Duration progress_every = absl::Seconds(2);  // base.progress events while loading
+    unsigned load_threads = 0;  // tensors read at once per load; 0: up to 8, one per core
     // Whether a session still lives (the daemon's registry); unset: all do.
     std::function<bool(const Session& session)> session_alive;
   };

@@ -71,6 +71,7 @@ class BaseStoreTest : public ::testing::Test {
     BaseStore::Options options;
     options.keep_warm = keep_warm;
     options.progress_every = absl::ZeroDuration();  // every window: small loads show progress
+    options.load_threads = 4;  // tensors loaded concurrently, whatever this machine has
     options.window_bytes = 1000;  // many windows even for these small tensors
     store_ = std::make_unique<BaseStore>(options, arena_.get(), events_.get());
     return *store_;

@@ -179,9 +179,9 @@ float E2m1ToFloat(uint8_t code) {
 }
 
 uint8_t Nf4Code(float normalized) {
-  uint8_t code = 0;
-  while (code < 15 && normalized > kNf4Above[code]) ++code;
-  return code;
+  // The number of decision points strictly below the value (bitsandbytes' tree: above a point
+  // means the code past it), found by bisection.
+  return static_cast<uint8_t>(std::lower_bound(kNf4Above, kNf4Above + 15, normalized) - kNf4Above);
 }
 
 float Nf4Value(uint8_t code) { return kNf4[code & 0xf]; }
