@@ -63,19 +63,28 @@ def kinds(model):
     return [e["kind"] for e in model._trainstream_session.events]
 
 
+def planned_twins(seed: int, layers: int, **options):
+    """A TinyGPT on the CPU wrapped twice: all resident, and planned under a budget where the
+    weights fit and the activations of two blocks more than the last one's do not. Returns
+    (resident, its optimizer, planned, its optimizer, one block's saved bytes, the budget)."""
+    torch.manual_seed(seed)
+    resident = TinyGPT(layers=layers)
+    planned = copy.deepcopy(resident)
+    act = saved_by_one_block(resident)
+    budget = nbytes(resident.parameters()) + 2 * act
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device="cpu", **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device="cpu", offload=True,
+                                      vram_budget=budget, min_offload_bytes=0, **options)
+    return resident, r_opt, planned, p_opt, act, budget
+
+
 @pytest.mark.parametrize("warm_ms,replans", [(1.0, True), (9.0, False)])
 def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_socket, warm_ms,
                                                                          replans):
     # The probe's timing is a first step's (allocator growth, kernel selection); the next
     # step's replaces it when they differ by more than a quarter. Times are given here, so
     # that the decision does not depend on this machine's clock.
-    torch.manual_seed(12)
-    resident = TinyGPT(layers=4)
-    planned = copy.deepcopy(resident)
-    budget = nbytes(resident.parameters()) + 2 * saved_by_one_block(resident)
-    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device="cpu", **RESIDENT)
-    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device="cpu", offload=True,
-                                      vram_budget=budget, min_offload_bytes=0)
+    resident, r_opt, planned, p_opt, _, _ = planned_twins(12, 4)
     pager = planned._trainstream_session.pager
     times = iter([0.010, warm_ms / 1e3])
     pager.forward_seconds = lambda b: next(times)
@@ -93,15 +102,7 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
     # On the CPU, where a step needs no working memory beyond weights and activations, so a
     # budget in between is exact; the CUDA path is the VRAM-cap test below and the benchmarks.
     DEVICE = "cpu"  # noqa: N806
-    torch.manual_seed(11)
-    resident = TinyGPT(layers=4).to(DEVICE)
-    planned = copy.deepcopy(resident)
-    act = saved_by_one_block(resident)
-    # The weights fit; the activations of two blocks more than the last one's do not.
-    budget = nbytes(resident.parameters()) + 2 * act
-    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
-    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
-                                      vram_budget=budget, min_offload_bytes=0)
+    resident, r_opt, planned, p_opt, act, budget = planned_twins(11, 4)
     session = planned._trainstream_session
     assert session.adapting and session.plan is not None
     assert "client.plan.probe" not in kinds(planned) and "plan.probe" in kinds(planned)
@@ -129,16 +130,10 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
 
 def test_a_host_arena_cap_bounds_the_activations_the_plan_pages(daemon_socket):
     DEVICE = "cpu"  # noqa: N806  (as above)
-    torch.manual_seed(16)
-    resident = TinyGPT(layers=6).to(DEVICE)
-    planned = copy.deepcopy(resident)
-    act = saved_by_one_block(resident)
-    budget = nbytes(resident.parameters()) + 2 * act
-    resident, r_opt = trainstream.wrap(resident, lr=3e-3, device=DEVICE, **RESIDENT)
+    act = saved_by_one_block(TinyGPT(layers=6))  # shapes alone decide it
     # Room in the arena for one block's activations: the plan recomputes the others.
-    planned, p_opt = trainstream.wrap(planned, lr=3e-3, device=DEVICE, offload=True,
-                                      vram_budget=budget, min_offload_bytes=0,
-                                      host_arena=int(1.5 * act))
+    resident, r_opt, planned, p_opt, act, budget = planned_twins(16, 6,
+                                                                 host_arena=int(1.5 * act))
     losses = train(planned, p_opt, 3, device=DEVICE)
     policy = trainstream.memory_report(planned)["activations"]["policy"]
     assert policy.count("offload") <= 1 and "recompute" in policy
