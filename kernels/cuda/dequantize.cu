@@ -12,10 +12,13 @@
 namespace trainstream::kernels {
 namespace {
 
-// Each thread turns 8 values: 4 bytes of 4-bit codes or 8 of 8-bit ones in, 16 or 32 bytes out.
-constexpr int kValuesPerThread = 8;
+// Each thread turns 16 values: 8 bytes of 4-bit codes or 16 of 8-bit ones in (one vector load
+// when the data is aligned for it), 32 or 64 bytes out.
+constexpr int kValuesPerThread = 16;
 constexpr int kThreads = 256;
 
+// The code tables are copied into shared memory by each block: a warp's lanes look up different
+// codes, which constant memory would serve one address at a time.
 __device__ __constant__ float kNf4Table[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
     -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
@@ -25,28 +28,40 @@ __device__ __constant__ float kE2m1Table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f
                                                 4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
                                                 -2.0f, -3.0f, -4.0f, -6.0f};
 
+template <QuantFormat kFormat>
+constexpr bool kFourBit = kFormat == QuantFormat::kNf4 || kFormat == QuantFormat::kNvfp4;
+
 __device__ __forceinline__ float E4m3(uint8_t bits) {
   // Exact: every e4m3 value is a half value.
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
 }
 
-__device__ __forceinline__ float FloatScale(const uint8_t* scales, uint64_t block) {
-  return reinterpret_cast<const float*>(scales)[block];
+// The scale of block `b`: fp32 for int8, NF4 and FP8; an e4m3 byte times the tensor scale for
+// NVFP4.
+template <QuantFormat kFormat>
+__device__ __forceinline__ float BlockScale(const uint8_t* scales, uint64_t b,
+                                            float tensor_scale) {
+  if constexpr (kFormat == QuantFormat::kNvfp4) {
+    return E4m3(scales[b]) * tensor_scale;
+  } else {
+    return reinterpret_cast<const float*>(scales)[b];
+  }
 }
 
+// Value `j` of a unit (before its scale) from the unit's stored bytes. NF4 puts the first
+// value of a byte in the high nibble (as bitsandbytes does), NVFP4 in the low one.
 template <QuantFormat kFormat>
-__device__ __forceinline__ float Decode(const uint8_t* data, const uint8_t* scales,
-                                        uint64_t e, uint64_t b, float tensor_scale) {
+__device__ __forceinline__ float Code(const uint8_t* bytes, int j, const float* table) {
   if constexpr (kFormat == QuantFormat::kInt8) {
-    return static_cast<float>(static_cast<int8_t>(data[e])) * FloatScale(scales, b);
-  } else if constexpr (kFormat == QuantFormat::kNf4) {
-    const uint8_t byte = data[e / 2];
-    return kNf4Table[(e & 1) ? (byte & 0xf) : (byte >> 4)] * FloatScale(scales, b);
+    return static_cast<float>(static_cast<int8_t>(bytes[j]));
   } else if constexpr (kFormat == QuantFormat::kFp8) {
-    return E4m3(data[e]) * FloatScale(scales, b);
+    return E4m3(bytes[j]);
+  } else if constexpr (kFormat == QuantFormat::kNf4) {
+    const uint8_t byte = bytes[j / 2];
+    return table[(j & 1) ? (byte & 0xf) : (byte >> 4)];
   } else {
-    const uint8_t byte = data[e / 2];
-    return kE2m1Table[(e & 1) ? (byte >> 4) : (byte & 0xf)] * (E4m3(scales[b]) * tensor_scale);
+    const uint8_t byte = bytes[j / 2];
+    return table[(j & 1) ? (byte >> 4) : (byte & 0xf)];
   }
 }
 
@@ -59,36 +74,76 @@ __device__ __forceinline__ __nv_bfloat16 Convert<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-template <QuantFormat kFormat, typename Out>
+// kVectorLoads: `data` is aligned so that a unit's stored bytes are one 8- or 16-byte load.
+template <QuantFormat kFormat, typename Out, bool kVectorLoads>
 __global__ void DequantizeKernel(const uint8_t* __restrict__ data,
                                  const uint8_t* __restrict__ scales, uint64_t numel,
                                  uint32_t block, float tensor_scale, Out* __restrict__ out) {
+  constexpr int kUnitBytes = kFourBit<kFormat> ? kValuesPerThread / 2 : kValuesPerThread;
+  __shared__ float table[16];
+  if constexpr (kFourBit<kFormat>) {
+    if (threadIdx.x < 16) {
+      table[threadIdx.x] =
+          kFormat == QuantFormat::kNf4 ? kNf4Table[threadIdx.x] : kE2m1Table[threadIdx.x];
+    }
+    __syncthreads();
+  }
+  // With blocks a multiple of the unit, a unit's values share one scale: one division.
+  const bool one_block = block % kValuesPerThread == 0;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t unit = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        unit * kValuesPerThread < numel; unit += stride) {
     const uint64_t e0 = unit * kValuesPerThread;
-    __align__(16) Out values[kValuesPerThread];  // stored as uint4 below
     const bool whole = e0 + kValuesPerThread <= numel;
-    // With blocks a multiple of 8 values, the thread's 8 share one scale: one division.
-    const bool one_block = block % kValuesPerThread == 0;
-    const uint64_t b0 = e0 / block;
+    __align__(16) uint8_t bytes[kUnitBytes];
+    const uint8_t* src = data + unit * kUnitBytes;
+    if (kVectorLoads && whole) {
+      if constexpr (kUnitBytes == 16) {
+        *reinterpret_cast<uint4*>(bytes) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        *reinterpret_cast<uint2*>(bytes) = *reinterpret_cast<const uint2*>(src);
+      }
+    } else {
+      const uint64_t stored = kFourBit<kFormat> ? (numel + 1) / 2 : numel;
+#pragma unroll
+      for (int k = 0; k < kUnitBytes; ++k) {
+        bytes[k] = unit * kUnitBytes + k < stored ? src[k] : 0;
+      }
+    }
+    const float unit_scale = one_block ? BlockScale<kFormat>(scales, e0 / block, tensor_scale)
+                                       : 0.0f;
+    __align__(16) Out values[kValuesPerThread];  // stored as uint4 below
 #pragma unroll
     for (int j = 0; j < kValuesPerThread; ++j) {
       const uint64_t e = e0 + j;
       if (e < numel) {
-        values[j] = Convert<Out>(
-            Decode<kFormat>(data, scales, e, one_block ? b0 : e / block, tensor_scale));
+        const float scale =
+            one_block ? unit_scale : BlockScale<kFormat>(scales, e / block, tensor_scale);
+        values[j] = Convert<Out>(Code<kFormat>(bytes, j, table) * scale);
       }
     }
     if (whole) {
-      // 16 (bf16) or 32 (fp32) bytes at once: out is 16-byte aligned and e0 a multiple of 8.
-      const uint4* src = reinterpret_cast<const uint4*>(values);
-      uint4* dst = reinterpret_cast<uint4*>(out + e0);
+      // 32 (bf16) or 64 (fp32) bytes: out is 16-byte aligned and e0 a multiple of 16.
+      const uint4* from = reinterpret_cast<const uint4*>(values);
+      uint4* to = reinterpret_cast<uint4*>(out + e0);
 #pragma unroll
-      for (size_t k = 0; k < sizeof(values) / sizeof(uint4); ++k) dst[k] = src[k];
+      for (size_t k = 0; k < sizeof(values) / sizeof(uint4); ++k) to[k] = from[k];
     } else {
       for (int j = 0; j < kValuesPerThread && e0 + j < numel; ++j) out[e0 + j] = values[j];
     }
+  }
+}
+
+template <QuantFormat kFormat, typename Out>
+void LaunchFor(const QuantLayout& layout, const uint8_t* data, const uint8_t* scales,
+               float tensor_scale, Out* out, unsigned grid, cudaStream_t stream) {
+  constexpr uintptr_t kUnitBytes = kFourBit<kFormat> ? kValuesPerThread / 2 : kValuesPerThread;
+  if (reinterpret_cast<uintptr_t>(data) % kUnitBytes == 0) {
+    DequantizeKernel<kFormat, Out, true><<<grid, kThreads, 0, stream>>>(
+        data, scales, layout.numel, layout.block, tensor_scale, out);
+  } else {
+    DequantizeKernel<kFormat, Out, false><<<grid, kThreads, 0, stream>>>(
+        data, scales, layout.numel, layout.block, tensor_scale, out);
   }
 }
 
@@ -99,12 +154,11 @@ cudaError_t Launch(const QuantLayout& layout, const uint8_t* data, const uint8_t
   const unsigned grid = static_cast<unsigned>(
       std::min<uint64_t>((units + kThreads - 1) / kThreads, uint64_t{1} << 20));
   if (output == DeviceOutput::kBFloat16) {
-    DequantizeKernel<kFormat><<<grid, kThreads, 0, stream>>>(
-        data, scales, layout.numel, layout.block, tensor_scale,
-        static_cast<__nv_bfloat16*>(out));
+    LaunchFor<kFormat>(layout, data, scales, tensor_scale, static_cast<__nv_bfloat16*>(out),
+                       grid, stream);
   } else {
-    DequantizeKernel<kFormat><<<grid, kThreads, 0, stream>>>(
-        data, scales, layout.numel, layout.block, tensor_scale, static_cast<float*>(out));
+    LaunchFor<kFormat>(layout, data, scales, tensor_scale, static_cast<float*>(out), grid,
+                       stream);
   }
   return cudaGetLastError();
 }

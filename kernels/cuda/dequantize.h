@@ -13,9 +13,10 @@ namespace trainstream::kernels {
 
 enum class DeviceOutput : uint8_t { kFloat32 = 0, kBFloat16 = 1 };
 
-// `data`, `scales` and `out` are device pointers (`data` 4-byte aligned, `out` 16-byte
-// aligned for the vector stores); the kernel is queued on `stream` (a cudaStream_t) and not
-// waited for. INVALID_ARGUMENT for misaligned pointers; the CUDA error otherwise.
+// `data`, `scales` and `out` are device pointers (fp32 `scales` 4-byte aligned, `out` 16-byte
+// aligned for the vector stores; `data` is read with vector loads when aligned for them); the
+// kernel is queued on `stream` (a cudaStream_t) and not waited for. INVALID_ARGUMENT for
+// misaligned pointers; the CUDA error otherwise.
 absl::Status DequantizeOnDevice(const QuantLayout& layout, const uint8_t* data,
                                 const uint8_t* scales, float tensor_scale, void* out,
                                 DeviceOutput output, void* stream);

@@ -5,6 +5,10 @@
 none answers); buffers in the daemon's shared memory appear as torch tensors with no copy.
 """
 
+# torch before the native module: with the native module's libraries (gRPC, Abseil, protobuf)
+# loaded first, importing torch 2.11 aborts in free() on Ubuntu 24.04; torch first works.
+import torch  # noqa: F401  (import order only)
+
 from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec

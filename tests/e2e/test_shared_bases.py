@@ -190,8 +190,12 @@ def test_broken_checkpoints_and_bad_requests_fail_with_the_reason(client, tmp_pa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
-def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,block", [("int8", 0), ("nf4", 0), ("fp8", 0), ("nvfp4", 0),
+                                       ("int8", 6), ("nf4", 6), ("fp8", 6)])
+def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp_path, fmt,
+                                                                     block):
+    """Default blocks take the kernel's one-scale-per-unit path, a block of 6 its per-value
+    one; the data is read aligned (vector loads) and one byte off (byte loads)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the kernel runs there")
     from trainstream.bases import dequantize_cuda
@@ -203,8 +207,8 @@ def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp
                for i, s in enumerate(shapes)}
     tensors["model.layers.9.w"] = torch.zeros(64, 64)  # all-zero blocks
     safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
-    base = trainstream.load_base(str(tmp_path), format=fmt, client=client, progress=False,
-                                 quantize=list(tensors))
+    base = trainstream.load_base(str(tmp_path), format=fmt, block=block, client=client,
+                                 progress=False, quantize=list(tensors))
     for name in tensors:
         t = base.tensors[name]
         data, scales = base.raw(name)
@@ -215,6 +219,10 @@ def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp
         assert torch.equal(on_gpu, reference), name
         as_bf16 = dequantize_cuda(t, data.cuda(), scales.cuda(), torch.bfloat16).cpu()
         assert torch.equal(as_bf16, reference.to(torch.bfloat16)), name
+        off_by_one = torch.empty(data.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+        off_by_one.copy_(data)
+        assert torch.equal(dequantize_cuda(t, off_by_one, scales.cuda(), torch.float32).cpu(),
+                           reference), name
         assert torch.equal(base.dequantize(name, device="cuda").cpu().reshape(-1),
                            reference.to(torch.bfloat16)), name
     base.close()
