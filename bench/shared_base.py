@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="qwen2.5-14b", choices=list(CONFIGS))
     parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "nf4", "fp8", "nvfp4"])
-    parser.add_argument("--processes", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--processes", nargs="*", type=int, default=[1, 2, 4])
     parser.add_argument("--share-format", default="bf16")
     parser.add_argument("--dir", default="/var/tmp/ts-bench-base")
     parser.add_argument("--json", default="")
@@ -153,6 +153,16 @@ def main() -> None:
     print(f"{file_bytes / 1e9:.1f} GB in {len(shards)} shards; sequential read: disk "
           f"{disk:.2f} GB/s, page cache {cache:.2f} GB/s; memory copy {memory:.1f} GB/s")
     rows = []
+
+    def record(row: dict) -> None:
+        # Written after every row: a run cut short keeps what it measured.
+        rows.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bench": "shared_base", "preset": args.preset,
+                           "host": platform.node(), "cpus": os.cpu_count(), "rows": rows}, f,
+                          indent=1)
+
     budget = f"{max(256 << 20, int(file_bytes * 1.2)) >> 20}M"
     with private_daemon(budget, "--base_keep_warm_s=0") as socket:
         env = dict(os.environ, TRAINSTREAM_SOCKET=socket)
@@ -167,7 +177,7 @@ def main() -> None:
                        "read_gbps": file_bytes / seconds / 1e9, "disk_gbps": disk,
                        "page_cache_gbps": cache, "memory_copy_gbps": memory}
                 base.close()
-            rows.append(row)
+            record(row)
             print(f"load {fmt:6s} {seconds:6.1f} s  {row['read_gbps']:5.2f} GB/s of file "
                   f"({row['read_gbps'] / disk:.2f}x the cold read)  held "
                   f"{base.stored_bytes / 1e9:6.2f} GB", flush=True)
@@ -196,17 +206,13 @@ def main() -> None:
                    "mapped_resident_bytes": [s["segment_rss"] for s in seen],
                    "proportional_bytes": [s["segment_pss"] for s in seen],
                    "own_copies_bytes": n * stored}
-            rows.append(row)
+            record(row)
             total = sum(row["proportional_bytes"])
             print(f"{n} processes: {len(listed)} base; the daemon holds "
                   f"{held.get('base', 0) / 1e9:.2f} GB; each process maps "
                   f"{min(row['mapped_resident_bytes']) / 1e9:.2f} GB resident; their shares add up "
                   f"to {total / 1e9:.2f} GB = {total / stored:.3f}x one copy (copies of their own: "
                   f"{n * stored / 1e9:.2f} GB)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "shared_base", "preset": args.preset, "host": platform.node(),
-                       "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
