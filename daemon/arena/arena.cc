@@ -32,20 +32,21 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
   return std::unique_ptr<Arena>(new Arena(options));
 }
 
-absl::StatusOr<Arena::SegmentEntry*> Arena::NewSegmentLocked(const JobKey& job, uint64_t bytes,
-                                                             bool dedicated,
-                                                             const std::string& for_name) {
+absl::StatusOr<uint64_t> Arena::ReserveSegmentLocked(const JobKey& job, uint64_t bytes,
+                                                     const std::string& for_name) {
   // Other jobs' plans count as held; this job's own plan covers this segment if it can.
   const uint64_t others_planned = OutstandingPlansLocked(&job);
   const uint64_t used_after = UsedLocked(job) + bytes;
   const auto own_plan = plans_.find(job);
   const uint64_t own_outstanding =
       own_plan != plans_.end() && own_plan->second > used_after ? own_plan->second - used_after : 0;
-  if (reserved_ + bytes + others_planned + own_outstanding > options_.budget_bytes) {
+  const uint64_t held = reserved_ + retiring_;
+  if (held + bytes + others_planned + own_outstanding > options_.budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "host memory budget exhausted: buffer '%s' needs a %s segment, but %s of the "
-        "daemon's %s budget is already reserved%s; free buffers or raise --memory_budget",
-        for_name, Mib(bytes), Mib(reserved_), Mib(options_.budget_bytes),
+        "daemon's %s budget is already reserved%s%s; free buffers or raise --memory_budget",
+        for_name, Mib(bytes), Mib(held), Mib(options_.budget_bytes),
+        retiring_ > 0 ? absl::StrFormat(" (%s of it being released now)", Mib(retiring_)) : "",
         others_planned > 0 ? absl::StrFormat(" and %s more is planned by other jobs",
                                              Mib(others_planned))
                            : ""));
@@ -57,13 +58,31 @@ absl::StatusOr<Arena::SegmentEntry*> Arena::NewSegmentLocked(const JobKey& job, 
         "%s of its %s quota; free buffers or raise --uid_quota",
         for_name, Mib(bytes), job.uid, Mib(uid_reserved), Mib(options_.uid_quota_bytes)));
   }
-  uint64_t id = next_segment_id_++;
-  ASSIGN_OR_RETURN(std::unique_ptr<Segment> segment, Segment::Create(id, bytes));
   reserved_ += bytes;
   reserved_by_uid_[job.uid] += bytes;
   reserved_by_job_[job] += bytes;
+  return next_segment_id_++;
+}
+
+void Arena::UnreserveLocked(const JobKey& job, uint64_t bytes) {
+  reserved_ -= bytes;
+  if ((reserved_by_uid_[job.uid] -= bytes) == 0) reserved_by_uid_.erase(job.uid);
+  if ((reserved_by_job_[job] -= bytes) == 0) reserved_by_job_.erase(job);
+}
+
+absl::StatusOr<Arena::SegmentEntry*> Arena::AddSegment(const JobKey& job, uint64_t bytes,
+                                                       bool dedicated,
+                                                       const std::string& for_name) {
+  ASSIGN_OR_RETURN(const uint64_t id, ReserveSegmentLocked(job, bytes, for_name));
+  mu_.Unlock();
+  absl::StatusOr<std::unique_ptr<Segment>> segment = Segment::Create(id, bytes);
+  mu_.Lock();
+  if (!segment.ok()) {
+    UnreserveLocked(job, bytes);
+    return segment.status();
+  }
   auto [it, inserted] = segments_.emplace(
-      id, SegmentEntry{std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
+      id, SegmentEntry{*std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
   return &it->second;
 }
 
@@ -80,12 +99,25 @@ absl::StatusOr<BufferRecord> Arena::Allocate(const AllocationRequest& request) {
         "buffer '%s' asks for %s, more than the daemon's whole %s budget", request.name,
         Mib(request.bytes), Mib(options_.budget_bytes)));
   }
+  std::vector<std::unique_ptr<Segment>> retired;
+  absl::StatusOr<BufferRecord> record = AllocateWithRetired(request, alignment, retired);
+  DestroyRetired(std::move(retired));
+  return record;
+}
+
+absl::StatusOr<BufferRecord> Arena::AllocateWithRetired(
+    const AllocationRequest& request, uint64_t alignment,
+    std::vector<std::unique_ptr<Segment>>& retired) {
   absl::MutexLock lock(&mu_);
-  auto& names = names_[request.job];
-  if (names.contains(request.name)) {
+  auto name_taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = names_.find(request.job);
+    return it != names_.end() && it->second.contains(request.name);
+  };
+  auto already_exists = [&] {
     return absl::AlreadyExistsError(
         absl::StrFormat("job already has a buffer named '%s'", request.name));
-  }
+  };
+  if (name_taken()) return already_exists();
   const bool dedicated = request.sealable || request.bytes >= options_.segment_bytes / 2;
   SegmentEntry* entry = nullptr;
   std::optional<uint64_t> offset;
@@ -102,8 +134,17 @@ absl::StatusOr<BufferRecord> Arena::Allocate(const AllocationRequest& request) {
   if (entry == nullptr) {
     uint64_t bytes = dedicated ? RoundUp(request.bytes, options_.segment_granularity)
                                : options_.segment_bytes;
-    ASSIGN_OR_RETURN(entry, NewSegmentLocked(request.job, bytes, dedicated, request.name));
+    ASSIGN_OR_RETURN(entry, AddSegment(request.job, bytes, dedicated, request.name));
     offset = entry->allocator.Allocate(request.bytes, alignment);
+    if (name_taken()) {
+      // Another request took the name while the segment was being made: it holds nothing.
+      const uint64_t id = entry->segment->id();
+      retiring_ += bytes;
+      retired.push_back(std::move(entry->segment));
+      segments_.erase(id);
+      UnreserveLocked(request.job, bytes);
+      return already_exists();
+    }
   }
   ++entry->buffers;
   BufferRecord record;
@@ -115,7 +156,7 @@ absl::StatusOr<BufferRecord> Arena::Allocate(const AllocationRequest& request) {
   record.bytes = request.bytes;
   record.tag = request.tag.empty() ? "untagged" : request.tag;
   record.sealable = dedicated && request.sealable;
-  names[request.name] = record.buffer_id;
+  names_[request.job][request.name] = record.buffer_id;
   buffer_jobs_[record.buffer_id] = request.job;
   buffers_[record.buffer_id] = record;
   return record;
@@ -146,7 +187,8 @@ absl::StatusOr<const BufferRecord*> Arena::FindOwnedLocked(const JobKey& job,
   return &record;
 }
 
-void Arena::ReleaseBufferLocked(uint64_t buffer_id) {
+void Arena::ReleaseBufferLocked(uint64_t buffer_id,
+                                std::vector<std::unique_ptr<Segment>>& retired) {
   BufferRecord record = buffers_.at(buffer_id);
   JobKey job = buffer_jobs_.at(buffer_id);
   buffers_.erase(buffer_id);
@@ -158,18 +200,31 @@ void Arena::ReleaseBufferLocked(uint64_t buffer_id) {
   entry.allocator.Release(record.offset, record.bytes);
   if (--entry.buffers == 0) {
     // Empty segments go back to the machine at once: other jobs may be waiting for the memory.
-    uint64_t bytes = entry.segment->bytes();
-    reserved_ -= bytes;
-    if ((reserved_by_uid_[job.uid] -= bytes) == 0) reserved_by_uid_.erase(job.uid);
-    if ((reserved_by_job_[job] -= bytes) == 0) reserved_by_job_.erase(job);
+    const uint64_t bytes = entry.segment->bytes();
+    UnreserveLocked(job, bytes);
+    retiring_ += bytes;
+    retired.push_back(std::move(entry.segment));
     segments_.erase(record.segment_id);
   }
 }
 
-absl::Status Arena::Free(const JobKey& job, const std::string& session_id, uint64_t buffer_id) {
+void Arena::DestroyRetired(std::vector<std::unique_ptr<Segment>> retired) {
+  if (retired.empty()) return;
+  uint64_t bytes = 0;
+  for (const auto& segment : retired) bytes += segment->bytes();
+  retired.clear();  // unmapped and closed: the pages are the machine's again
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(FindOwnedLocked(job, session_id, buffer_id).status());
-  ReleaseBufferLocked(buffer_id);
+  retiring_ -= bytes;
+}
+
+absl::Status Arena::Free(const JobKey& job, const std::string& session_id, uint64_t buffer_id) {
+  std::vector<std::unique_ptr<Segment>> retired;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(FindOwnedLocked(job, session_id, buffer_id).status());
+    ReleaseBufferLocked(buffer_id, retired);
+  }
+  DestroyRetired(std::move(retired));
   return absl::OkStatus();
 }
 
@@ -190,18 +245,22 @@ absl::StatusOr<BufferRecord> Arena::Seal(const JobKey& job, const std::string& s
 }
 
 uint64_t Arena::ReleaseSession(const JobKey& job, const std::string& session_id) {
-  absl::MutexLock lock(&mu_);
-  std::vector<uint64_t> owned;
-  for (const auto& [id, record] : buffers_) {
-    if (record.session_id == session_id && buffer_jobs_.at(id) == job) owned.push_back(id);
-  }
+  std::vector<std::unique_ptr<Segment>> retired;
   uint64_t released = 0;
-  for (uint64_t id : owned) {
-    released += buffers_.at(id).bytes;
-    ReleaseBufferLocked(id);
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<uint64_t> owned;
+    for (const auto& [id, record] : buffers_) {
+      if (record.session_id == session_id && buffer_jobs_.at(id) == job) owned.push_back(id);
+    }
+    for (uint64_t id : owned) {
+      released += buffers_.at(id).bytes;
+      ReleaseBufferLocked(id, retired);
+    }
+    // A job that holds nothing any more has ended: its plan goes with it.
+    if (!reserved_by_job_.contains(job)) plans_.erase(job);
   }
-  // A job that holds nothing any more has ended: its plan goes with it.
-  if (!reserved_by_job_.contains(job)) plans_.erase(job);
+  DestroyRetired(std::move(retired));
   return released;
 }
 
@@ -231,7 +290,7 @@ absl::StatusOr<uint8_t*> Arena::BufferData(const JobKey& job, uint64_t buffer_id
 
 uint64_t Arena::reserved_bytes() const {
   absl::MutexLock lock(&mu_);
-  return reserved_;
+  return reserved_ + retiring_;  // released segments are the daemon's until unmapped
 }
 
 ArenaUsage Arena::Usage() const {
@@ -239,8 +298,8 @@ ArenaUsage Arena::Usage() const {
   ArenaUsage usage;
   usage.budget_bytes = options_.budget_bytes;
   usage.uid_quota_bytes = options_.uid_quota_bytes;
-  usage.reserved_bytes = reserved_;
-  usage.committed_bytes = reserved_ + OutstandingPlansLocked(nullptr);
+  usage.reserved_bytes = reserved_ + retiring_;
+  usage.committed_bytes = reserved_ + retiring_ + OutstandingPlansLocked(nullptr);
   for (const auto& [job, planned] : plans_) {
     usage.plans.push_back(HostPlanRow{job, planned, UsedLocked(job)});
   }

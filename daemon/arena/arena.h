@@ -87,7 +87,7 @@ struct ArenaUsage {
   uint64_t committed_bytes = 0;      // held, plus planned and not yet held
   std::vector<HostPlanRow> plans;
   uint64_t uid_quota_bytes = 0;
-  uint64_t reserved_bytes = 0;
+  uint64_t reserved_bytes = 0;      // segments held, those being unmapped included
   uint64_t segments = 0;
   std::vector<UsageRow> by_uid;      // reserved segment bytes per uid
   std::vector<UsageRow> by_session;  // buffer bytes per owning session
@@ -146,10 +146,27 @@ class Arena {
     uint32_t buffers = 0;
   };
   explicit Arena(const Options& options) : options_(options) {}
-  absl::StatusOr<SegmentEntry*> NewSegmentLocked(const JobKey& job, uint64_t bytes,
-                                                 bool dedicated, const std::string& for_name)
+  // Checks a new segment of `bytes` for `job` against the budget and quota and counts it as
+  // reserved; returns its id.
+  absl::StatusOr<uint64_t> ReserveSegmentLocked(const JobKey& job, uint64_t bytes,
+                                                const std::string& for_name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseBufferLocked(uint64_t buffer_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnreserveLocked(const JobKey& job, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserves and makes a new segment for `job`. Releases mu_ while the segment is made
+  // (filling tens of GiB of pages takes seconds, and every status request needs the lock) and
+  // holds it again on return.
+  absl::StatusOr<SegmentEntry*> AddSegment(const JobKey& job, uint64_t bytes, bool dedicated,
+                                           const std::string& for_name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a buffer; an emptied segment moves to `retired`, to be unmapped by DestroyRetired
+  // once the lock is released.
+  void ReleaseBufferLocked(uint64_t buffer_id, std::vector<std::unique_ptr<Segment>>& retired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<BufferRecord> AllocateWithRetired(const AllocationRequest& request,
+                                                   uint64_t alignment,
+                                                   std::vector<std::unique_ptr<Segment>>& retired)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void DestroyRetired(std::vector<std::unique_ptr<Segment>> retired) ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes planned and not yet held, over every job but `except` (none: all jobs).
   uint64_t OutstandingPlansLocked(const JobKey* except) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t UsedLocked(const JobKey& job) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -163,6 +180,9 @@ class Arena {
   uint64_t next_segment_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_buffer_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  // Segments released and still being unmapped: their pages are the machine's only once gone,
+  // so they count against the budget until then.
+  uint64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uid_t, uint64_t> reserved_by_uid_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<JobKey, uint64_t> reserved_by_job_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<JobKey, uint64_t> plans_ ABSL_GUARDED_BY(mu_);

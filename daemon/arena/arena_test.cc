@@ -4,8 +4,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -69,6 +71,26 @@ TEST(ArenaTest, EmptySegmentsAreReturned) {
   EXPECT_EQ(arena->reserved_bytes(), 4 * kMiB);
   ASSERT_TRUE(arena->Free({1000, "job"}, "s1", big.buffer_id).ok());
   EXPECT_EQ(arena->reserved_bytes(), 0u);
+}
+
+TEST(ArenaTest, RacingRequestsForOneNameGetOneBufferAndNoStrayMemory) {
+  // Segments are made with the lock released: requests racing for one name must still end with
+  // one buffer, and the losers' segments must not stay reserved.
+  auto arena = MakeArena(/*budget=*/64 * kMiB);
+  std::vector<absl::StatusCode> codes(8);
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < codes.size(); ++i) {
+      threads.emplace_back(
+          [&, i] { codes[i] = arena->Allocate(Request("x", 3 * kMiB)).status().code(); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kOk), 1);
+  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kAlreadyExists), 7);
+  EXPECT_EQ(arena->reserved_bytes(), 4 * kMiB);
+  EXPECT_EQ(arena->Usage().segments, 1u);
+  EXPECT_EQ(arena->Usage().committed_bytes, 4 * kMiB);
 }
 
 TEST(ArenaTest, BudgetIsEnforcedWithTheNumbers) {

@@ -45,7 +45,7 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
   // hold at most: it must fit in the budget.
   auto committed_with_plan = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     const uint64_t used = UsedLocked(job);
-    return reserved_ - used + OutstandingPlansLocked(&job) + std::max(bytes, used);
+    return reserved_ + retiring_ - used + OutstandingPlansLocked(&job) + std::max(bytes, used);
   };
   auto fits = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return committed_with_plan() <= options_.budget_bytes;
@@ -96,7 +96,7 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
   outcome.planned = bytes;
   outcome.used = UsedLocked(job);
   outcome.budget = options_.budget_bytes;
-  outcome.committed = reserved_ + OutstandingPlansLocked(nullptr);
+  outcome.committed = reserved_ + retiring_ + OutstandingPlansLocked(nullptr);
   return outcome;
 }
 

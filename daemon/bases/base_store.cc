@@ -456,21 +456,28 @@ absl::StatusOr<SegmentGrant> BaseStore::GrantSegment(const Session& session,
 }
 
 void BaseStore::ExpireIdle(absl::Time now) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = bases_.begin(); it != bases_.end();) {
-    Base& base = *it->second;
-    const bool idle = base.users.empty() && base.mappers.empty() && base.idle_since.has_value();
-    if (idle && base.state != BaseState::kLoading &&
-        (base.state == BaseState::kFailed || now - *base.idle_since >= options_.keep_warm)) {
-      FreeLocked(base);
-      it = bases_.erase(it);
-    } else {
-      ++it;
+  std::vector<std::shared_ptr<Base>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = bases_.begin(); it != bases_.end();) {
+      Base& base = *it->second;
+      const bool idle =
+          base.users.empty() && base.mappers.empty() && base.idle_since.has_value();
+      if (idle && base.state != BaseState::kLoading &&
+          (base.state == BaseState::kFailed || now - *base.idle_since >= options_.keep_warm)) {
+        expired.push_back(std::move(it->second));
+        it = bases_.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
+  // Out of the map, nobody else reaches them; unmapping tens of GiB takes seconds, which the
+  // other requests should not wait for.
+  for (const auto& base : expired) Free(*base);
 }
 
-void BaseStore::FreeLocked(Base& base) {
+void BaseStore::Free(const Base& base) {
   const uint64_t released = arena_->ReleaseSession(base.job, base.owner);
   if (base.state == BaseState::kReady) {
     events_->Emit("base.freed",

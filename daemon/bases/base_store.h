@@ -107,7 +107,8 @@ class BaseStore {
  private:
   struct Base;
   void RunLoad(std::shared_ptr<Base> base);
-  void FreeLocked(Base& base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases a base already taken out of `bases_`, and says so.
+  void Free(const Base& base) ABSL_LOCKS_EXCLUDED(mu_);
   BaseSnapshot SnapshotLocked(const Base& base) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const Options options_;
