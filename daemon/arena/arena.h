@@ -87,7 +87,7 @@ struct ArenaUsage {
   uint64_t committed_bytes = 0;      // held, plus planned and not yet held
   std::vector<HostPlanRow> plans;
   uint64_t uid_quota_bytes = 0;
-  uint64_t reserved_bytes = 0;      // segments held, those being unmapped included
+  uint64_t reserved_bytes = 0;       // segments held, those being unmapped included
   uint64_t segments = 0;
   std::vector<UsageRow> by_uid;      // reserved segment bytes per uid
   std::vector<UsageRow> by_session;  // buffer bytes per owning session
