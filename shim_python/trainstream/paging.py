@@ -37,6 +37,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 
+# Forwards timed when a measured block is replayed (after one warm-up).
+_REPLAYS = 2
+# Keyword arguments Hugging Face decoder layers take a key/value cache by.
+_CACHE_ARGUMENTS = ("past_key_value", "past_key_values", "layer_past")
+
+
+def _plain(value: Any) -> bool:
+    """Whether a block's argument is data a forward only reads: tensors and plain values,
+    alone or in tuples, lists and dicts."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    return False
+
+
 class _Slot:
     """One device buffer big enough for any paged block."""
 
@@ -129,7 +147,8 @@ class BlockPager:
         # Every block is hooked once; which ones page weights, page activations or are measured
         # may change between steps (the plan adapts).
         for b, module in enumerate(self.blocks):
-            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b)))
+            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b),
+                                                               with_kwargs=True))
             # always_call: a forward that raises (an OOM retried with a smaller batch) still
             # pops its saved-tensor hooks and lets go of its slot.
             self.hooks.append(module.register_forward_hook(self._after_forward(b),
@@ -316,7 +335,7 @@ class BlockPager:
         return b in self.position or b in self.saved or b in self.measure
 
     def _before_forward(self, b: int):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if not self._involved(b):
                 return
             if b in self.position:
@@ -337,7 +356,7 @@ class BlockPager:
                 self._measuring[b] = {"start": start, "storages": set(), "saved_bytes": 0,
                                       "input_bytes": 0 if first is None else
                                       first.numel() * first.element_size(),
-                                      "clock": time.perf_counter()}
+                                      "clock": time.perf_counter(), "call": (args, kwargs)}
             if torch.is_grad_enabled():
                 saved = torch.autograd.graph.saved_tensors_hooks(
                     lambda t: self._pack(b, t), self._unpack)
@@ -355,8 +374,6 @@ class BlockPager:
                     # (LoRA's base) are still read for the input gradient after it.
                     trained = [p.requires_grad for p in self.params[b]]
                     self.pending_grads[b] = sum(trained) if all(trained) else -1
-            if b in self.position:
-                self._unbind(b)
             measuring = self._measuring.pop(b, None)
             if measuring is not None:
                 end = None
@@ -366,12 +383,54 @@ class BlockPager:
                 self.measured[b] = {"saved_bytes": measuring["saved_bytes"],
                                     "input_bytes": measuring["input_bytes"],
                                     "events": (measuring["start"], end),
-                                    "wall_s": time.perf_counter() - measuring["clock"]}
+                                    "wall_s": time.perf_counter() - measuring["clock"],
+                                    # while its weights are still bound
+                                    "replay_s": self._replay_seconds(module, *measuring["call"])}
+            if b in self.position:
+                self._unbind(b)
         return hook
 
+    def _replay_seconds(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> float | None:
+        """The block's forward run again without gradients, after one warm-up: its time with
+        the kernels chosen and the CPU ahead of the GPU, which is what a recompute costs. The
+        timed forward of a step reads higher: in the first step the allocator grows and libraries
+        pick kernels, and hooks can leave the GPU waiting for the CPU. None when the extra
+        forward does not fit in memory, or when the block is called with something the replay
+        could change (an object other than tensors and plain values)."""
+        # A key/value cache would grow with each replay; training never reads it back, and an
+        # empty one gives attention the same keys as none.
+        kwargs = {k: (None if k in _CACHE_ARGUMENTS else False if k == "use_cache" else v)
+                  for k, v in kwargs.items()}
+        if not all(_plain(v) for v in (*args, *kwargs.values())):
+            return None
+        try:
+            # Its own random numbers: dropout in the replay leaves the step's stream untouched.
+            with torch.no_grad(), torch.random.fork_rng(
+                    devices=[self.device] if self.cuda else [],
+                    device_type="cuda" if self.cuda else "cpu"):
+                module.forward(*args, **kwargs)
+                if self.cuda:
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(_REPLAYS):
+                        module.forward(*args, **kwargs)
+                    end.record()
+                    end.synchronize()
+                    return start.elapsed_time(end) / 1000.0 / _REPLAYS
+                clock = time.perf_counter()
+                for _ in range(_REPLAYS):
+                    module.forward(*args, **kwargs)
+                return (time.perf_counter() - clock) / _REPLAYS
+        except torch.OutOfMemoryError:
+            return None
+
     def forward_seconds(self, b: int) -> float:
-        """The measured block's forward time (GPU time on CUDA)."""
+        """The measured block's forward time: replayed when it could be (see _replay_seconds),
+        else as timed in the step (GPU time on CUDA)."""
         m = self.measured[b]
+        if m.get("replay_s") is not None:
+            return m["replay_s"]
         start, end = m["events"]
         if start is not None and end is not None:
             end.synchronize()

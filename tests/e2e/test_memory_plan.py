@@ -78,6 +78,49 @@ def planned_twins(seed: int, layers: int, **options):
     return resident, r_opt, planned, p_opt, act, budget
 
 
+class _CachedBlock(torch.nn.Module):
+    """A block with dropout that takes a key/value cache the way Hugging Face layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.dropout = torch.nn.Dropout(0.5)
+        self.caches_seen = 0
+
+    def forward(self, x, past_key_values=None, use_cache=False):
+        if past_key_values is not None:
+            past_key_values.append(x.shape)  # what a cache does: grows with every call
+            self.caches_seen += 1
+        return self.dropout(self.linear(x))
+
+
+def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
+    # The replay times the block's forward again (what a recompute costs); it must not consume
+    # the step's random numbers nor grow a cache the block was given.
+    from trainstream.paging import BlockPager
+
+    def step(measure: bool):
+        torch.manual_seed(3)
+        blocks = [_CachedBlock() for _ in range(2)]
+        pager = BlockPager(blocks, paged=[], host_copy=lambda p: p, device="cpu")
+        pager.measure = {1} if measure else set()
+        cache: list = []
+        x = torch.randn(4, 16, requires_grad=True)
+        for blk in blocks:
+            x = blk(x, past_key_values=cache, use_cache=True)
+        x.sum().backward()
+        after = torch.rand(3)  # the random stream where the step left it
+        pager.close()
+        return pager, blocks, cache, x.detach(), after
+
+    pager, blocks, cache, out, after = step(measure=True)
+    _, _, plain_cache, plain_out, plain_after = step(measure=False)
+    assert pager.measured[1]["replay_s"] > 0
+    assert pager.forward_seconds(1) == pager.measured[1]["replay_s"]
+    assert torch.equal(out, plain_out) and torch.equal(after, plain_after)
+    assert len(cache) == len(plain_cache) == 2 and blocks[1].caches_seen == 1
+
+
 @pytest.mark.parametrize("warm_ms,replans", [(1.0, True), (9.0, False)])
 def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_socket, warm_ms,
                                                                          replans):
