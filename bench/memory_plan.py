@@ -185,7 +185,8 @@ def _plan_summary(model, opt) -> dict:
             "plan": [e["message"] for e in report["events"]
                      if e["kind"] in ("client.plan.applied", "client.wrap.plan",
                                       "client.plan.settled", "client.plan.measured",
-                                      "client.plan.watchdog", "client.plan.settling")]}
+                                      "client.plan.watchdog", "client.plan.settling",
+                                      "client.plan.remeasured", "client.plan.limit")]}
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory plan at run time: a probe step measures one block, the planner decides from the
-measurements, the decision is applied between steps, the next step's peak confirms or corrects
-it, and a watchdog re-plans when a later step grows.
+measurements, the decision is applied between steps, the next step measures the block again
+warm, the steps after confirm or correct the plan from their peaks, and a watchdog has the block
+measured again when a later step grows.
 
 The probe step is safe for VRAM and host memory alike: every block but the measured one either
 recomputes its forward in backward (keeping only its input) or, when its weights stream (a
@@ -76,7 +77,11 @@ class AdaptivePlan:
         self.steps_since_plan = -1     # -1: the probe has not run
         self.adapting = True
         self.host_activation_bytes = 0
-        self._retime = False  # the block's forward is timed again in the first warm step
+        # "warm": the first step after the probe's plan measures the block again (the probe is a
+        # first step: the allocator grows, libraries pick kernels); "watchdog": a later step
+        # grew past the budget, and the next one measures what grew.
+        self._measure_next: str | None = None
+        self._unfixable_peak = 0  # a watchdog peak no plan could hold: not measured again
         self._start_probe()
 
     # -- the probe ------------------------------------------------------------------------------
@@ -110,18 +115,21 @@ class AdaptivePlan:
                  for b in range(len(self.blocks))]
         return facts, m["saved_bytes"], forward_s
 
-    def _working_from_probe(self, facts: list, other_weights: int) -> int:
-        """The step's VRAM beyond weights and saved activations, from the probe's peak."""
+    def _working_from_peak(self, facts: list) -> int:
+        """The step's VRAM beyond weights and saved activations, from its peak, under the
+        activation policy the step ran with."""
         if not self.cuda:
             return 0
         peak = torch.cuda.max_memory_allocated(self.device) - self.others
         streamed = set(self.pager.paged)
-        resident = other_weights + sum(f.weight_bytes for b, f in enumerate(facts)
-                                       if b not in streamed)
+        resident = self._other_weights + sum(f.weight_bytes for b, f in enumerate(facts)
+                                             if b not in streamed)
         slots = self.pager.resident_bytes()
-        recomputing = [b for b in range(self.probe_block) if b not in streamed]
-        saved = (facts[-1].activation_bytes + sum(facts[b].input_bytes for b in recomputing))
-        in_flight = facts[0].activation_bytes if streamed else 0
+        offloaded, recomputed = set(self.pager.offloading), set(self.recompute.indices)
+        saved = (sum(f.activation_bytes for b, f in enumerate(facts)
+                     if b not in offloaded and b not in recomputed)
+                 + sum(facts[b].input_bytes for b in recomputed))
+        in_flight = facts[0].activation_bytes if offloaded else 0
         return max(0, peak - resident - slots - saved - in_flight)
 
     # -- after every step -----------------------------------------------------------------------
@@ -143,16 +151,15 @@ class AdaptivePlan:
             self._plan_from_probe()
             return
         self.steps_since_plan += 1
-        if self._retime and self._retimed():
+        if self._measure_next is not None and self._measured_again():
             return
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
         peak = torch.cuda.max_memory_allocated(self.device) - self.others if self.cuda else 0
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
-        if peak > limit:
+        if peak > limit and self.adapting:
             grew = int(peak - self.budget)
             self.extra_working += grew
-            which = "settling" if self.adapting else "watchdog"
-            self._say(f"plan.{which}", f"step peak {size(peak)} is over the "
+            self._say("plan.settling", f"step peak {size(peak)} is over the "
                       f"{size(self.budget)} budget by {size(grew)}: planning "
                       "again with that much more working memory", peak_bytes=peak,
                       budget_bytes=self.budget)
@@ -165,6 +172,14 @@ class AdaptivePlan:
                 # working memory, not one grown again by the same overshoot.
                 self.extra_working -= grew
                 raise
+        elif peak > limit and peak > self._unfixable_peak * (1 + _WATCHDOG_SLACK):
+            # A settled run grew (a longer sequence, a larger batch): what grew is measured in
+            # the next step, with the plan as it is, rather than guessed from the peak alone.
+            self._say("plan.watchdog", f"step peak {size(peak)} is over the "
+                      f"{size(self.budget)} budget by {size(peak - self.budget)}: measuring "
+                      "a block again in the next step to plan again", peak_bytes=peak,
+                      budget_bytes=self.budget)
+            self._start_measuring("watchdog")
         elif self.adapting and self.steps_since_plan >= _SETTLE_STEPS:
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
@@ -176,11 +191,18 @@ class AdaptivePlan:
             # and the watchdog reads the peak since then (it only grows).
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _start_measuring(self, reason: str) -> None:
+        self.pager.measured.pop(self.probe_block, None)
+        self.pager.measure = {self.probe_block}
+        self._measure_next = reason
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def _plan_from_probe(self) -> None:
         facts, act, forward_s = self._facts()
         self.measured = {"activation_bytes": act, "input_bytes": facts[0].input_bytes,
                          "forward_s": forward_s}
-        self._working = self._working_from_probe(facts, self._other_weights)
+        self._working = self._working_from_peak(facts)
         self.measured["working_bytes"] = self._working
         self._say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
                   f"input is {size(facts[0].input_bytes)}, its forward takes "
@@ -191,34 +213,56 @@ class AdaptivePlan:
         try:
             self._replan()
         finally:
-            if self.cuda:  # the first settling step is read alone, not with the probe's peak
-                torch.cuda.reset_peak_memory_stats(self.device)
-        # The probe is a first step: the allocator grows, libraries pick their kernels, and the
-        # block's forward time (what recompute costs) reads high. It is timed again in the next.
-        self.pager.measured.pop(self.probe_block, None)
-        self.pager.measure = {self.probe_block}
-        self._retime = True
+            # Measured again in the next step, warm; its peak is read alone, not with the
+            # probe's.
+            self._start_measuring("warm")
 
-    def _retimed(self) -> bool:
-        """Reads the block's forward time from the first step after the probe; re-plans (and
-        returns True) when it differs from the probe's by more than a quarter."""
-        self._retime = False
+    def _measured_again(self) -> bool:
+        """Reads the block measured in this step and this step's working memory. After the
+        probe, plans again (returning True) when the forward time or the working memory differ
+        from the probe's by more than a quarter; after the watchdog, always plans again."""
+        reason, self._measure_next = self._measure_next, None
         self.pager.measure = set()
         if self.probe_block not in self.pager.measured:
-            return False
-        warm = self.pager.forward_seconds(self.probe_block)
+            return False  # the step did not run the block with gradients: nothing to read
+        peak = torch.cuda.max_memory_allocated(self.device) - self.others if self.cuda else 0
+        facts, act, forward_s = self._facts()
         self.pager.measured.pop(self.probe_block)
-        first = self.measured["forward_s"]
-        self.measured["forward_s_probe"] = first
-        if warm <= 0 or abs(warm - first) <= 0.25 * first:
-            return False
-        self.measured["forward_s"] = warm
-        self._say("plan.retimed", f"a block's forward takes {1e3 * warm:.2f} ms in a warm step "
-                  f"({1e3 * first:.2f} ms in the probe): planning again with it",
-                  forward_ms=1e3 * warm, probe_forward_ms=1e3 * first)
+        working = self._working_from_peak(facts)
+        before = dict(self.measured)
+
+        def moved(new: float, old: float) -> bool:
+            return abs(new - old) > 0.25 * max(old, 1e-9)
+
+        if reason == "warm":
+            self.measured["forward_s_probe"] = before["forward_s"]
+            self.measured["working_bytes_probe"] = before["working_bytes"]
+            changed = [what for what, new, old in (
+                ("forward", forward_s, before["forward_s"]),
+                ("working memory", working, before["working_bytes"] + self.extra_working))
+                if new > 0 and moved(new, old)]
+            if not changed:
+                return False
+        else:
+            changed = ["activations", "working memory"]
+        self.measured.update(activation_bytes=act, input_bytes=facts[0].input_bytes,
+                             forward_s=forward_s, working_bytes=working)
+        self._facts_cache = facts
+        self._working, self.extra_working = working, 0
+        self._say("plan.remeasured", f"measured again ({reason} step): a block saves "
+                  f"{size(act)} for backward, its forward takes {1e3 * forward_s:.2f} ms, "
+                  f"working memory {size(working)} (the {'probe' if reason == 'warm' else 'plan'}"
+                  f" had {size(before['activation_bytes'])}, {1e3 * before['forward_s']:.2f} ms, "
+                  f"{size(before['working_bytes'])}): planning again for the "
+                  f"{' and '.join(changed)}", activation_bytes=act, forward_ms=1e3 * forward_s,
+                  working_bytes=working, probe_forward_ms=1e3 * before["forward_s"])
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        if reason == "watchdog":
+            # Until a plan holds it, a peak this high is not measured again every other step.
+            self._unfixable_peak = peak
         self._replan()
+        self._unfixable_peak = 0
         return True
 
     def _replan(self) -> None:

@@ -135,7 +135,7 @@ def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_so
     measured = trainstream.memory_report(planned)["plan"]["measured"]
     assert measured["forward_s_probe"] == 0.010
     assert measured["forward_s"] == (warm_ms / 1e3 if replans else 0.010)
-    assert ("plan.retimed" in kinds(planned)) == replans
+    assert ("plan.remeasured" in kinds(planned)) == replans
     applied = [e for e in planned._trainstream_session.events if e["kind"] == "plan.applied"]
     assert len(applied) == (2 if replans else 1)
     assert losses == train(resident, r_opt, 4, device="cpu")
