@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cpu/quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -177,6 +179,60 @@ TEST(Nvfp4, PacksTwoValuesPerByteFirstInTheLowNibble) {
   const std::vector<float> back = DequantizeAll(q);
   EXPECT_FLOAT_EQ(back[0], 6.0f);
   EXPECT_FLOAT_EQ(back[1], -1.0f);
+}
+
+// Quantize codes many values at a time; every code must be the scalar definition's
+// (FloatToE2m1, Nf4Code, round-to-nearest-even for int8), ties and odd tails included, for
+// blocks longer than a run and blocks that are not a multiple of one.
+TEST(Quantize, CodesEqualTheScalarDefinitionsValueForValue) {
+  for (int block : {0, 6, 200}) {
+    for (QuantFormat format : {QuantFormat::kInt8, QuantFormat::kNf4, QuantFormat::kNvfp4}) {
+      if (format == QuantFormat::kNvfp4 && block != 0) continue;
+      std::vector<float> x = Normal(4001, 11);  // odd: a half-filled last byte
+      for (int i = 0; i < 64; ++i) x[i] = 0.25f * static_cast<float>(i - 32);  // ties
+      for (int i = 64; i < 128; ++i) x[i] = static_cast<float>(i - 96) + 0.5f;
+      const Quantized q = QuantizeAll(format, x, block);
+      const int used = q.layout.block;
+      for (uint64_t e = 0; e < x.size(); ++e) {
+        const uint64_t b = e / used;
+        uint32_t got, want;
+        if (format == QuantFormat::kInt8) {
+          float scale;
+          std::memcpy(&scale, q.scales.data() + 4 * b, 4);
+          got = q.data[e];
+          want = static_cast<uint8_t>(static_cast<int8_t>(
+              scale > 0 ? std::clamp(std::nearbyint(x[e] / scale), -127.0f, 127.0f) : 0.0f));
+        } else if (format == QuantFormat::kNf4) {
+          float absmax;
+          std::memcpy(&absmax, q.scales.data() + 4 * b, 4);
+          got = e % 2 == 0 ? q.data[e / 2] >> 4 : q.data[e / 2] & 0xf;
+          want = absmax > 0 ? Nf4Code(x[e] * (1.0f / absmax)) : 0;
+        } else {
+          const float scale = E4m3ToFloat(q.scales[b]) * q.tensor_scale;
+          got = e % 2 == 0 ? q.data[e / 2] & 0xf : q.data[e / 2] >> 4;
+          want = scale > 0 ? FloatToE2m1(x[e] / scale) : 0;
+        }
+        ASSERT_EQ(got, want) << QuantFormatName(format) << " block " << used << " value " << e
+                             << " = " << x[e];
+      }
+    }
+  }
+  // NVFP4 ties exactly: a largest value of 5.25 makes the tensor scale 2^-9 and the block's
+  // 0.875, so each value below is a tie of the e2m1 grid times 0.875, held exactly.
+  const std::vector<float> ties = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  std::vector<float> x = {5.25f};
+  for (float t : ties) {
+    x.push_back(t * 0.875f);
+    x.push_back(-t * 0.875f);
+  }
+  x.push_back(0.0f);
+  const Quantized q = QuantizeAll(QuantFormat::kNvfp4, x);
+  ASSERT_EQ(q.tensor_scale, 1.0f / 512);
+  ASSERT_EQ(E4m3ToFloat(q.scales[0]) * q.tensor_scale, 0.875f);
+  for (size_t e = 0; e < x.size(); ++e) {
+    const uint32_t got = e % 2 == 0 ? q.data[e / 2] & 0xf : q.data[e / 2] >> 4;
+    EXPECT_EQ(got, FloatToE2m1(x[e] / 0.875f)) << x[e];
+  }
 }
 
 TEST(Layout, BytesPerValueAndBlockChecks) {
