@@ -59,11 +59,19 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
     that step's activations and working memory (unknown until it runs: the logits of a large
     vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
     more blocks, or fewer."""
-    from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
-
     sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    other, working = total - sum(sizes), 2 * max(sizes)
+    return weight_plan_for_sizes(sizes, total - sum(sizes), budget, depth, probe)
+
+
+def weight_plan_for_sizes(sizes: list, other: int, budget: int, depth: int,
+                          probe: bool) -> list:
+    """weight_plan() from the blocks' weight bytes (``sizes``) and those outside them
+    (``other``): the blocks that stream. MemoryPlanError when the weights do not fit even with
+    every block streaming."""
+    from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
+
+    working = 2 * max(sizes)
     if probe:
         working = max(working, budget // 4)
     inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
@@ -78,7 +86,7 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
                 "a block's gradients in flight")
         raise MemoryPlanError(
             f"trainstream.wrap: the weights do not fit in the {size(budget)} VRAM budget even "
-            f"with every block streaming: the weights outside the {len(blocks)} blocks "
+            f"with every block streaming: the weights outside the {len(sizes)} blocks "
             f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and {room} "
             f"({size(working)}) need {size(need)}. Use a GPU with more free memory or a larger "
             "vram_budget, lower vram_headroom" + (", or prefetch_depth=1" if depth > 1 else "")

@@ -54,7 +54,8 @@ _ACCEPTED = {
     "host_arena": "'auto' (the daemon's buffers, grown on demand), bytes (reserved now, never "
                   "more), or False (private pinned memory, not counted by the daemon)",
     "profile": (True, False),
-    "quantize": (None, False, "none", "int8", "nf4", "fp8", "nvfp4"),
+    "quantize": (None, False, "none", "auto", "int8", "nf4", "fp8", "nvfp4"),
+    "prefer": ("exact", "speed"),
     "quant_block_size": "0 (the format's default) or an even number of values per scale",
 }
 
@@ -225,16 +226,9 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
-              "quantize": None, "quant_block_size": 0}
+              "quantize": None, "quant_block_size": 0, "prefer": "exact"}
     config.update(options)
     events: list = []
-    quantize = config["quantize"]
-    if quantize not in (None, False, "none"):
-        # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
-        done = quantize_model(model, quantize, config["quant_block_size"])
-        events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
-                                        f"{quantize} in this process (load_base() and "
-                                        "attach_base() share one copy between processes)"))
 
     device = config["device"]
     devices = {p.device for p in model.parameters()}
@@ -247,6 +241,16 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     target = torch.device(device) if device is not None else current
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
+
+    quantize = config["quantize"]
+    if quantize == "auto":
+        quantize = _auto_quantization(model, config, target, events)
+    if quantize not in (None, False, "none"):
+        # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
+        done = quantize_model(model, quantize, config["quant_block_size"])
+        events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
+                                        f"{quantize} in this process (load_base() and "
+                                        "attach_base() share one copy between processes)"))
     # Planned before the model moves: blocks whose weights stream never go to the device whole.
     paging = paging_choice(model, config, target)
     for kind, message in (paging.events if paging else ()):
@@ -278,6 +282,46 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise
     initial.clear()  # the daemon's buffers hold these values now
     return result
+
+
+def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.device,
+                       events: list) -> str | None:
+    """quantize="auto": the format the frozen linear weights are stored in (None: as they are),
+    chosen as quantize_choice describes, and an event saying why."""
+    from . import quantize_choice
+    from .block_memory import vram_budget
+    from .blocks import find_blocks
+
+    if quantize_choice.frozen_linear_count(model) == 0:
+        events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize"))
+        return None
+    on_device = sum(t.numel() * t.element_size() for t in
+                    list(model.parameters()) + list(model.buffers()) if t.device == target)
+    budget = vram_budget(target, config, on_device)
+    if budget is None:
+        events.append(("wrap.quantize", "quantize='auto': weights kept as they are (a "
+                                        f"{target.type} run has no VRAM budget to plan for; "
+                                        "vram_budget= sets one)"))
+        return None
+    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    auto = [isinstance(config[k], str) and config[k] == "auto"
+            for k in ("activation_offload", "recompute")]
+    moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
+
+    def host_room() -> int:
+        # What the daemon has free, less what the trainable state will take there.
+        with _client.connect(config["socket"], job_id=f"wrap-quantize-{os.getpid()}") as c:
+            memory = c.memory()
+        free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
+        return free - _host_bytes(model, moment, config, 1, 1)
+
+    options = quantize_choice.candidates(model, blocks, budget, config["prefetch_depth"],
+                                         all(auto) and len(blocks) >= 2, host_room,
+                                         config["quant_block_size"])
+    chosen = quantize_choice.choose(options, config["prefer"])
+    events.append(("wrap.quantize", quantize_choice.explain(options, chosen, budget,
+                                                            len(blocks), config["prefer"])))
+    return chosen.fmt
 
 
 def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,

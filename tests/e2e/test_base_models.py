@@ -184,6 +184,69 @@ def test_wrap_quantizes_frozen_layers_when_asked(client, tmp_path):
             trainstream.wrap(frozen_net(), device="cpu", **bad)
 
 
+def stored_formats(model) -> set:
+    return {m.stored.stored for m in model.modules() if isinstance(m, trainstream.BaseLinear)}
+
+
+def quantize_said(model) -> str:
+    return next(e["message"] for e in model._trainstream_session.events
+                if e["kind"] == "wrap.quantize")
+
+
+# frozen_net()'s blocks hold 134 KiB of fp32 weights each (2 x 16,384 frozen linear values:
+# 34 KiB as int8, 18 KiB as NF4, scales included); 406 KiB in all. With two blocks' worth kept
+# for gradients in flight, they all fit from about 675 KiB, and streaming from about 540 KiB.
+@pytest.mark.parametrize("budget,prefer,expected", [
+    (4 << 20, "exact", set()),          # everything fits as it is
+    (4 << 20, "speed", set()),          # ...and stays in VRAM: no reason to quantize
+    (600 << 10, "exact", set()),        # blocks stream, exact: the default keeps them so
+    (600 << 10, "speed", {"int8"}),     # int8 keeps every block in VRAM
+    (130 << 10, "speed", {"nf4"}),      # int8 would still stream; NF4 does not
+    (130 << 10, "exact", {"nf4"}),      # as it is, not even streaming fits; int8 streams
+])
+def test_quantize_auto_quantizes_only_when_the_run_needs_it(client, budget, prefer, expected):
+    net = frozen_net(4)
+    model, opt = trainstream.wrap(net, lr=1e-2, device="cpu", quantize="auto", prefer=prefer,
+                                  vram_budget=budget)
+    said = quantize_said(model)
+    assert stored_formats(model) == expected, said
+    assert f"prefer='{prefer}'" in said
+    assert ("kept as they are" in said) == (not expected)
+    before = model.blocks[0].lora_b.weight.detach().clone()  # zeros
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    nn.functional.cross_entropy(model(x), y).backward()  # LoRA trains over whatever it chose
+    opt.step()
+    assert not torch.equal(model.blocks[0].lora_b.weight.detach(), before)
+    trainstream.unwrap(model)
+
+
+def test_quantize_auto_needs_host_room_for_streamed_frozen_copies(daemon):
+    from trainstream.blocks import find_blocks
+    from trainstream.quantize_choice import candidates, choose
+
+    net = frozen_net(4)
+    blocks = find_blocks(net)
+    asked = []
+
+    def room(free):
+        return lambda: asked.append(free) or free
+
+    plenty = candidates(net, blocks, 600 << 10, 1, True, room(1 << 30))
+    assert [c.fmt for c in plenty] == [None, "int8", "nf4"]
+    assert plenty[0].streamed > 0 and plenty[0].fits_host and plenty[1].streamed == 0
+    assert plenty[0].host_bytes >= 128 << 10  # a streamed block's frozen weights, at least
+    assert choose(plenty, "exact").fmt is None and choose(plenty, "speed").fmt == "int8"
+    none = candidates(net, blocks, 600 << 10, 1, True, room(1000))
+    assert not none[0].fits_host and choose(none, "exact").fmt == "int8"
+    assert asked == [1 << 30, 1000]  # asked once a candidate streamed, and only then
+    with pytest.raises(ValueError, match="prefer"):
+        trainstream.wrap(frozen_net(), device="cpu", quantize="auto", prefer="fast")
+    # No VRAM budget to plan against (a CPU run without vram_budget=): nothing is quantized.
+    model, _ = trainstream.wrap(frozen_net(), device="cpu", quantize="auto", prefer="speed")
+    assert stored_formats(model) == set() and "no VRAM budget" in quantize_said(model)
+    trainstream.unwrap(model)
+
+
 TRAINER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])

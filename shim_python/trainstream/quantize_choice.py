@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``wrap(quantize="auto")``: whether the frozen linear weights are stored quantized, decided
+before the memory plan from their sizes, the VRAM budget and the host memory the daemon has
+free.
+
+Candidates, in order: the weights as they are, int8, NF4. ``prefer="exact"`` (the default) takes
+the first the run fits with: as they are, blocks may stream their weights from host memory,
+whose frozen copies the daemon must have room for; quantized, every block must stay in VRAM (the
+pager streams parameters, and a quantized weight is a buffer). ``prefer="speed"`` takes the
+first that keeps every block in VRAM, and falls back to the rule above when none does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .block_memory import weight_plan_for_sizes
+from .planner import MemoryPlanError, size
+
+CANDIDATES = (None, "int8", "nf4")
+_DEFAULT_BLOCK = {"int8": 64, "nf4": 64}
+
+
+def stored_bytes(numel: int, element_size: int, fmt: str | None, block: int = 0) -> int:
+    """Bytes of a frozen weight of ``numel`` values stored as ``fmt`` (None: as it is)."""
+    if fmt is None:
+        return numel * element_size
+    block = block or _DEFAULT_BLOCK[fmt]
+    data = numel if fmt == "int8" else (numel + 1) // 2
+    return data + 4 * ((numel + block - 1) // block)
+
+
+@dataclass
+class Candidate:
+    fmt: str | None
+    weight_bytes: int        # every weight of the model, frozen linear ones as stored
+    streamed: int | None     # blocks whose weights stream; None: no plan fits the VRAM budget
+    host_bytes: int          # host copies of frozen weights the streamed blocks need
+    fits_host: bool
+
+    @property
+    def name(self) -> str:
+        return self.fmt or "as they are"
+
+    @property
+    def in_vram(self) -> bool:
+        return self.streamed == 0 and self.fits_host
+
+    @property
+    def runs(self) -> bool:
+        return self.streamed is not None and self.fits_host and (
+            self.fmt is None or self.streamed == 0)
+
+
+def _frozen_linear(module: nn.Module) -> list:
+    return [m.weight for m in module.modules()
+            if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+
+
+def _frozen_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+
+
+def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: bool,
+               host_room: Callable[[], int], block: int = 0) -> list:
+    """What each candidate format would take: its weight bytes, the blocks the plan at wrap()
+    would stream, and whether the daemon's free host memory (``host_room()``, asked only when
+    a candidate streams) holds the frozen copies those blocks need."""
+    weights = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in weights.values())
+    block_ids = [{id(p) for p in blk.parameters()} for blk in blocks]
+    frozen = _frozen_linear(model)
+    room = None
+    out = []
+    for fmt in CANDIDATES:
+        saved = {id(w): w.numel() * w.element_size() - stored_bytes(w.numel(), w.element_size(),
+                                                                      fmt, block)
+                 for w in frozen}
+        sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) -
+                 sum(saved.get(i, 0) for i in ids) for blk, ids in zip(blocks, block_ids)]
+        weight_bytes = total - sum(saved.values())
+        try:
+            if blocks:
+                streamed = weight_plan_for_sizes(sizes, weight_bytes - sum(sizes), budget,
+                                                 depth, probe)
+            elif weight_bytes + budget // 4 <= budget:  # no stack: all or nothing
+                streamed = []
+            else:
+                streamed = None
+        except MemoryPlanError:
+            streamed = None
+        host = 0 if not streamed else sum(_frozen_bytes(blocks[b]) for b in streamed)
+        if host and room is None:
+            room = host_room()
+        out.append(Candidate(fmt, weight_bytes, None if streamed is None else len(streamed),
+                             host, host == 0 or host <= room))
+    return out
+
+
+def choose(options: list, prefer: str) -> Candidate:
+    """The candidate ``prefer`` picks (see the module's notes); the first one when none runs
+    (the plan then says why)."""
+    if prefer == "speed":
+        for c in options:
+            if c.in_vram:
+                return c
+    for c in options:
+        if c.runs:
+            return c
+    return options[0]
+
+
+def explain(options: list, chosen: Candidate, budget: int, blocks: int, prefer: str) -> str:
+    """One line per candidate up to the one chosen, for the wrap.quantize event."""
+    said = []
+    for c in options:
+        if c.streamed is None:
+            what = f"do not fit in the {size(budget)} VRAM budget even streaming every block"
+        elif c.streamed == 0:
+            what = f"all stay in the {size(budget)} VRAM budget"
+        else:
+            what = f"{c.streamed} of {blocks} blocks stream"
+            if not c.fits_host:
+                what += (f", and the daemon has no room for their {size(c.host_bytes)} of "
+                         "frozen host copies")
+        said.append(f"{c.name}: {size(c.weight_bytes)} of weights, {what}")
+        if c is chosen:
+            break
+    return (f"quantize='auto', prefer='{prefer}': frozen linear weights "
+            f"{'kept as they are' if chosen.fmt is None else 'stored as ' + chosen.fmt} ("
+            + "; ".join(said) + ")")
+
+
+def frozen_linear_count(model: nn.Module) -> int:
+    return len(_frozen_linear(model))
+
