@@ -21,6 +21,13 @@ uint64_t RoundUp(uint64_t value, uint64_t unit) { return (value + unit - 1) / un
 
 }  // namespace
 
+// How long a reservation or plan waits for segments being unmapped before it is refused.
+const absl::Duration Arena::kRetiringWait = absl::Seconds(30);
+
+namespace {
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("the host memory budget must be above zero");
@@ -40,8 +47,20 @@ absl::StatusOr<uint64_t> Arena::ReserveSegmentLocked(const JobKey& job, uint64_t
   const auto own_plan = plans_.find(job);
   const uint64_t own_outstanding =
       own_plan != plans_.end() && own_plan->second > used_after ? own_plan->second - used_after : 0;
+  auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return reserved_ + retiring_ + bytes + others_planned + own_outstanding <=
+           options_.budget_bytes;
+  };
+  auto fits_or_nothing_retiring = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return fits() || retiring_ == 0;
+  };
+  if (!fits() && retiring_ > 0) {
+    // Memory being unmapped right now is the machine's within moments: wait for it rather
+    // than refuse.
+    mu_.AwaitWithTimeout(absl::Condition(&fits_or_nothing_retiring), kRetiringWait);
+  }
   const uint64_t held = reserved_ + retiring_;
-  if (held + bytes + others_planned + own_outstanding > options_.budget_bytes) {
+  if (!fits()) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "host memory budget exhausted: buffer '%s' needs a %s segment, but %s of the "
         "daemon's %s budget is already reserved%s%s; free buffers or raise --memory_budget",
@@ -70,16 +89,38 @@ void Arena::UnreserveLocked(const JobKey& job, uint64_t bytes) {
   if ((reserved_by_job_[job] -= bytes) == 0) reserved_by_job_.erase(job);
 }
 
-absl::StatusOr<Arena::SegmentEntry*> Arena::AddSegment(const JobKey& job, uint64_t bytes,
-                                                       bool dedicated,
-                                                       const std::string& for_name) {
+absl::StatusOr<Arena::SegmentEntry*> Arena::AddSegment(
+    const JobKey& job, const std::string& session_id, uint64_t bytes, bool dedicated,
+    const std::string& for_name, std::vector<std::unique_ptr<Segment>>& retired) {
   ASSIGN_OR_RETURN(const uint64_t id, ReserveSegmentLocked(job, bytes, for_name));
-  mu_.Unlock();
-  absl::StatusOr<std::unique_ptr<Segment>> segment = Segment::Create(id, bytes);
-  mu_.Lock();
-  if (!segment.ok()) {
+  absl::StatusOr<std::unique_ptr<Segment>> segment;
+  bool session_ended = false;
+  if (dedicated) {
+    // Filling a large segment's pages takes seconds at tens of GiB, and every status request
+    // needs the lock: it is made with the lock released. Shared segments are small and made
+    // under it, so that a job's concurrent small buffers still share one.
+    ++allocating_[session_id];
+    mu_.Unlock();
+    segment = Segment::Create(id, bytes);
+    mu_.Lock();
+    if (--allocating_[session_id] == 0) {
+      allocating_.erase(session_id);
+      session_ended = ended_while_allocating_.erase(session_id) > 0;
+    } else {
+      session_ended = ended_while_allocating_.contains(session_id);
+    }
+  } else {
+    segment = Segment::Create(id, bytes);
+  }
+  if (!segment.ok() || session_ended) {
     UnreserveLocked(job, bytes);
-    return segment.status();
+    if (session_ended && !reserved_by_job_.contains(job)) plans_.erase(job);
+    if (!segment.ok()) return segment.status();
+    // The session's release ran meanwhile and could not see this segment: it goes now.
+    retiring_ += bytes;
+    retired.push_back(*std::move(segment));
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the session ended while buffer '%s' was being allocated", for_name));
   }
   auto [it, inserted] = segments_.emplace(
       id, SegmentEntry{*std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
@@ -134,7 +175,8 @@ absl::StatusOr<BufferRecord> Arena::AllocateWithRetired(
   if (entry == nullptr) {
     uint64_t bytes = dedicated ? RoundUp(request.bytes, options_.segment_granularity)
                                : options_.segment_bytes;
-    ASSIGN_OR_RETURN(entry, AddSegment(request.job, bytes, dedicated, request.name));
+    ASSIGN_OR_RETURN(entry, AddSegment(request.job, request.session_id, bytes, dedicated,
+                                       request.name, retired));
     offset = entry->allocator.Allocate(request.bytes, alignment);
     if (name_taken()) {
       // Another request took the name while the segment was being made: it holds nothing.
@@ -257,6 +299,8 @@ uint64_t Arena::ReleaseSession(const JobKey& job, const std::string& session_id)
       released += buffers_.at(id).bytes;
       ReleaseBufferLocked(id, retired);
     }
+    // An allocation of this session still being made is dropped when it finishes.
+    if (allocating_.contains(session_id)) ended_while_allocating_.insert(session_id);
     // A job that holds nothing any more has ended: its plan goes with it.
     if (!reserved_by_job_.contains(job)) plans_.erase(job);
   }

@@ -12,6 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -152,11 +153,13 @@ class Arena {
                                                 const std::string& for_name)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnreserveLocked(const JobKey& job, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reserves and makes a new segment for `job`. Releases mu_ while the segment is made
-  // (filling tens of GiB of pages takes seconds, and every status request needs the lock) and
-  // holds it again on return.
-  absl::StatusOr<SegmentEntry*> AddSegment(const JobKey& job, uint64_t bytes, bool dedicated,
-                                           const std::string& for_name)
+  // Reserves and makes a new segment for `session_id` of `job`. A dedicated segment is made
+  // with mu_ released (held again on return); when the session was released meanwhile, the
+  // segment goes to `retired` and the result is FAILED_PRECONDITION.
+  absl::StatusOr<SegmentEntry*> AddSegment(const JobKey& job, const std::string& session_id,
+                                           uint64_t bytes, bool dedicated,
+                                           const std::string& for_name,
+                                           std::vector<std::unique_ptr<Segment>>& retired)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a buffer; an emptied segment moves to `retired`, to be unmapped by DestroyRetired
   // once the lock is released.
@@ -183,6 +186,11 @@ class Arena {
   // Segments released and still being unmapped: their pages are the machine's only once gone,
   // so they count against the budget until then.
   uint64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;
+  static const absl::Duration kRetiringWait;
+  // Sessions with segments being made with the lock released, how many; and those released
+  // meanwhile, whose segments are dropped once made.
+  absl::flat_hash_map<std::string, int> allocating_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> ended_while_allocating_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uid_t, uint64_t> reserved_by_uid_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<JobKey, uint64_t> reserved_by_job_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<JobKey, uint64_t> plans_ ABSL_GUARDED_BY(mu_);

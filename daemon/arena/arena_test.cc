@@ -93,6 +93,33 @@ TEST(ArenaTest, RacingRequestsForOneNameGetOneBufferAndNoStrayMemory) {
   EXPECT_EQ(arena->Usage().committed_bytes, 4 * kMiB);
 }
 
+TEST(ArenaTest, ASessionReleasedWhileItsSegmentIsMadeKeepsNothing) {
+  // A large segment is filled with the lock released; a session released meanwhile (its
+  // client gone) must not come back to a buffer nobody will free.
+  auto arena = MakeArena(/*budget=*/4096 * kMiB);
+  absl::StatusOr<BufferRecord> record;
+  const absl::Time start = absl::Now();
+  absl::Time finished;
+  std::thread allocating([&] {
+    record = arena->Allocate(Request("big", 1024 * kMiB));
+    finished = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  const absl::Time release_started = absl::Now();
+  arena->ReleaseSession({1000, "job"}, "s1");
+  const absl::Time release_ended = absl::Now();
+  allocating.join();
+  if (finished > release_ended && release_started - start > absl::Milliseconds(5)) {
+    // The release ran while the segment was being made (filling 1 GiB takes far longer than
+    // the few microseconds before the lock is released).
+    EXPECT_EQ(record.status().code(), absl::StatusCode::kFailedPrecondition) << record.status();
+    EXPECT_EQ(arena->reserved_bytes(), 0u);
+    EXPECT_EQ(arena->Usage().segments, 0u);
+  } else {
+    GTEST_SKIP() << "the 1 GiB segment was made within 20 ms: the race did not happen";
+  }
+}
+
 TEST(ArenaTest, BudgetIsEnforcedWithTheNumbers) {
   auto arena = MakeArena(/*budget=*/8 * kMiB);
   ASSERT_TRUE(arena->Allocate(Request("a", 6 * kMiB)).ok());

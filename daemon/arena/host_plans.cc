@@ -50,6 +50,13 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
   auto fits = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return committed_with_plan() <= options_.budget_bytes;
   };
+  auto fits_or_nothing_retiring = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return fits() || retiring_ == 0;
+  };
+  if (!fits() && retiring_ > 0) {
+    // Segments being unmapped are the machine's again within moments: not a reason to refuse.
+    mu_.AwaitWithTimeout(absl::Condition(&fits_or_nothing_retiring), kRetiringWait);
+  }
   if (!fits() && wait > absl::ZeroDuration()) {
     // Freed segments and dropped plans change the condition; absl re-checks it on each unlock.
     mu_.AwaitWithTimeout(absl::Condition(&fits), wait);
