@@ -95,9 +95,17 @@ class AdaptivePlan:
         self.pager.set_activation_blocks(offload)
         self.pager.measure = {last}
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
         self._say("plan.probe", f"probe step: block {last} is measured, {len(again)} blocks "
                   f"recompute and {len(offload)} page their activations meanwhile")
+
+    def _peak(self) -> int:
+        """The VRAM peak since the last reset, a replay's own memory left out."""
+        return max(torch.cuda.max_memory_allocated(self.device), self.pager.peak_before_replay)
+
+    def _reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.pager.peak_before_replay = 0
 
     def _weights_bytes(self, b: int) -> int:
         return sum(p.numel() * p.element_size() for p in self.pager.params.get(b, ())) if (
@@ -120,7 +128,7 @@ class AdaptivePlan:
         activation policy the step ran with."""
         if not self.cuda:
             return 0
-        peak = torch.cuda.max_memory_allocated(self.device) - self.others
+        peak = self._peak() - self.others
         streamed = set(self.pager.paged)
         resident = self._other_weights + sum(f.weight_bytes for b, f in enumerate(facts)
                                              if b not in streamed)
@@ -144,7 +152,7 @@ class AdaptivePlan:
             self.steps_since_plan = max(self.steps_since_plan, 0)
             self._say("plan.limit", f"the plan stays as it runs now: {e}")
             if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
+                self._reset_peak()
 
     def _after_step(self) -> None:
         if self.steps_since_plan < 0:
@@ -154,7 +162,7 @@ class AdaptivePlan:
         if self._measure_next is not None and self._measured_again():
             return
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
-        peak = torch.cuda.max_memory_allocated(self.device) - self.others if self.cuda else 0
+        peak = self._peak() - self.others if self.cuda else 0
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
         if peak > limit and self.adapting:
             grew = int(peak - self.budget)
@@ -164,7 +172,7 @@ class AdaptivePlan:
                       "again with that much more working memory", peak_bytes=peak,
                       budget_bytes=self.budget)
             # The peak that was read is accounted for: the next one is read from here.
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
             try:
                 self._replan()
             except Exception:
@@ -189,14 +197,14 @@ class AdaptivePlan:
         if self.cuda and self.adapting:
             # Each settling step is read alone; once settled the counter is the user's again
             # and the watchdog reads the peak since then (it only grows).
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
 
     def _start_measuring(self, reason: str) -> None:
         self.pager.measured.pop(self.probe_block, None)
         self.pager.measure = {self.probe_block}
         self._measure_next = reason
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
 
     def _plan_from_probe(self) -> None:
         facts, act, forward_s = self._facts()
@@ -225,7 +233,7 @@ class AdaptivePlan:
         self.pager.measure = set()
         if self.probe_block not in self.pager.measured:
             return False  # the step did not run the block with gradients: nothing to read
-        peak = torch.cuda.max_memory_allocated(self.device) - self.others if self.cuda else 0
+        peak = self._peak() - self.others if self.cuda else 0
         facts, act, forward_s = self._facts()
         self.pager.measured.pop(self.probe_block)
         working = self._working_from_peak(facts)
@@ -257,7 +265,7 @@ class AdaptivePlan:
                   f"{' and '.join(changed)}", activation_bytes=act, forward_ms=1e3 * forward_s,
                   working_bytes=working, probe_forward_ms=1e3 * before["forward_s"])
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._reset_peak()
         if reason == "watchdog":
             # Until a plan holds it, a peak this high is not measured again every other step.
             self._unfixable_peak = peak

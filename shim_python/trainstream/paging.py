@@ -142,6 +142,9 @@ class BlockPager:
         self.measure: set[int] = set()
         self.measured: dict[int, dict] = {}
         self._measuring: dict[int, Any] = {}
+        # The step's VRAM peak when a measured block was replayed (the replay's own memory is
+        # not the step's); read with the allocator's peak since, and cleared with it.
+        self.peak_before_replay = 0
         self.hooks: list = []
         self._saved_hooks: dict[int, Any] = {}
         # Every block is hooked once; which ones page weights, page activations or are measured
@@ -394,17 +397,24 @@ class BlockPager:
         """The block's forward run again without gradients, after one warm-up: its time with
         the kernels chosen and the CPU ahead of the GPU, which is what a recompute costs. The
         timed forward of a step reads higher: in the first step the allocator grows and libraries
-        pick kernels, and hooks can leave the GPU waiting for the CPU. None when the extra
-        forward does not fit in memory, or when the block is called with something the replay
-        could change (an object other than tensors and plain values)."""
+        pick kernels, and hooks can leave the GPU waiting for the CPU. The replay runs in eval
+        mode (no running statistics updated, no dropout) and its memory is kept out of the
+        step's peak (``peak_before_replay``). None when it fails (out of memory, say) or when the
+        block is called with something a replay could change (an object other than tensors and
+        plain values)."""
         # A key/value cache would grow with each replay; training never reads it back, and an
         # empty one gives attention the same keys as none.
         kwargs = {k: (None if k in _CACHE_ARGUMENTS else False if k == "use_cache" else v)
                   for k, v in kwargs.items()}
         if not all(_plain(v) for v in (*args, *kwargs.values())):
             return None
+        modes = [(m, m.training) for m in module.modules()]
+        if self.cuda:
+            self.peak_before_replay = max(self.peak_before_replay,
+                                          torch.cuda.max_memory_allocated(self.device))
         try:
-            # Its own random numbers: dropout in the replay leaves the step's stream untouched.
+            module.eval()
+            # Its own random numbers: whatever samples in eval mode leaves the step's stream.
             with torch.no_grad(), torch.random.fork_rng(
                     devices=[self.device] if self.cuda else [],
                     device_type="cuda" if self.cuda else "cpu"):
@@ -422,8 +432,13 @@ class BlockPager:
                 for _ in range(_REPLAYS):
                     module.forward(*args, **kwargs)
                 return (time.perf_counter() - clock) / _REPLAYS
-        except torch.OutOfMemoryError:
+        except Exception:  # noqa: BLE001 - a measurement only: the step's timing stands in
             return None
+        finally:
+            for m, training in modes:
+                m.training = training
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
 
     def forward_seconds(self, b: int) -> float:
         """The measured block's forward time: replayed when it could be (see _replay_seconds),

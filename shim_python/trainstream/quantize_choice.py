@@ -64,21 +64,41 @@ def _frozen_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
 
 
+def _saved(weight, fmt: str | None, block: int, tied: bool) -> int:
+    """Bytes storing ``weight`` as ``fmt`` saves; a tied weight stays where else it is used, so
+    its quantized copy only adds bytes."""
+    if fmt is None:
+        return 0
+    held = 0 if tied else weight.numel() * weight.element_size()
+    return held - stored_bytes(weight.numel(), weight.element_size(), fmt, block)
+
+
+def _shared(model: nn.Module) -> set:
+    """Parameters held by more than one module (a head tied to the embedding)."""
+    seen: dict = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
 def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: bool,
-               host_room: Callable[[], int], block: int = 0) -> list:
+               host_room: Callable[[], int], block: int = 0,
+               may_stream: bool = True) -> list:
     """What each candidate format would take: its weight bytes, the blocks the plan at wrap()
     would stream, and whether the daemon's free host memory (``host_room()``, asked only when
-    a candidate streams) holds the frozen copies those blocks need."""
+    a candidate streams) holds the frozen copies those blocks need. With ``may_stream`` False
+    (param_offload=False) a candidate that would stream does not run."""
     weights = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in weights.values())
     block_ids = [{id(p) for p in blk.parameters()} for blk in blocks]
     frozen = _frozen_linear(model)
+    tied = _shared(model)
     room = None
     out = []
     for fmt in CANDIDATES:
-        saved = {id(w): w.numel() * w.element_size() - stored_bytes(w.numel(), w.element_size(),
-                                                                      fmt, block)
-                 for w in frozen}
+        saved = {id(w): _saved(w, fmt, block, id(w) in tied) for w in frozen}
         sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) -
                  sum(saved.get(i, 0) for i in ids) for blk, ids in zip(blocks, block_ids)]
         weight_bytes = total - sum(saved.values())
@@ -91,6 +111,8 @@ def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: b
             else:
                 streamed = None
         except MemoryPlanError:
+            streamed = None
+        if streamed and not may_stream:
             streamed = None
         host = 0 if not streamed else sum(_frozen_bytes(blocks[b]) for b in streamed)
         if host and room is None:

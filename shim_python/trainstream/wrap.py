@@ -308,20 +308,37 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
             for k in ("activation_offload", "recompute")]
     moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
 
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
     def host_room() -> int:
         # What the daemon has free, less what the trainable state will take there.
         with _client.connect(config["socket"], job_id=f"wrap-quantize-{os.getpid()}") as c:
             memory = c.memory()
         free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
-        return free - _host_bytes(model, moment, config, 1, 1)
+        return free - _host_bytes(model, moment, config, ranks, 1)
 
+    weights = config["param_offload"]
+    if not (weights is False or (isinstance(weights, str) and weights == "auto")):
+        events.append(("wrap.quantize", "quantize='auto': weights kept as they are "
+                                        f"(param_offload={weights!r} streams blocks as asked)"))
+        return None
     options = quantize_choice.candidates(model, blocks, budget, config["prefetch_depth"],
                                          all(auto) and len(blocks) >= 2, host_room,
-                                         config["quant_block_size"])
+                                         config["quant_block_size"],
+                                         may_stream=weights is not False)
     chosen = quantize_choice.choose(options, config["prefer"])
-    events.append(("wrap.quantize", quantize_choice.explain(options, chosen, budget,
-                                                            len(blocks), config["prefer"])))
-    return chosen.fmt
+    fmt = chosen.fmt
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Every rank must hold the same weights: the most compact any rank needed.
+        picked = [None] * dist.get_world_size()
+        dist.all_gather_object(picked, quantize_choice.CANDIDATES.index(fmt))
+        fmt = quantize_choice.CANDIDATES[max(picked)]
+    message = quantize_choice.explain(options, chosen, budget, len(blocks), config["prefer"])
+    if fmt != chosen.fmt:
+        message += f"; stored as {fmt}, as another rank needed"
+    events.append(("wrap.quantize", message))
+    return fmt
 
 
 def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,

@@ -241,6 +241,17 @@ def test_quantize_auto_needs_host_room_for_streamed_frozen_copies(daemon):
     assert asked == [1 << 30, 1000]  # asked once a candidate streamed, and only then
     with pytest.raises(ValueError, match="prefer"):
         trainstream.wrap(frozen_net(), device="cpu", quantize="auto", prefer="fast")
+    # param_offload=False: streaming is not an option, so int8 it is, even preferring exact.
+    model, _ = trainstream.wrap(frozen_net(4), device="cpu", quantize="auto",
+                                vram_budget=600 << 10, param_offload=False)
+    assert stored_formats(model) == {"int8"}, quantize_said(model)
+    trainstream.unwrap(model)
+    # A frozen head tied to a frozen embedding: quantizing it adds a copy, it saves nothing.
+    tied = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False))
+    tied[1].weight = tied[0].weight
+    tied.requires_grad_(False)
+    as_is, int8, _ = candidates(tied, [], 1 << 30, 1, False, room(1 << 30))
+    assert int8.weight_bytes == as_is.weight_bytes + 1000 * 64 + 4 * 1000
     # No VRAM budget to plan against (a CPU run without vram_budget=): nothing is quantized.
     model, _ = trainstream.wrap(frozen_net(), device="cpu", quantize="auto", prefer="speed")
     assert stored_formats(model) == set() and "no VRAM budget" in quantize_said(model)

@@ -81,17 +81,21 @@ def planned_twins(seed: int, layers: int, **options):
 class _CachedBlock(torch.nn.Module):
     """A block with dropout that takes a key/value cache the way Hugging Face layers do."""
 
-    def __init__(self):
+    def __init__(self, fails_without_grad: bool = False):
         super().__init__()
         self.linear = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(16)  # running statistics: state a forward changes
         self.dropout = torch.nn.Dropout(0.5)
         self.caches_seen = 0
+        self.fails_without_grad = fails_without_grad
 
     def forward(self, x, past_key_values=None, use_cache=False):
+        if self.fails_without_grad and not torch.is_grad_enabled():
+            raise RuntimeError("this block only runs for training")
         if past_key_values is not None:
             past_key_values.append(x.shape)  # what a cache does: grows with every call
             self.caches_seen += 1
-        return self.dropout(self.linear(x))
+        return self.dropout(self.norm(self.linear(x)))
 
 
 def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
@@ -99,9 +103,9 @@ def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
     # the step's random numbers nor grow a cache the block was given.
     from trainstream.paging import BlockPager
 
-    def step(measure: bool):
+    def step(measure: bool, fails: bool = False):
         torch.manual_seed(3)
-        blocks = [_CachedBlock() for _ in range(2)]
+        blocks = [_CachedBlock(fails) for _ in range(2)]
         pager = BlockPager(blocks, paged=[], host_copy=lambda p: p, device="cpu")
         pager.measure = {1} if measure else set()
         cache: list = []
@@ -114,11 +118,17 @@ def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
         return pager, blocks, cache, x.detach(), after
 
     pager, blocks, cache, out, after = step(measure=True)
-    _, _, plain_cache, plain_out, plain_after = step(measure=False)
+    _, plain_blocks, plain_cache, plain_out, plain_after = step(measure=False)
     assert pager.measured[1]["replay_s"] > 0
     assert pager.forward_seconds(1) == pager.measured[1]["replay_s"]
     assert torch.equal(out, plain_out) and torch.equal(after, plain_after)
     assert len(cache) == len(plain_cache) == 2 and blocks[1].caches_seen == 1
+    assert torch.equal(blocks[1].norm.running_mean, plain_blocks[1].norm.running_mean)
+    assert blocks[1].training  # back in training mode after the replay
+    # A block that cannot be replayed: the step goes on, timed as it ran.
+    pager, _, _, failing_out, _ = step(measure=True, fails=True)
+    assert pager.measured[1]["replay_s"] is None and pager.forward_seconds(1) > 0
+    assert torch.equal(failing_out, plain_out)
 
 
 @pytest.mark.parametrize("warm_ms,replans", [(1.0, True), (9.0, False)])
