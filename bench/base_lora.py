@@ -6,9 +6,10 @@ trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap
                               [--json out.json]
 
 The checkpoint is bench/shared_base.py's (random bf16 weights, Hugging Face names, in
---dir), written once and reused; the model's own names map onto it. Each format runs in a fresh process: the base is loaded (or found) in the
-daemon, the quantized weights are copied to the GPU once, each projection dequantizes its
-weight at every use (the CUDA kernel) and the adapters train. Reported: step time (median of the
+--dir), written once and reused; the model's own names map onto it. Each format runs in a fresh
+process: the base is loaded (or found) in the daemon, the quantized weights are copied to the
+GPU once, each projection dequantizes its weight at every use (the CUDA kernel) and the
+adapters train. Reported: step time (median of the
 timed steps after the plan settled), peak VRAM, the base's host bytes. The bf16 base (29.5 GB,
 which does not fit) is bench/memory_plan.py's qwen14b case: the plan streams it. Needs a GPU.
 """

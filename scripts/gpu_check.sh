@@ -9,9 +9,10 @@
 #   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only
 #   scripts/gpu_check.sh bases               shared bases: their GPU tests and the dequantization
 #                                            kernels' bandwidth
-#   scripts/gpu_check.sh bases_share [PRESET] the daemon's load speed per format and sharing
+#   scripts/gpu_check.sh bases_share [PRESET] the bf16 load and 1, 2, 4 processes sharing it
+#   scripts/gpu_check.sh bases_load [PRESET]  the daemon's load speed per quantized format
 #   scripts/gpu_check.sh bases_lora          LoRA per quantized format over a shared base
-#   (each of the last two writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
+#   (each of the last three writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -81,8 +82,14 @@ if [[ $what == bases ]]; then
     || status=1
 fi
 if [[ $what == bases_share ]]; then
-  (cd bench && python3 shared_base.py --preset "${2:-qwen2.5-14b}" --json "$OUT/shared_base.json") \
-    > "$OUT/shared_base.txt" 2>&1 || status=1
+  # The bf16 load and 1, 2 and 4 processes sharing it (the quantized loads: bases_load).
+  (cd bench && python3 shared_base.py --preset "${2:-qwen2.5-14b}" --formats bf16 \
+    --processes 1 2 4 --json "$OUT/shared_base.json") > "$OUT/shared_base.txt" 2>&1 || status=1
+fi
+if [[ $what == bases_load ]]; then
+  (cd bench && python3 shared_base.py --preset "${2:-qwen2.5-14b}" --formats int8 nf4 fp8 nvfp4 \
+    --processes --json "$OUT/shared_base_load.json") > "$OUT/shared_base_load.txt" 2>&1 \
+    || status=1
 fi
 if [[ $what == bases_lora ]]; then
   (cd bench && python3 base_lora.py --json "$OUT/base_lora.json") > "$OUT/base_lora.txt" 2>&1 \
@@ -106,5 +113,5 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt shared_base.txt base_lora.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+         dequantize.txt shared_base.txt shared_base_load.txt base_lora.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status
