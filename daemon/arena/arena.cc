@@ -92,26 +92,33 @@ void Arena::UnreserveLocked(const JobKey& job, uint64_t bytes) {
 absl::StatusOr<Arena::SegmentEntry*> Arena::AddSegment(
     const JobKey& job, const std::string& session_id, uint64_t bytes, bool dedicated,
     const std::string& for_name, std::vector<std::unique_ptr<Segment>>& retired) {
-  ASSIGN_OR_RETURN(const uint64_t id, ReserveSegmentLocked(job, bytes, for_name));
+  // The lock may be released below (waiting for memory being unmapped, or making a large
+  // segment): a release of this session meanwhile must find out about this allocation.
+  ++allocating_[session_id];
+  auto session_ended_meanwhile = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (--allocating_[session_id] == 0) {
+      allocating_.erase(session_id);
+      return ended_while_allocating_.erase(session_id) > 0;
+    }
+    return ended_while_allocating_.contains(session_id);
+  };
+  absl::StatusOr<uint64_t> id = ReserveSegmentLocked(job, bytes, for_name);
+  if (!id.ok()) {
+    session_ended_meanwhile();
+    return id.status();
+  }
   absl::StatusOr<std::unique_ptr<Segment>> segment;
-  bool session_ended = false;
   if (dedicated) {
     // Filling a large segment's pages takes seconds at tens of GiB, and every status request
     // needs the lock: it is made with the lock released. Shared segments are small and made
     // under it, so that a job's concurrent small buffers still share one.
-    ++allocating_[session_id];
     mu_.Unlock();
-    segment = Segment::Create(id, bytes);
+    segment = Segment::Create(*id, bytes);
     mu_.Lock();
-    if (--allocating_[session_id] == 0) {
-      allocating_.erase(session_id);
-      session_ended = ended_while_allocating_.erase(session_id) > 0;
-    } else {
-      session_ended = ended_while_allocating_.contains(session_id);
-    }
   } else {
-    segment = Segment::Create(id, bytes);
+    segment = Segment::Create(*id, bytes);
   }
+  const bool session_ended = session_ended_meanwhile();
   if (!segment.ok() || session_ended) {
     UnreserveLocked(job, bytes);
     if (session_ended && !reserved_by_job_.contains(job)) plans_.erase(job);
@@ -123,7 +130,7 @@ absl::StatusOr<Arena::SegmentEntry*> Arena::AddSegment(
         "the session ended while buffer '%s' was being allocated", for_name));
   }
   auto [it, inserted] = segments_.emplace(
-      id, SegmentEntry{*std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
+      *id, SegmentEntry{*std::move(segment), OffsetAllocator(bytes), job, dedicated, 0});
   return &it->second;
 }
 
