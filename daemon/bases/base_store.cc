@@ -370,6 +370,11 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
     }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - base->started);
+  if (!status.ok()) {
+    // Its memory goes now, outside the store's lock (unmapping takes a while); the base is
+    // still loading meanwhile, so no segment of it is handed out.
+    arena_->ReleaseSession(base->job, base->owner);
+  }
   absl::MutexLock lock(&mu_);
   base->load_seconds = seconds;
   base->checkpoint.reset();  // its files are closed
@@ -393,8 +398,7 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
                   absl::StrFormat("base %d '%s' failed to load: %s", base->id, base->name,
                                   status.message()),
                   {{"base", static_cast<double>(base->id)}}, "", base->uid);
-    // Its memory goes now; the record stays to say why until its users leave.
-    arena_->ReleaseSession(base->job, base->owner);
+    // The record stays to say why until its users leave.
     base->buffers.clear();
   }
   --active_loaders_;  // the last use of `this`: the destructor may go on from here
