@@ -120,7 +120,8 @@ def main() -> None:
     shards = write_checkpoint(folder, tensor_shapes(CONFIGS[PRESET]))
     file_bytes = sum(os.path.getsize(p) for p in shards)
     rows = []
-    with private_daemon(f"{int(file_bytes * 1.3) >> 20}M") as socket:
+    # Each format's base goes when its worker does: the next one needs the memory.
+    with private_daemon(f"{int(file_bytes * 1.3) >> 20}M", "--base_keep_warm_s=0") as socket:
         for fmt in args.formats:
             row = run_worker(os.path.abspath(__file__), fmt, "lora", socket, args.timeout)
             rows.append(row)
