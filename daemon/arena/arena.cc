@@ -21,8 +21,9 @@ uint64_t RoundUp(uint64_t value, uint64_t unit) { return (value + unit - 1) / un
 
 }  // namespace
 
-// How long a reservation or plan waits for segments being unmapped before it is refused.
-const absl::Duration Arena::kRetiringWait = absl::Seconds(30);
+// How long a reservation or plan waits for segments being unmapped before it is refused: well
+// inside a client's 10 s request deadline.
+const absl::Duration Arena::kRetiringWait = absl::Seconds(5);
 
 namespace {
 

@@ -86,10 +86,13 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
     const uint64_t left = options_.budget_bytes > others ? options_.budget_bytes - others : 0;
     return absl::ResourceExhaustedError(absl::StrFormat(
         "job '%s' plans %s of host memory; the daemon's budget is %s and other jobs hold or "
-        "planned %s of it (%s), leaving %s%s. Wait for them to finish, free memory, plan for "
+        "planned %s of it (%s), leaving %s%s%s. Wait for them to finish, free memory, plan for "
         "less (e.g. bf16 moments), or raise --memory_budget",
         job.job_id, Gib(bytes), Gib(options_.budget_bytes), Gib(others),
         named.empty() ? "none" : absl::StrJoin(named, "; "), Gib(left),
+        retiring_ > 0 ? absl::StrFormat(" (%s more is being released now: try again in a "
+                                        "moment)", Gib(retiring_))
+                      : "",
         wait > absl::ZeroDuration()
             ? absl::StrFormat(" after waiting %s", absl::FormatDuration(wait))
             : ""));
