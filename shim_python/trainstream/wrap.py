@@ -307,7 +307,6 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
     auto = [isinstance(config[k], str) and config[k] == "auto"
             for k in ("activation_offload", "recompute")]
     moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
-
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def host_room() -> int:
