@@ -23,7 +23,12 @@ bytes / measured bandwidth), compute being the stock step's forward and backward
 recomputed blocks' extra forwards as the plan chose them. Full fine-tunes have one more floor:
 the host optimizer's pass over every parameter (memory bandwidth), printed beside it.
 
-    python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json]
+With ``--trace DIR``, each wrap mode then profiles two more steps (torch.profiler) into
+DIR/PRESET_BATCHxSEQ_MODE.json.gz and prints where their time went (see step_trace.py): the copy engines'
+and the kernels' busy time, pinned or pageable copies, and the longest stretches with nothing
+crossing to the GPU.
+
+    python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -149,6 +154,16 @@ def worker(mode: str, case: dict) -> dict:
             after = _transfer_counters(model)
             row.update({k: (after[k] - before[k]) // MEASURED for k in after})
             row.update(_plan_summary(model, opt))
+            trace_dir = os.environ.get("TS_BENCH_TRACE")
+            if trace_dir:
+                import step_trace
+
+                path = os.path.join(trace_dir, f"{case['preset']}_{case['batch']}x{case['seq']}_{mode}.json.gz")
+                s += MEASURED
+                with step_trace.profiled(path):
+                    for i in range(s, s + 2):
+                        step(i)
+                row["trace"] = step_trace.summarize(path)
     except torch.OutOfMemoryError as e:
         row.update(oom=True, error=str(e).splitlines()[0][:200],
                    peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
@@ -186,7 +201,8 @@ def _plan_summary(model, opt) -> dict:
                      if e["kind"] in ("client.plan.applied", "client.wrap.plan",
                                       "client.plan.settled", "client.plan.measured",
                                       "client.plan.watchdog", "client.plan.settling",
-                                      "client.plan.remeasured", "client.plan.limit")]}
+                                      "client.plan.remeasured", "client.plan.limit",
+                                      "client.plan.kept")]}
 
 
 def main() -> None:
@@ -194,6 +210,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--trace", default="", help="profile two wrap steps into this folder")
     add_worker_arguments(parser)
     args = parser.parse_args()
     if answered_as_worker(args, worker, CASES):
@@ -202,6 +219,9 @@ def main() -> None:
         sys.exit("memory_plan.py needs a CUDA GPU")
     from bench_daemon import private_daemon
 
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        os.environ["TS_BENCH_TRACE"] = os.path.abspath(args.trace)  # the workers read it
     bandwidth = pinned_bandwidth()
     print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "
           f"device->host {bandwidth['d2h_gbps']} GB/s", flush=True)
@@ -241,6 +261,12 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
     for mode in ("wrap", "wrap_paged"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)
+            if "trace" in rows[mode]:
+                import step_trace
+
+                print(f"    {mode}, two steps profiled:")
+                for line in step_trace.describe(rows[mode]["trace"]):
+                    print("      " + line)
 
 
 def _bound(mode: str, wrap: dict, rows: dict, bandwidth: dict) -> None:

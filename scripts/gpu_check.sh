@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh profile             host AdamW only: a sweep over sizes, threads, ISAs
 #   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
 #   scripts/gpu_check.sh plan [CASE...]      the memory plan's GPU tests, then bench/memory_plan.py
-#   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only
+#   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only, two steps profiled
+#   scripts/gpu_check.sh gpu                 the GPU-marked tests only (pytest -m gpu, ctest -L gpu)
 #   scripts/gpu_check.sh bases               shared bases: their GPU tests and the dequantization
 #                                            kernels' bandwidth
 #   scripts/gpu_check.sh bases_share [PRESET] the bf16 load and 1, 2, 4 processes sharing it
@@ -71,7 +72,11 @@ fi
 if [[ $what == plan_bench ]]; then
   shift
   python3 bench/memory_plan.py --cases "$@" --json "$OUT/memory_plan.json" \
-    > "$OUT/memory_plan.txt" 2>&1 || status=1
+    --trace "$OUT/traces" > "$OUT/memory_plan.txt" 2>&1 || status=1
+fi
+if [[ $what == gpu ]]; then
+  python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
 fi
 if [[ $what == bases ]]; then
   python3 -m pytest -ra -m gpu tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py \

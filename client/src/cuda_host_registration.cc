@@ -43,6 +43,14 @@ absl::StatusOr<std::unique_ptr<CudaHostRegistration>> CudaHostRegistration::Regi
   if (!CudaDevicePresent(&why)) return absl::UnavailableError(why);
 #ifdef TRAINSTREAM_HAVE_CUDA
   unsigned int flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0);
+  // One registration for the whole mapping: CUDA treats each registration as an allocation of
+  // its own, and a copy whose range spans two of them fails (cudaErrorInvalidValue), so a tensor
+  // anywhere in the mapping must sit inside one. Only when the driver refuses one that large is
+  // the mapping registered chunk by chunk (copies then go piece by piece: see cuda_transfer.cc).
+  if (cudaHostRegister(data, bytes, flags) == cudaSuccess) {
+    return std::unique_ptr<CudaHostRegistration>(new CudaHostRegistration(data, bytes, bytes));
+  }
+  cudaGetLastError();
   for (uint64_t done = 0; done < bytes; done += kRegistrationChunkBytes) {
     uint64_t chunk = std::min(kRegistrationChunkBytes, bytes - done);
     cudaError_t rc = cudaHostRegister(static_cast<uint8_t*>(data) + done, chunk, flags);
@@ -57,7 +65,8 @@ absl::StatusOr<std::unique_ptr<CudaHostRegistration>> CudaHostRegistration::Regi
           " MiB failed: ", message, " (is LimitMEMLOCK/ulimit -l high enough?)"));
     }
   }
-  return std::unique_ptr<CudaHostRegistration>(new CudaHostRegistration(data, bytes));
+  return std::unique_ptr<CudaHostRegistration>(
+      new CudaHostRegistration(data, bytes, std::min(bytes, kRegistrationChunkBytes)));
 #else
   return absl::UnavailableError(why);
 #endif
@@ -67,7 +76,7 @@ CudaHostRegistration::~CudaHostRegistration() {
 #ifdef TRAINSTREAM_HAVE_CUDA
   // Unregistering memory a copy still reads would corrupt it: wait for the device first.
   cudaDeviceSynchronize();
-  for (uint64_t done = 0; done < bytes_; done += kRegistrationChunkBytes) {
+  for (uint64_t done = 0; done < bytes_; done += piece_bytes_) {
     cudaHostUnregister(static_cast<uint8_t*>(data_) + done);
   }
   cudaGetLastError();

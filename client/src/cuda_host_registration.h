@@ -11,11 +11,11 @@
 
 namespace trainstream::client {
 
-// Registration chunk: very large single cudaHostRegister calls fail on recent drivers.
+// Registration chunk, when the driver refuses to register a whole mapping at once.
 inline constexpr uint64_t kRegistrationChunkBytes = uint64_t{1} << 30;
 
-// A host range registered with CUDA, chunk by chunk, and unregistered (after the device is idle
-// with respect to it) on destruction. Move-only; not thread-safe.
+// A host range registered with CUDA (whole, else chunk by chunk), and unregistered (after the
+// device is idle with respect to it) on destruction. Not copyable; not thread-safe.
 class CudaHostRegistration {
  public:
   // UNAVAILABLE when built without CUDA or no GPU answers; a failed chunk unregisters the
@@ -24,13 +24,18 @@ class CudaHostRegistration {
                                                                          uint64_t bytes,
                                                                          bool read_only);
   ~CudaHostRegistration();
+  // The bytes of each registration (the whole range when one call took it): a copy must not
+  // cross a multiple of this from the start of the range.
+  uint64_t piece_bytes() const { return piece_bytes_; }
   CudaHostRegistration(const CudaHostRegistration&) = delete;
   CudaHostRegistration& operator=(const CudaHostRegistration&) = delete;
 
  private:
-  CudaHostRegistration(void* data, uint64_t bytes) : data_(data), bytes_(bytes) {}
+  CudaHostRegistration(void* data, uint64_t bytes, uint64_t piece_bytes)
+      : data_(data), bytes_(bytes), piece_bytes_(piece_bytes) {}
   void* data_;
   uint64_t bytes_;
+  uint64_t piece_bytes_;
 };
 
 // Whether a GPU answers (cached after the first call); `why` says why not.

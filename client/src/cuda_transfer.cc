@@ -23,8 +23,8 @@ absl::Status CheckRange(const HostBuffer& buffer, uint64_t offset, uint64_t byte
   return absl::OkStatus();
 }
 
-// Copies [offset, offset + bytes) of the buffer piece by piece, never across a registration
-// chunk of its segment, so that every piece is a pinned (DMA) transfer.
+// Copies [offset, offset + bytes) of the buffer, never across two registrations of its segment
+// (a copy spanning two fails), so that every piece is a pinned (DMA) transfer.
 absl::Status ChunkedCopy(const HostBuffer& buffer, uint64_t offset, void* device, uint64_t bytes,
                          void* stream, bool to_device) {
   if (!buffer.cuda_registered()) {
@@ -36,10 +36,11 @@ absl::Status ChunkedCopy(const HostBuffer& buffer, uint64_t offset, void* device
   }
 #ifdef TRAINSTREAM_HAVE_CUDA
   const uint64_t segment_offset = buffer.info().offset + offset;
+  const uint64_t piece_bytes = buffer.segment()->registration_piece_bytes();
   uint64_t done = 0;
   while (done < bytes) {
     uint64_t at = segment_offset + done;
-    uint64_t chunk_end = (at / kRegistrationChunkBytes + 1) * kRegistrationChunkBytes;
+    uint64_t chunk_end = (at / piece_bytes + 1) * piece_bytes;
     uint64_t piece = std::min(bytes - done, chunk_end - at);
     uint8_t* host = buffer.segment()->data() + at;
     uint8_t* dev = static_cast<uint8_t*>(device) + done;

@@ -24,6 +24,11 @@ class MappedSegment {
   uint64_t size() const { return mapping_.size(); }
   bool writable() const { return mapping_.writable(); }
   bool cuda_registered() const { return registration_ != nullptr; }
+  // A copy must not cross a multiple of this from the segment's start (see
+  // CudaHostRegistration::piece_bytes); 0 when unregistered.
+  uint64_t registration_piece_bytes() const {
+    return registration_ ? registration_->piece_bytes() : 0;
+  }
 
  private:
   uint64_t id_;

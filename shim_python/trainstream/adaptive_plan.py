@@ -119,9 +119,21 @@ class AdaptivePlan:
                                   "gradients enabled; train with the model's forward")
         forward_s = self.pager.forward_seconds(self.probe_block)
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
-                            activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"])
+                            activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"],
+                            trained_share=self._trained_share(b))
                  for b in range(len(self.blocks))]
         return facts, m["saved_bytes"], forward_s
+
+    def _trained_share(self, b: int) -> float:
+        """The share of block ``b``'s weights (by bytes, a quantized base's buffers counted)
+        that train: backward computes their gradients, which a frozen base's weights do not
+        have."""
+        block = self.blocks[b]
+        trained = sum(p.numel() * p.element_size() for p in block.parameters()
+                      if p.requires_grad)
+        total = trained + sum(t.numel() * t.element_size() for t in (
+            *(p for p in block.parameters() if not p.requires_grad), *block.buffers()))
+        return trained / total if total else 1.0
 
     def _working_from_peak(self, facts: list) -> int:
         """The step's VRAM beyond weights and saved activations, from its peak, under the
@@ -269,13 +281,17 @@ class AdaptivePlan:
         if reason == "watchdog":
             # Until a plan holds it, a peak this high is not measured again every other step.
             self._unfixable_peak = peak
-        self._replan()
-        self._unfixable_peak = 0
+        if self._replan() or reason != "watchdog":
+            self._unfixable_peak = 0
         return True
 
-    def _replan(self) -> None:
+    def _replan(self) -> bool:
+        """Plans from the measurements and applies the plan when it differs from the one that
+        runs; returns whether it did. The same plan again leaves the settling count as it is:
+        a measurement that moves no decision is no reason to watch more steps."""
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
-                            activation_bytes=f.activation_bytes, input_bytes=f.input_bytes)
+                            activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
+                            trained_share=f.trained_share)
                  for b, f in enumerate(self._facts_cache)]
         own = self.host_activation_bytes
         host = max(0, self._host_free()) + own
@@ -293,6 +309,15 @@ class AdaptivePlan:
             # take back those wrap() streamed to make room for the probe.
             paged_already=tuple(self.pager.paged) if self.steps_since_plan >= 0 else ())
         plan = plan_memory(inputs)
+        if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
+                and plan.activation_policy == self.plan.activation_policy
+                and plan.moment_dtype == self.plan.moment_dtype):
+            self.plan = plan  # its estimates are the new measurements'
+            self._say("plan.kept", f"the plan stands: the measurements move none of its "
+                      f"decisions (estimated peak {size(plan.vram_bytes)} of "
+                      f"{size(self.budget)})", vram_bytes=plan.vram_bytes,
+                      budget_bytes=self.budget)
+            return False
         offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
         again = [b for b, p in enumerate(plan.activation_policy) if p == "recompute"]
         added = [b for b in plan.paged_blocks if b not in self.pager.position]
@@ -323,6 +348,7 @@ class AdaptivePlan:
                   offloaded_blocks=len(offload), recomputed_blocks=len(again))
         self.steps_since_plan = 0
         self.adapting = True
+        return True
 
     def _say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)

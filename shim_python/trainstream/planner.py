@@ -32,6 +32,7 @@ class BlockFacts:
     activation_bytes: int    # what its forward saves for backward
     input_bytes: int = 0     # what recomputing it keeps instead (its input)
     trainable: int = 0       # trainable elements (their optimizer state lives on the host)
+    trained_share: float = 1.0  # of its weights, the share that trains (0: a frozen base)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class PlanInputs:
     block_forward_s: float = 0.0     # one block's measured forward time (0: not measured)
     link_bytes_per_s: float = 0.0    # measured PCIe bandwidth, one direction (0: not measured)
     paged_already: tuple = ()        # blocks streaming their weights already (kept so)
-    step_compute_s: float = 0.0      # a step's GPU compute (0: three forwards per block)
+    step_compute_s: float = 0.0      # a step's GPU compute (0: estimated, see _compute_s)
     transfer_bytes: tuple = (0, 0)   # what crosses PCIe a step besides paging (to, from GPU)
 
 
@@ -123,6 +124,14 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     return plan
 
 
+def _compute_s(inputs: PlanInputs) -> float:
+    """A step's GPU compute from one block's forward: the forward, then in backward the
+    gradient of its input (about one forward more) and of the weights that train (one more, in
+    their share): three forwards for a full fine-tune, two for a frozen base under adapters."""
+    return sum(inputs.block_forward_s * (2 + min(1.0, max(0.0, b.trained_share)))
+               for b in inputs.blocks)
+
+
 def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
     n = len(inputs.blocks)
     plan = MemoryPlan(activation_policy=["keep"] * n)
@@ -189,7 +198,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
         weights_in = fetch_bytes([inputs.blocks[i].weight_bytes
                                   for i in sorted(streamed_guess | streaming)],
                                  inputs.prefetch_depth)
-        load = {"compute": inputs.step_compute_s or 3 * forward * n,
+        load = {"compute": inputs.step_compute_s or _compute_s(inputs),
                 "h2d": (inputs.transfer_bytes[0] + weights_in) / link if link else 0.0,
                 "d2h": inputs.transfer_bytes[1] / link if link else 0.0}
         for i in order:

@@ -146,8 +146,13 @@ def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_so
     assert measured["forward_s_probe"] == 0.010
     assert measured["forward_s"] == (warm_ms / 1e3 if replans else 0.010)
     assert ("plan.remeasured" in kinds(planned)) == replans
-    applied = [e for e in planned._trainstream_session.events if e["kind"] == "plan.applied"]
-    assert len(applied) == (2 if replans else 1)
+    # Planned again from the warm numbers: a new plan applied, or the same one kept (the
+    # settling count then goes on).
+    planned_kinds = [e["kind"] for e in planned._trainstream_session.events
+                     if e["kind"] in ("plan.applied", "plan.kept")]
+    assert len(planned_kinds) == (2 if replans else 1)
+    if planned_kinds[-1] == "plan.kept":
+        assert not planned._trainstream_session.adapting  # settled on schedule: 4 steps
     assert losses == train(resident, r_opt, 4, device="cpu")
 
 
@@ -370,6 +375,43 @@ def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(start_
 
 
 @pytest.mark.gpu
+def _cuda_tensors_alive() -> str:
+    """The CUDA tensors the garbage collector can reach, with what holds each: what a test of
+    freed memory prints when memory was not freed."""
+    lines = []
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+        except Exception:  # noqa: BLE001 - objects that fail isinstance are not tensors
+            continue
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list", "frame"})
+        lines.append(f"{tuple(obj.shape)} {obj.dtype} "
+                     f"{obj.untyped_storage().nbytes()} B held by {holders}")
+    return "\n".join(lines[:40])
+
+
+def test_unwrap_gives_the_device_memory_back(daemon_socket):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: reads the allocator's counters")
+    # cuBLAS keeps a workspace per stream from its first matmul on: made before the baseline.
+    (torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum().item()
+    torch.manual_seed(5)
+    model = TinyGPT(dim=256, heads=8, layers=8).to("cuda")
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    wrapped, opt = trainstream.wrap(copy.deepcopy(model), offload=True, lr=1e-3,
+                                    param_offload=0.5)
+    train(wrapped, opt, 4)
+    torch.cuda.synchronize()
+    trainstream.unwrap(wrapped)
+    del wrapped, opt
+    gc.collect()
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - baseline
+    assert left <= 1 << 20, f"{left} bytes still allocated:\n{_cuda_tensors_alive()}"
+
+
 def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch):
     # Room for the unwrapped first copy's session beside the second's.
     monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=2G").socket)
@@ -398,8 +440,12 @@ def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch)
     del probe, p_opt
     gc.collect()
     torch.cuda.empty_cache()
+    # An explicit budget counts everything the process holds; what it holds besides the model
+    # (cuBLAS workspaces of the first copy's streams, say) was not in the first copy's peak.
+    besides = torch.cuda.memory_allocated() - sum(
+        t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     model, opt = trainstream.wrap(model, offload=True, lr=1e-3,
-                                  vram_budget=int(1.25 * settled_peak))
+                                  vram_budget=int(1.25 * settled_peak) + max(0, besides))
     session = model._trainstream_session
     for s in range(6):
         step(model, opt, s, 8)

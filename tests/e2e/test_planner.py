@@ -95,6 +95,23 @@ def test_page_or_recompute_follows_what_the_step_is_waiting_for():
     assert any("the link already busy" in line for line in busy.history)
 
 
+def test_a_frozen_base_leaves_more_compute_free_for_recomputing():
+    # A link busy 400 ms a step. Fully trained, 8 blocks of 20 ms forwards compute 480 ms and
+    # paging hides under it; under adapters (the base frozen: no weight gradients) they compute
+    # 320 ms, and one more forward costs the step less than a page.
+    link = dict(block_forward_s=0.020, link_bytes_per_s=50e9, transfer_bytes=(20e9, 20e9))
+    trained = plan_memory(inputs(vram=16 * GiB, host=200 * GiB, **link))
+    facts = tuple(BlockFacts(weight_bytes=GiB, activation_bytes=2 * GiB,
+                             input_bytes=GiB // 8, trained_share=0.0) for _ in range(8))
+    frozen = plan_memory(PlanInputs(blocks=facts, other_weight_bytes=GiB // 2,
+                                    other_trainable=GiB // 8, working_bytes=GiB,
+                                    vram_budget=16 * GiB, host_budget=200 * GiB, **link))
+    assert trained.activation_policy[0] == "offload"
+    assert frozen.activation_policy[0] == "recompute"
+    assert frozen.activation_policy.count("recompute") > trained.activation_policy.count(
+        "recompute")
+
+
 def test_find_blocks_returns_the_repeated_stack():
     model = TinyGPT(layers=3)
     assert trainstream.find_blocks(model) == list(model.blocks)

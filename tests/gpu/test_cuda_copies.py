@@ -66,3 +66,25 @@ def test_torch_copies_from_daemon_memory_are_correct(start_daemon):
         dev = host.to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(dev.cpu(), host)
+
+
+def test_torch_copies_cross_the_gib_marks_of_a_large_segment(start_daemon):
+    # A 1.5 GiB range of a 2.5 GiB buffer contains a GiB mark of its segment, wherever the buffer
+    # starts in it: had the segment been registered in 1 GiB pieces, a copy spanning two would
+    # fail with cudaErrorInvalidValue (the 14B bases' weight matrices did).
+    d = start_daemon("--memory_budget=4G")
+    with trainstream.connect(d.socket) as client:
+        buf = client.allocate("large", 5 * GIB // 2)
+        assert buf.cuda_registered
+        host = buf.tensor(torch.int32)
+        gen = torch.Generator().manual_seed(99)
+        window = slice(3 * GIB // 16, 9 * GIB // 16)  # in int32 elements: [0.75, 2.25) GiB
+        host[window].copy_(torch.randint(-2**31, 2**31 - 1, (host[window].numel(),),
+                                         dtype=torch.int32, generator=gen))
+        dev = host[window].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), host[window])
+        dev.add_(1)
+        host[window].copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(host[window], dev.cpu())

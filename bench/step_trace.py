@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a step's time goes, from a torch.profiler trace: how long the copy engines and the
+compute were busy, whether host memory was pinned, what the CPU waited on, and the longest
+stretches in which nothing crossed to the GPU. A paged step is only as fast as its busiest
+resource; the gaps say what kept that resource waiting.
+
+    with step_trace.profiled(path) as prof: ...steps...
+    summary = step_trace.summarize(path)      # a dict; step_trace.describe(summary) in words
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+from typing import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def profiled(path: str) -> Iterator[None]:
+    """Profiles the CPU and CUDA activity of the enclosed steps into a Chrome trace at
+    ``path`` (gzip-compressed when it ends in .gz)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        torch.cuda.synchronize()
+    plain = path[:-3] if path.endswith(".gz") else path
+    prof.export_chrome_trace(plain)
+    if plain != path:
+        with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+
+
+def _events(path: str) -> list:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
+def _union(intervals: list) -> list:
+    merged: list = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _busy(intervals: list) -> float:
+    return sum(end - start for start, end in _union(intervals))
+
+
+def summarize(path: str, gaps: int = 8) -> dict:
+    """The trace's GPU timeline in milliseconds: its span (first to last GPU activity), the
+    union of kernel time, of host-to-device and of device-to-host copies, copies by kind
+    (pinned or pageable, bytes and rate), the CUDA calls the CPU spent longest in, and the
+    ``gaps`` longest stretches with no host-to-device copy running (with the kernels
+    running meanwhile)."""
+    events = _events(path)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    gpu = kernels + copies
+    if not gpu:
+        return {"error": "no GPU activity in the trace"}
+    span_start = min(e["ts"] for e in gpu)
+    span_end = max(e["ts"] + e["dur"] for e in gpu)
+
+    def spans(items):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in items]
+
+    to_device = [e for e in copies if "HtoD" in e["name"]]
+    to_host = [e for e in copies if "DtoH" in e["name"]]
+    kinds: dict = {}
+    for e in copies:
+        k = kinds.setdefault(e["name"], {"count": 0, "ms": 0.0, "bytes": 0})
+        k["count"] += 1
+        k["ms"] += e["dur"] / 1e3
+        k["bytes"] += int(e.get("args", {}).get("bytes", 0))
+    for k in kinds.values():
+        k["gbps"] = round(k["bytes"] / (k["ms"] * 1e6), 1) if k["ms"] else 0.0
+        k["ms"] = round(k["ms"], 2)
+    calls: dict = {}
+    for e in runtime:
+        c = calls.setdefault(e["name"], {"count": 0, "ms": 0.0})
+        c["count"] += 1
+        c["ms"] += e["dur"] / 1e3
+    top_calls = dict(sorted(((n, {"count": c["count"], "ms": round(c["ms"], 2)})
+                             for n, c in calls.items()), key=lambda kv: -kv[1]["ms"])[:8])
+    # Stretches of the span with no copy to the device running, longest first.
+    idle, at = [], span_start
+    for start, end in _union(spans(to_device)) + [[span_end, span_end]]:
+        if start > at:
+            idle.append((at, start))
+        at = max(at, end)
+    idle.sort(key=lambda g: g[0] - g[1])
+    described = []
+    for start, end in idle[:gaps]:
+        during = [e for e in kernels if e["ts"] < end and e["ts"] + e["dur"] > start]
+        names: dict = {}
+        for e in during:
+            names[e["name"][:60]] = names.get(e["name"][:60], 0) + 1
+        described.append({"at_ms": round((start - span_start) / 1e3, 2),
+                          "ms": round((end - start) / 1e3, 2),
+                          "kernel_busy_ms": round(_busy(
+                              [(max(s, start), min(t, end)) for s, t in spans(during)]) / 1e3, 2),
+                          "kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:3])})
+    return {"span_ms": round((span_end - span_start) / 1e3, 2),
+            "kernel_busy_ms": round(_busy(spans(kernels)) / 1e3, 2),
+            "h2d_busy_ms": round(_busy(spans(to_device)) / 1e3, 2),
+            "d2h_busy_ms": round(_busy(spans(to_host)) / 1e3, 2),
+            "copies": kinds, "cuda_calls": top_calls,
+            "h2d_idle_ms": round(sum(end - start for start, end in idle) / 1e3, 2),
+            "h2d_gaps": described}
+
+
+def describe(summary: dict) -> list:
+    """The summary in lines of text."""
+    if "error" in summary:
+        return [summary["error"]]
+    lines = [f"GPU span {summary['span_ms']} ms: kernels busy {summary['kernel_busy_ms']} ms, "
+             f"copies to GPU busy {summary['h2d_busy_ms']} ms (idle {summary['h2d_idle_ms']} "
+             f"ms), back {summary['d2h_busy_ms']} ms"]
+    for name, k in summary["copies"].items():
+        lines.append(f"  {name}: {k['count']} copies, {k['bytes'] / 1e9:.2f} GB in {k['ms']} ms "
+                     f"({k['gbps']} GB/s)")
+    lines.append("  CPU in CUDA calls: " + ", ".join(
+        f"{n} {c['ms']} ms/{c['count']}" for n, c in summary["cuda_calls"].items()))
+    for g in summary["h2d_gaps"]:
+        lines.append(f"  no copy to the GPU for {g['ms']} ms at {g['at_ms']} ms (kernels busy "
+                     f"{g['kernel_busy_ms']} ms: {g['kernels']})")
+    return lines
