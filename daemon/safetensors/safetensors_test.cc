@@ -201,8 +201,13 @@ TEST_F(SafetensorsTest, TensorsAreReadWindowByWindowExactlyAsTheReferenceConvert
           kernels::QuantFormat::kNvfp4}) {
       StoredLayout q = *StoredLayoutFor(t, StoredAs::kQuantized, format);
       std::vector<uint8_t> qd(q.data_bytes), qs(q.scale_bytes);
-      absl::StatusOr<ReadResult> r = ReadTensor(f, t, q, qd.data(), qs.data(), {}, 256);
+      std::vector<uint64_t> progress;
+      absl::StatusOr<ReadResult> r = ReadTensor(f, t, q, qd.data(), qs.data(),
+                                                [&](uint64_t b) { progress.push_back(b); }, 256);
       ASSERT_TRUE(r.ok()) << r.status();
+      // Each byte of the file counted once, nvfp4's two passes included.
+      EXPECT_TRUE(std::is_sorted(progress.begin(), progress.end()));
+      EXPECT_EQ(progress.back(), t.bytes) << kernels::QuantFormatName(format);
       // The reference, in one piece from the exact values.
       std::vector<uint8_t> rd(q.data_bytes), rs(q.scale_bytes);
       float amax = 0;

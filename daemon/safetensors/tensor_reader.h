@@ -35,13 +35,13 @@ absl::StatusOr<StoredLayout> StoredLayoutFor(const SafetensorsTensor& tensor, St
 
 struct ReadResult {
   float tensor_scale = 1.0f;  // nvfp4's per-tensor scale; 1 otherwise
-  double max_abs = 0.0;       // of the values read (float tensors)
+  double max_abs = 0.0;       // nvfp4: the tensor's largest magnitude; 0 otherwise
 };
 
 // Reads `tensor` from `file` into `data` (layout.data_bytes) and `scales`
 // (layout.scale_bytes), `window_bytes` of the file at a time; `progress(bytes)` is called after
-// each window with the file bytes read so far. nvfp4 reads the tensor twice (its scale comes
-// from the whole tensor's largest value).
+// each window with the file bytes read so far (each byte counted once). nvfp4 reads the tensor
+// twice (its scale comes from the whole tensor's largest value).
 absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const SafetensorsTensor& tensor,
                                       const StoredLayout& layout, uint8_t* data, uint8_t* scales,
                                       const std::function<void(uint64_t)>& progress = {},

@@ -2,6 +2,7 @@
 #include "cpu/quantize.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -136,6 +137,20 @@ uint8_t FloatToE4m3(float f) {
   return sign | static_cast<uint8_t>(std::min<uint32_t>(rounded, 0x7e));
 }
 
+namespace {
+
+// E4m3ToFloat by table: the quantizers read it once a block.
+float E4m3Value(uint8_t bits) {
+  static const std::array<float, 256> kValues = [] {
+    std::array<float, 256> values{};
+    for (int i = 0; i < 256; ++i) values[i] = E4m3ToFloat(static_cast<uint8_t>(i));
+    return values;
+  }();
+  return kValues[bits];
+}
+
+}  // namespace
+
 float E4m3ToFloat(uint8_t bits) {
   const int e = (bits >> 3) & 0xf;
   const int m = bits & 0x7;
@@ -186,9 +201,11 @@ void Nf4Codes(const float* x, int m, float inverse, int32_t* codes) {
   }
 }
 
-// e2m1 codes of `x[i] / scale`, ties to even as FloatToE2m1.
+// e2m1 codes of `x[i] / scale`, ties to even as FloatToE2m1; `Run` values at a time (nvfp4's
+// blocks are 16 values: a longer run would compute codes for nothing).
+template <int Run>
 void E2m1Codes(const float* x, int m, float scale, int32_t* codes) {
-  for (int i = 0; i < kRun; ++i) {
+  for (int i = 0; i < Run; ++i) {
     const float q = i < m ? x[i] / scale : 0.0f;
     const float a = std::fabs(q);
     const int32_t magnitude = (a > 0.25f ? 1 : 0) + (a >= 0.75f ? 1 : 0) + (a > 1.25f ? 1 : 0) +
@@ -196,6 +213,25 @@ void E2m1Codes(const float* x, int m, float scale, int32_t* codes) {
                               (a > 5.0f ? 1 : 0);
     codes[i] = magnitude | static_cast<int32_t>((FloatToBits(q) >> 28) & 0x8u);
   }
+}
+
+// e4m3 codes of `x[i] / scale`, as FloatToE4m3 gives them for finite values (a block's
+// absmax makes every |x / scale| at most 448): both of its roundings computed, one kept.
+void E4m3Codes(const float* x, int m, float scale, uint8_t* out) {
+  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: adding and taking it away rounds to even
+  int32_t codes[kRun];
+  for (int i = 0; i < kRun; ++i) {
+    const float q = i < m ? x[i] / scale : 0.0f;
+    const uint32_t bits = FloatToBits(q);
+    const float a = std::fabs(q);
+    const int32_t subnormal = static_cast<int32_t>((a * 512.0f + kRound) - kRound);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    magnitude += 0x7ffffu + ((magnitude >> 20) & 1u);
+    const int32_t normal =
+        std::min(static_cast<int32_t>(magnitude >> 20) - (120 << 3), int32_t{0x7e});
+    codes[i] = (a < 0.015625f ? subnormal : normal) | static_cast<int32_t>((bits >> 24) & 0x80u);
+  }
+  for (int i = 0; i < m; ++i) out[i] = static_cast<uint8_t>(codes[i]);
 }
 
 // Two codes a byte, `first_high` putting the first of each pair in the high nibble; an odd
@@ -273,22 +309,28 @@ absl::Status Quantize(const QuantLayout& layout, uint64_t first, const float* va
       case QuantFormat::kFp8: {
         const float scale = absmax / kE4m3Max;
         StoreScale(scales, b, scale);
-        for (uint64_t i = 0; i < count; ++i) {
-          data[e0 + i] = scale > 0.0f ? FloatToE4m3(x[i] / scale) : 0;
+        for (uint64_t i0 = 0; i0 < count; i0 += kRun) {
+          const int m = static_cast<int>(std::min<uint64_t>(kRun, count - i0));
+          if (scale > 0.0f) {
+            E4m3Codes(x + i0, m, scale, data + e0 + i0);
+          } else {
+            std::fill(data + e0 + i0, data + e0 + i0 + m, uint8_t{0});
+          }
         }
         break;
       }
       case QuantFormat::kNvfp4: {
         const uint8_t scale_bits = FloatToE4m3(absmax / kE2m1Max / tensor_scale);
         scales[b] = scale_bits;
-        const float scale = E4m3ToFloat(scale_bits) * tensor_scale;
-        int32_t codes[kRun];
-        for (uint64_t i0 = 0; i0 < count; i0 += kRun) {
-          const int m = static_cast<int>(std::min<uint64_t>(kRun, count - i0));
+        const float scale = E4m3Value(scale_bits) * tensor_scale;
+        constexpr int kNvfp4Run = 16;  // its block: LayoutFor allows no other
+        int32_t codes[kNvfp4Run];
+        for (uint64_t i0 = 0; i0 < count; i0 += kNvfp4Run) {
+          const int m = static_cast<int>(std::min<uint64_t>(kNvfp4Run, count - i0));
           if (scale > 0.0f) {
-            E2m1Codes(x + i0, m, scale, codes);
+            E2m1Codes<kNvfp4Run>(x + i0, m, scale, codes);
           } else {
-            std::fill(codes, codes + kRun, 0);
+            std::fill(codes, codes + kNvfp4Run, 0);
           }
           PackNibbles(codes, m, /*first_high=*/false, /*pad=*/0, data + (e0 + i0) / 2);
         }

@@ -186,11 +186,15 @@ TEST(Nvfp4, PacksTwoValuesPerByteFirstInTheLowNibble) {
 // blocks longer than a run and blocks that are not a multiple of one.
 TEST(Quantize, CodesEqualTheScalarDefinitionsValueForValue) {
   for (int block : {0, 6, 200}) {
-    for (QuantFormat format : {QuantFormat::kInt8, QuantFormat::kNf4, QuantFormat::kNvfp4}) {
+    for (QuantFormat format : {QuantFormat::kInt8, QuantFormat::kNf4, QuantFormat::kFp8,
+                               QuantFormat::kNvfp4}) {
       if (format == QuantFormat::kNvfp4 && block != 0) continue;
       std::vector<float> x = Normal(4001, 11);  // odd: a half-filled last byte
       for (int i = 0; i < 64; ++i) x[i] = 0.25f * static_cast<float>(i - 32);  // ties
       for (int i = 64; i < 128; ++i) x[i] = static_cast<float>(i - 96) + 0.5f;
+      // Tiny values: fp8's subnormal codes, and zeros of both signs.
+      for (int i = 128; i < 192; ++i) x[i] = std::ldexp(static_cast<float>(i - 160), -14);
+      x[192] = -0.0f;
       const Quantized q = QuantizeAll(format, x, block);
       const int used = q.layout.block;
       for (uint64_t e = 0; e < x.size(); ++e) {
@@ -207,6 +211,11 @@ TEST(Quantize, CodesEqualTheScalarDefinitionsValueForValue) {
           std::memcpy(&absmax, q.scales.data() + 4 * b, 4);
           got = e % 2 == 0 ? q.data[e / 2] >> 4 : q.data[e / 2] & 0xf;
           want = absmax > 0 ? Nf4Code(x[e] * (1.0f / absmax)) : 0;
+        } else if (format == QuantFormat::kFp8) {
+          float scale;
+          std::memcpy(&scale, q.scales.data() + 4 * b, 4);
+          got = q.data[e];
+          want = scale > 0 ? FloatToE4m3(x[e] / scale) : 0;
         } else {
           const float scale = E4m3ToFloat(q.scales[b]) * q.tensor_scale;
           got = e % 2 == 0 ? q.data[e / 2] & 0xf : q.data[e / 2] >> 4;
