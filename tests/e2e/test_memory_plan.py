@@ -374,7 +374,6 @@ def test_a_model_bigger_than_the_vram_cap_trains_from_the_cpu_and_matches(start_
     assert all(torch.equal(a, b) for a, b in zip(expected_weights, got))
 
 
-@pytest.mark.gpu
 def _cuda_tensors_alive() -> str:
     """The CUDA tensors the garbage collector can reach, with what holds each: what a test of
     freed memory prints when memory was not freed."""
@@ -391,6 +390,7 @@ def _cuda_tensors_alive() -> str:
     return "\n".join(lines[:40])
 
 
+@pytest.mark.gpu
 def test_unwrap_gives_the_device_memory_back(daemon_socket):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: reads the allocator's counters")
@@ -412,6 +412,7 @@ def test_unwrap_gives_the_device_memory_back(daemon_socket):
     assert left <= 1 << 20, f"{left} bytes still allocated:\n{_cuda_tensors_alive()}"
 
 
+@pytest.mark.gpu
 def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch):
     # Room for the unwrapped first copy's session beside the second's.
     monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=2G").socket)
