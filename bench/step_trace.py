@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 from typing import Iterator
 
 import torch
@@ -31,6 +32,7 @@ def profiled(path: str) -> Iterator[None]:
     if plain != path:
         with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
             dst.write(src.read())
+        os.remove(plain)
 
 
 def _events(path: str) -> list:

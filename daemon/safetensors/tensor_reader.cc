@@ -103,24 +103,24 @@ absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const Safeten
     return result;
   }
   // nvfp4's scale comes from the whole tensor's largest value: its values are read twice, the
-  // second time from the page cache (memory stays bounded by the window). Progress counts the
-  // file's bytes once, in the first pass.
+  // second time from the page cache (memory stays bounded by the window). Progress counts both
+  // passes, as the base store's total does.
   const bool two_passes = layout.as == StoredAs::kQuantized &&
                           layout.quant.format == kernels::QuantFormat::kNvfp4;
   std::vector<uint8_t> raw(window_elems * size);
   std::vector<float> values(window_elems);
-  auto read_window = [&](uint64_t first, uint64_t n, bool first_pass) -> absl::Status {
+  auto read_window = [&](uint64_t first, uint64_t n) -> absl::Status {
     if (absl::Status s = file.Read(tensor.offset + first * size, raw.data(), n * size); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("tensor '", tensor.name, "': ", s.message()));
     }
-    if (first_pass) advance(n * size);
+    advance(n * size);
     ToFloat(tensor.dtype, raw.data(), n, values.data());
     return absl::OkStatus();
   };
   if (layout.as == StoredAs::kBFloat16) {
     for (uint64_t first = 0; first < tensor.numel; first += window_elems) {
       const uint64_t n = std::min(window_elems, tensor.numel - first);
-      if (absl::Status s = read_window(first, n, /*first_pass=*/true); !s.ok()) return s;
+      if (absl::Status s = read_window(first, n); !s.ok()) return s;
       for (uint64_t i = 0; i < n; ++i) {
         const uint16_t h = kernels::FloatToBFloat16(values[i]);
         std::memcpy(data + 2 * (first + i), &h, 2);
@@ -132,7 +132,7 @@ absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const Safeten
     float max_abs = 0.0f;
     for (uint64_t first = 0; first < tensor.numel; first += window_elems) {
       const uint64_t n = std::min(window_elems, tensor.numel - first);
-      if (absl::Status s = read_window(first, n, /*first_pass=*/true); !s.ok()) return s;
+      if (absl::Status s = read_window(first, n); !s.ok()) return s;
       // In float, one accumulator: a loop the compiler vectorizes (a NaN is refused by
       // Quantize below, whatever the maximum says).
       for (uint64_t i = 0; i < n; ++i) max_abs = std::max(max_abs, std::fabs(values[i]));
@@ -142,7 +142,7 @@ absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const Safeten
   }
   for (uint64_t first = 0; first < tensor.numel; first += window_elems) {
     const uint64_t n = std::min(window_elems, tensor.numel - first);
-    if (absl::Status s = read_window(first, n, /*first_pass=*/!two_passes); !s.ok()) return s;
+    if (absl::Status s = read_window(first, n); !s.ok()) return s;
     if (absl::Status s = kernels::Quantize(layout.quant, first, values.data(), n,
                                            result.tensor_scale, data, scales);
         !s.ok()) {

@@ -40,8 +40,8 @@ struct ReadResult {
 
 // Reads `tensor` from `file` into `data` (layout.data_bytes) and `scales`
 // (layout.scale_bytes), `window_bytes` of the file at a time; `progress(bytes)` is called after
-// each window with the file bytes read so far (each byte counted once). nvfp4 reads the tensor
-// twice (its scale comes from the whole tensor's largest value).
+// each window with the file bytes read so far. nvfp4 reads the tensor twice (its scale comes
+// from the whole tensor's largest value), and its progress counts both passes.
 absl::StatusOr<ReadResult> ReadTensor(const SafetensorsFile& file, const SafetensorsTensor& tensor,
                                       const StoredLayout& layout, uint8_t* data, uint8_t* scales,
                                       const std::function<void(uint64_t)>& progress = {},

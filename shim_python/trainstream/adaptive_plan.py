@@ -312,6 +312,13 @@ class AdaptivePlan:
         if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
                 and plan.activation_policy == self.plan.activation_policy
                 and plan.moment_dtype == self.plan.moment_dtype):
+            # The same decisions; the paged activations may have grown (a longer sequence):
+            # the daemon is told what the job holds now.
+            host_bytes = sum(facts[b].activation_bytes
+                             for b, p in enumerate(plan.activation_policy) if p == "offload")
+            if host_bytes != self.host_activation_bytes:
+                self._plan_host(host_bytes)
+                self.host_activation_bytes = host_bytes
             self.plan = plan  # its estimates are the new measurements'
             self._say("plan.kept", f"the plan stands: the measurements move none of its "
                       f"decisions (estimated peak {size(plan.vram_bytes)} of "
