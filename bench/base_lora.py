@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """LoRA r=16 on a Qwen2.5-14B-shaped model whose frozen weights come from a shared base held by
-trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap().
+trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap(). fp8 runs
+with fp8_matmul="auto" (FP8 tensor cores where they time faster, see trainstream.fp8_matmul);
+"fp8:dequantize" is the same base always dequantized, the alternative beside it.
 
-    python bench/base_lora.py [--formats nf4 int8 fp8 nvfp4] [--seq 512] [--dir DIR]
-                              [--json out.json]
+    python bench/base_lora.py [--formats nf4 int8 fp8 fp8:dequantize nvfp4] [--seq 512]
+                              [--dir DIR] [--json out.json]
 
 The checkpoint is bench/shared_base.py's (random bf16 weights, Hugging Face names, in
 --dir), written once and reused; the model's own names map onto it. Each format runs in a fresh
@@ -49,10 +51,11 @@ def checkpoint_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def worker(fmt: str, case: dict) -> dict:
+def worker(variant: str, case: dict) -> dict:
     import trainstream
 
-    row = {"format": fmt, "seq": case["seq"], "vram_gb": VRAM_GB}
+    fmt, _, matmul = variant.partition(":")
+    row = {"format": variant, "seq": case["seq"], "vram_gb": VRAM_GB}
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, VRAM_GB * 2**30 / total), 0)
     model = lora_model()
@@ -67,7 +70,8 @@ def worker(fmt: str, case: dict) -> dict:
     base = trainstream.load_base(case["dir"], format=fmt, progress=False)
     row["load_s"] = round(time.perf_counter() - began, 1)
     row["base_host_bytes"] = base.stored_bytes
-    taken = trainstream.attach_base(model, base, device="cuda", rename=checkpoint_name)
+    taken = trainstream.attach_base(model, base, device="cuda", rename=checkpoint_name,
+                                    fp8_matmul=False if matmul == "dequantize" else "auto")
     row["base_linear"] = len(taken["linear"])
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta]
@@ -99,12 +103,17 @@ def worker(fmt: str, case: dict) -> dict:
     row.update(step_s=round(statistics.median(times), 4),
                peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                settle_steps=s)
+    chosen = trainstream.memory_report(model).get("fp8_matmul")
+    if chosen:
+        row["fp8_matmul"] = {"scaled_mm": chosen["scaled_mm"], "dequantize": chosen["dequantize"],
+                             "choices": [list(c) for c in chosen["choices"]]}
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--formats", nargs="+", default=["nf4", "int8", "fp8", "nvfp4"])
+    parser.add_argument("--formats", nargs="+",
+                        default=["nf4", "int8", "fp8", "fp8:dequantize", "nvfp4"])
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--dir", default="/var/tmp/ts-bench-base")
     parser.add_argument("--timeout", type=int, default=900)
@@ -126,12 +135,14 @@ def main() -> None:
             row = run_worker(os.path.abspath(__file__), fmt, "lora", socket, args.timeout)
             rows.append(row)
             if row.get("failed"):
-                print(f"{fmt:6s} failed: {row['stderr'][-800:]}", flush=True)
+                print(f"{fmt:14s} failed: {row['stderr'][-800:]}", flush=True)
                 continue
-            print(f"{fmt:6s} {1e3 * row['step_s']:7.1f} ms/step, peak {row['peak_vram_gib']:5.2f}"
-                  f" GiB, base {row['base_host_bytes'] / 1e9:5.2f} GB in host memory "
-                  f"(loaded in {row['load_s']} s), {row['base_linear']} projections from it",
-                  flush=True)
+            tensor_cores = (f"; FP8 tensor cores in {row['fp8_matmul']['scaled_mm']} of them"
+                            if "fp8_matmul" in row else "")
+            print(f"{fmt:14s} {1e3 * row['step_s']:7.1f} ms/step, peak "
+                  f"{row['peak_vram_gib']:5.2f} GiB, base {row['base_host_bytes'] / 1e9:5.2f} GB "
+                  f"in host memory (loaded in {row['load_s']} s), {row['base_linear']} "
+                  f"projections from it{tensor_cores}", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"bench": "base_lora", "preset": PRESET, "gpu":

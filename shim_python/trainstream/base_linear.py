@@ -16,11 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import fp8_matmul
 from .bases import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
 from .errors import InvalidArgumentError
 
 
 def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
+    if layer.fp8_rows is not None:  # requantized for FP8 tensor cores (see fp8_matmul)
+        return fp8_matmul.rowwise_weight(layer.fp8_rows, layer.fp8_row_scales,
+                                         layer.compute_dtype)
     t, data, scales = layer.stored, layer.data, layer.scales
     if data.device != device:  # kept on the host: this use's copy (DMA from registered memory)
         data = data.to(device, non_blocking=True)
@@ -41,6 +45,11 @@ class _FrozenLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: Any, layer: "BaseLinear") -> torch.Tensor:
         ctx.layer = layer
         ctx.bias_grad = bias is not None and bias.requires_grad
+        if layer.matmul_choice is None and layer.stored.stored == "fp8":
+            layer._choose_matmul(x)
+        if layer.fp8_rows is not None:
+            return fp8_matmul.linear(x, layer.fp8_rows, layer.fp8_row_scales, bias,
+                                     layer.compute_dtype)
         return nn.functional.linear(x, _weight(layer, x.device), bias)
 
     @staticmethod
@@ -52,11 +61,18 @@ class _FrozenLinear(torch.autograd.Function):
 
 class BaseLinear(nn.Module):
     """A linear layer over a stored weight (``stored`` describes it; ``data`` and ``scales`` are
-    its bytes, on the CPU as views of a shared base, or copied to a device)."""
+    its bytes, on the CPU as views of a shared base, or copied to a device).
+
+    An fp8 weight on a GPU with FP8 tensor cores may multiply there instead of being
+    dequantized (``fp8_matmul``, see :mod:`trainstream.fp8_matmul`): "auto" times both at the
+    first forward of each shape and keeps the faster; ``matmul_choice`` says what was chosen and
+    why, and ``memory_report()`` counts the layers per path."""
 
     def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
-                 bias: Any, compute_dtype: torch.dtype):
+                 bias: Any, compute_dtype: torch.dtype, fp8_matmul: Any = "auto"):
         super().__init__()
+        if fp8_matmul not in ("auto", True, False):
+            raise InvalidArgumentError(f"fp8_matmul={fp8_matmul!r}: use 'auto', True or False")
         if len(stored.shape) != 2:
             raise InvalidArgumentError(f"'{stored.name}' is not a matrix: {stored.shape}")
         self.stored = stored
@@ -70,6 +86,52 @@ class BaseLinear(nn.Module):
             bias = nn.Parameter(bias, requires_grad=False)
         self.bias = bias
         self.compute_dtype = compute_dtype
+        # fp8 weights only: "auto" times FP8 tensor cores against dequantizing at the first
+        # forward on a GPU that has them, True uses them, False never does.
+        self.fp8_matmul = fp8_matmul
+        self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
+        self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
+        self.register_buffer("fp8_rows", None, persistent=False)
+        self.register_buffer("fp8_row_scales", None, persistent=False)
+
+    def _choose_matmul(self, x: torch.Tensor) -> None:
+        """Decides, at the first forward, whether this fp8 weight multiplies on FP8 tensor cores
+        (see fp8_matmul); when it does, the row-scaled copy replaces the stored bytes on the
+        device."""
+        forced = self.fp8_matmul is True
+        ok, why = fp8_matmul.supported(x.device, forced)
+        if self.fp8_matmul is False:
+            ok, why = False, "fp8_matmul=False"
+        elif ok and self.data.device != x.device:
+            ok, why = False, "the weight stays in host memory (keep_on_host)"
+        elif ok and not fp8_matmul.shape_fits(self.out_features, self.in_features):
+            ok, why = False, f"{self.out_features}x{self.in_features} is not in multiples of 16"
+        if not ok:
+            self.matmul_choice = {"path": "dequantize", "why": why}
+            return
+        with torch.no_grad():
+            codes, scales = fp8_matmul.rowwise(_weight(self, x.device))
+            if forced:
+                choice = {"path": "scaled_mm", "why": "fp8_matmul=True"}
+            else:
+                choice, timed_now = fp8_matmul.choose(x.detach(), codes, scales,
+                                                      lambda: _weight(self, x.device),
+                                                      self.compute_dtype)
+                choice["why"] = "timed on this GPU"
+                if timed_now and self.note is not None:
+                    self.note("base.fp8_matmul",
+                              f"{self.out_features}x{self.in_features} fp8 weights at "
+                              f"{x.numel() // x.shape[-1]} tokens: FP8 tensor cores "
+                              f"{choice['scaled_mm_ms']:.3f} ms, dequantize and multiply "
+                              f"{choice['dequantize_ms']:.3f} ms: {choice['path']}",
+                              scaled_mm_ms=choice["scaled_mm_ms"],
+                              dequantize_ms=choice["dequantize_ms"])
+        if choice["path"] == "scaled_mm":
+            self.fp8_rows, self.fp8_row_scales = codes, scales
+            # The stored bytes on the device give way to the row-scaled copy (as many bytes).
+            self.data = self.data.new_empty(0)
+            self.scales = self.scales.new_empty(0)
+        self.matmul_choice = choice
 
     @property
     def weight(self) -> torch.Tensor:
@@ -80,8 +142,9 @@ class BaseLinear(nn.Module):
         return _FrozenLinear.apply(x.to(self.compute_dtype), self.bias, self)
 
     def extra_repr(self) -> str:
+        path = f", matmul={self.matmul_choice['path']}" if self.matmul_choice else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"stored={self.stored.stored}, bias={self.bias is not None}")
+                f"stored={self.stored.stored}, bias={self.bias is not None}{path}")
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -90,15 +153,18 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
-                keep_on_host: bool = False, rename: Any = None) -> dict:
+                keep_on_host: bool = False, rename: Any = None,
+                fp8_matmul: Any = "auto") -> dict:
     """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
     the base holds becomes a :class:`BaseLinear` over the base's bytes (on the CPU the shared
     copy itself; on a GPU copied there once, or read from the shared host copy at every use with
     ``keep_on_host``); other frozen
     tensors the base holds (norms, embeddings) get its values. Trainable parameters are left as
     they are. ``rename(model_name) -> base_name`` maps the model's tensor names to the
-    checkpoint's where they differ (adapters wrapping the layers, another prefix). Returns what
-    was taken: {"linear": [...], "copied": [...], "bytes": n}, by the model's names."""
+    checkpoint's where they differ (adapters wrapping the layers, another prefix).
+    ``fp8_matmul`` ("auto", True, False): whether an fp8 base's layers multiply on FP8 tensor
+    cores (see :class:`BaseLinear`). Returns what was taken: {"linear": [...], "copied": [...],
+    "bytes": n}, by the model's names."""
     rename = rename or (lambda name: name)
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
@@ -127,7 +193,8 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 bias = base.dequantize(bias_key, dtype=module.weight.dtype, device=device)
             else:
                 bias = module.bias.detach().to(device)
-        layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype)
+        layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
+                           fp8_matmul=fp8_matmul)
         _replace(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
@@ -150,7 +217,8 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     return taken
 
 
-def quantize_model(model: nn.Module, format: str = "int8", block: int = 0) -> list:
+def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
+                   fp8_matmul: Any = "auto") -> list:
     """Quantizes the frozen ``nn.Linear`` weights of ``model`` in this process (the daemon's
     reference quantizer) into :class:`BaseLinear` layers on their device; returns their names.
     Trainable layers, and those without frozen weights, stay as they are. For one host copy
@@ -177,7 +245,7 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0) -> li
         if bias is not None and not bias.requires_grad:
             bias = bias.detach()
         layer = BaseLinear(stored, as_tensor(data).to(w.device), as_tensor(scales).to(w.device),
-                           bias, compute_dtype=w.dtype)
+                           bias, compute_dtype=w.dtype, fp8_matmul=fp8_matmul)
         _replace(model, name, layer)
         done.append(name)
     return done

@@ -17,7 +17,7 @@ from . import client as _client
 from .block_memory import (FrozenWeights, adaptive_plan, keep_daemon_weights_on_load,
                            page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, ResourceExhaustedError
-from .base_linear import quantize_model
+from .base_linear import BaseLinear, quantize_model
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
@@ -439,6 +439,9 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     session.frozen = frozen
     for kind, message in events:
         session.note(kind, message)
+    for module in model.modules():  # an fp8 base's layers say how they multiply
+        if isinstance(module, BaseLinear):
+            module.note = session.note
     if paging is not None and paging.adaptive and pager is not None:
         session.plan = adaptive_plan(model, paging, pager, offload, client, session,
                                       planned if config["check_memory"] else None)
@@ -529,6 +532,13 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
     report["plan"] = session.plan.report() if session.plan is not None else None
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
+    layers = [m for m in model.modules() if isinstance(m, BaseLinear) and m.matmul_choice]
+    if layers:  # an fp8 base: how its layers multiply (see BaseLinear)
+        report["fp8_matmul"] = {
+            "scaled_mm": sum(m.matmul_choice["path"] == "scaled_mm" for m in layers),
+            "dequantize": sum(m.matmul_choice["path"] == "dequantize" for m in layers),
+            "choices": sorted({(m.out_features, m.in_features, m.matmul_choice["path"],
+                                m.matmul_choice["why"]) for m in layers})}
     base = getattr(model, "_trainstream_base", None)
     if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
         info = base.info()

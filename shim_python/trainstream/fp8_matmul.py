@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FP8 base weights multiplied on tensor cores (``torch._scaled_mm``), where that measures
+faster than dequantizing them to the compute dtype for every use.
+
+A stored fp8 weight has a scale per block of its input dimension; ``_scaled_mm`` takes one scale
+per row of each operand. So the weight is requantized once on the device with a scale per output
+row (a second rounding of values already in e4m3: the error is measured in the tests), and each
+forward quantizes the input with a scale per token. Backward makes the input's gradient from the
+same row-scaled weight in the compute dtype, so forward and backward use one weight.
+
+The choice is made per weight shape and token count, by timing both paths (forward and the
+input's gradient) on the device the first time the shape runs (CUDA GPUs with FP8 tensor cores: compute capability 8.9 and up), and
+kept for the process; each layer records what it chose and the two times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+_TIMED_RUNS = 5
+# (out, in, tokens, device index) -> {"path": ..., "dequantize_ms": ..., "scaled_mm_ms": ...}
+_CHOICES: dict = {}
+
+
+def supported(device: torch.device, forced: bool = False) -> tuple[bool, str]:
+    """Whether FP8 tensor-core matmuls can run on ``device``, and why not. ``forced`` (the user
+    asked for them) skips the device checks: torch then says what it can't do."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return False, f"torch {torch.__version__} has no _scaled_mm"
+    if forced:
+        return True, ""
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, f"compute capability {major}.{minor} has no FP8 tensor cores (8.9 and up)"
+    return True, ""
+
+
+def shape_fits(out_features: int, in_features: int) -> bool:
+    """_scaled_mm's operands need both matrix dimensions of the weight in multiples of 16."""
+    return out_features % 16 == 0 and in_features % 16 == 0
+
+
+def rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as e4m3 codes with one float32 scale per output row: (codes,
+    scales [1, out])."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = amax / E4M3_MAX
+    codes = (w / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scales[None, :].contiguous()
+
+
+def rowwise_weight(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The row-scaled weight in ``dtype`` (backward's). e4m3 converts to bf16 exactly, so in
+    bf16 the one rounding is the product's (the scale rounded to bf16 first: 2^-9 relative),
+    and no fp32 copy of the matrix is made."""
+    return codes.to(dtype) * scales.reshape(-1, 1).to(dtype)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [tokens, in] input as e4m3 with one float32 scale per token: (codes, scales [tokens,
+    1])."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(
+        min=torch.finfo(torch.float32).tiny)
+    return (xf / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scales
+
+
+def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x W^T (+ bias) on FP8 tensor cores, W the row-scaled weight."""
+    tokens = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_tokens(tokens)
+    # The weight's codes [out, in] row-major are the column-major [in, out] operand it wants.
+    y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scales, out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def _time_ms(fn) -> float:
+    fn()  # warm-up: kernel selection, workspaces
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_TIMED_RUNS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / _TIMED_RUNS
+
+
+def choose(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, make_weight,
+           out_dtype: torch.dtype) -> tuple[dict, bool]:
+    """Which path is faster for this input's token count and this weight's shape, timed once
+    per shape on the device, each as a training step uses it (forward, then the input's
+    gradient): ``make_weight()`` and a matmul with it, twice (the dequantizing path), against
+    :func:`linear` and the row-scaled weight's matmul. Returns the choice record (see module
+    doc) and whether it was timed now."""
+    tokens = x.reshape(-1, x.shape[-1])
+    key = (codes.shape[0], codes.shape[1], tokens.shape[0], x.device.index)
+    timed_now = key not in _CHOICES
+    if timed_now:
+        grad = torch.ones(tokens.shape[0], codes.shape[0], dtype=out_dtype, device=x.device)
+
+        def dequantizing():
+            torch.nn.functional.linear(tokens, make_weight())
+            return grad @ make_weight()
+
+        def tensor_cores():
+            linear(tokens, codes, scales, None, out_dtype)
+            return grad @ rowwise_weight(codes, scales, out_dtype)
+
+        with torch.no_grad():
+            dequantize_ms = _time_ms(dequantizing)
+            scaled_mm_ms = _time_ms(tensor_cores)
+        _CHOICES[key] = {"path": "scaled_mm" if scaled_mm_ms < dequantize_ms else "dequantize",
+                         "dequantize_ms": round(dequantize_ms, 4),
+                         "scaled_mm_ms": round(scaled_mm_ms, 4)}
+    return dict(_CHOICES[key]), timed_now
