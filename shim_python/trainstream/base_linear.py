@@ -106,18 +106,25 @@ class BaseLinear(nn.Module):
             ok, why = False, "the weight stays in host memory (keep_on_host)"
         elif ok and not fp8_matmul.shape_fits(self.out_features, self.in_features):
             ok, why = False, f"{self.out_features}x{self.in_features} is not in multiples of 16"
+        elif ok and not forced and self.compute_dtype != torch.bfloat16:
+            ok, why = False, f"computes in {self.compute_dtype} (row-scaled FP8 gives bf16)"
         if not ok:
             self.matmul_choice = {"path": "dequantize", "why": why}
             return
+        timed_now = False
         with torch.no_grad():
             codes, scales = fp8_matmul.rowwise(_weight(self, x.device))
             if forced:
                 choice = {"path": "scaled_mm", "why": "fp8_matmul=True"}
             else:
-                choice, timed_now = fp8_matmul.choose(x.detach(), codes, scales,
-                                                      lambda: _weight(self, x.device),
-                                                      self.compute_dtype)
-                choice["why"] = "timed on this GPU"
+                try:
+                    choice, timed_now = fp8_matmul.choose(x.detach(), codes, scales,
+                                                          lambda: _weight(self, x.device),
+                                                          self.compute_dtype)
+                    choice["why"] = "timed on this GPU"
+                except RuntimeError as e:  # this torch or GPU refused: dequantize as before
+                    choice = {"path": "dequantize",
+                              "why": f"_scaled_mm failed: {str(e).splitlines()[0][:200]}"}
                 if timed_now and self.note is not None:
                     self.note("base.fp8_matmul",
                               f"{self.out_features}x{self.in_features} fp8 weights at "
