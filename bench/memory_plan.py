@@ -23,10 +23,10 @@ bytes / measured bandwidth), compute being the stock step's forward and backward
 recomputed blocks' extra forwards as the plan chose them. Full fine-tunes have one more floor:
 the host optimizer's pass over every parameter (memory bandwidth), printed beside it.
 
-With ``--trace DIR``, each wrap mode then profiles two more steps (torch.profiler) into
-DIR/PRESET_BATCHxSEQ_MODE.json.gz and prints where their time went (see step_trace.py): the copy engines'
-and the kernels' busy time, pinned or pageable copies, and the longest stretches with nothing
-crossing to the GPU.
+With ``--trace DIR``, each mode then profiles two more steps (torch.profiler) into
+DIR/PRESET_BATCHxSEQ_MODE.json.gz and prints where their time went (see step_trace.py): the
+copy engines' and the kernels' busy time, pinned or pageable copies, the CPU's own time by
+Python function and operator, and the longest stretches with nothing crossing to the GPU.
 
     python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json] [--trace DIR]
 """
@@ -154,16 +154,17 @@ def worker(mode: str, case: dict) -> dict:
             after = _transfer_counters(model)
             row.update({k: (after[k] - before[k]) // MEASURED for k in after})
             row.update(_plan_summary(model, opt))
-            trace_dir = os.environ.get("TS_BENCH_TRACE")
-            if trace_dir:
-                import step_trace
+        trace_dir = os.environ.get("TS_BENCH_TRACE")
+        if trace_dir:  # every mode: stock's CPU time beside wrap's
+            import step_trace
 
-                path = os.path.join(trace_dir, f"{case['preset']}_{case['batch']}x{case['seq']}_{mode}.json.gz")
-                s += MEASURED
-                with step_trace.profiled(path):
-                    for i in range(s, s + 2):
-                        step(i)
-                row["trace"] = step_trace.summarize(path)
+            name = f"{case['preset']}_{case['batch']}x{case['seq']}_{mode}.json.gz"
+            path = os.path.join(trace_dir, name)
+            s += MEASURED
+            with step_trace.profiled(path):
+                for i in range(s, s + 2):
+                    step(i)
+            row["trace"] = step_trace.summarize(path)
     except torch.OutOfMemoryError as e:
         row.update(oom=True, error=str(e).splitlines()[0][:200],
                    peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
@@ -210,7 +211,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--trace", default="", help="profile two wrap steps into this folder")
+    parser.add_argument("--trace", default="",
+                        help="profile two steps of each mode into this folder")
     add_worker_arguments(parser)
     args = parser.parse_args()
     if answered_as_worker(args, worker, CASES):
@@ -261,12 +263,13 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
     for mode in ("wrap", "wrap_paged"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)
-            if "trace" in rows[mode]:
-                import step_trace
+    for mode, row in rows.items():
+        if "trace" in row:
+            import step_trace
 
-                print(f"    {mode}, two steps profiled:")
-                for line in step_trace.describe(rows[mode]["trace"]):
-                    print("      " + line)
+            print(f"    {mode}, two steps profiled:")
+            for line in step_trace.describe(row["trace"]):
+                print("      " + line)
 
 
 def _bound(mode: str, wrap: dict, rows: dict, bandwidth: dict) -> None:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where a step's time goes, from a torch.profiler trace: how long the copy engines and the
-compute were busy, whether host memory was pinned, what the CPU waited on, and the longest
-stretches in which nothing crossed to the GPU. A paged step is only as fast as its busiest
+compute were busy, whether host memory was pinned, what the CPU waited on and which Python
+functions and operators its own time went to, and the longest stretches in which nothing crossed
+to the GPU. A paged step is only as fast as its busiest
 resource; the gaps say what kept that resource waiting.
 
     with step_trace.profiled(path) as prof: ...steps...
@@ -24,7 +25,8 @@ def profiled(path: str) -> Iterator[None]:
     """Profiles the CPU and CUDA activity of the enclosed steps into a Chrome trace at
     ``path`` (gzip-compressed when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    # with_stack: the Python functions the CPU spent its time in (python_calls in summarize).
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         yield
         torch.cuda.synchronize()
     plain = path[:-3] if path.endswith(".gz") else path
@@ -54,6 +56,27 @@ def _union(intervals: list) -> list:
 
 def _busy(intervals: list) -> float:
     return sum(end - start for start, end in _union(intervals))
+
+
+def _self_times(events: list) -> dict:
+    """Per name, the time spent in events of that name less their children's (events nest on
+    one thread): where a thread's own time went."""
+    totals: dict = {}
+    by_thread: dict = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for items in by_thread.values():
+        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []  # [event, children's time]
+        for e in items + [None]:
+            while stack and (e is None or e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]):
+                done, children = stack.pop()
+                totals[done["name"]] = totals.get(done["name"], 0.0) + done["dur"] - children
+                if stack:
+                    stack[-1][1] += done["dur"]
+            if e is not None:
+                stack.append([e, 0.0])
+    return totals
 
 
 def summarize(path: str, gaps: int = 8) -> dict:
@@ -111,7 +134,13 @@ def summarize(path: str, gaps: int = 8) -> dict:
                           "kernel_busy_ms": round(_busy(
                               [(max(s, start), min(t, end)) for s, t in spans(during)]) / 1e3, 2),
                           "kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:3])})
+    # Where the CPU's own time went: Python functions (with_stack) and torch operators, by
+    # self time, the heaviest first.
+    cpu = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
+    python_calls = dict(sorted(((n, round(t / 1e3, 2)) for n, t in _self_times(cpu).items()),
+                               key=lambda kv: -kv[1])[:15])
     return {"span_ms": round((span_end - span_start) / 1e3, 2),
+            "cpu_self_ms": python_calls,
             "kernel_busy_ms": round(_busy(spans(kernels)) / 1e3, 2),
             "h2d_busy_ms": round(_busy(spans(to_device)) / 1e3, 2),
             "d2h_busy_ms": round(_busy(spans(to_host)) / 1e3, 2),
@@ -132,6 +161,9 @@ def describe(summary: dict) -> list:
                      f"({k['gbps']} GB/s)")
     lines.append("  CPU in CUDA calls: " + ", ".join(
         f"{n} {c['ms']} ms/{c['count']}" for n, c in summary["cuda_calls"].items()))
+    if summary.get("cpu_self_ms"):
+        lines.append("  CPU self time (Python functions and operators): " + ", ".join(
+            f"{n} {t} ms" for n, t in summary["cpu_self_ms"].items()))
     for g in summary["h2d_gaps"]:
         lines.append(f"  no copy to the GPU for {g['ms']} ms at {g['at_ms']} ms (kernels busy "
                      f"{g['kernel_busy_ms']} ms: {g['kernels']})")

@@ -9,8 +9,9 @@ forward quantizes the input with a scale per token. Backward makes the input's g
 same row-scaled weight in the compute dtype, so forward and backward use one weight.
 
 The choice is made per weight shape and token count, by timing both paths (forward and the
-input's gradient) on the device the first time the shape runs (CUDA GPUs with FP8 tensor cores: compute capability 8.9 and up), and
-kept for the process; each layer records what it chose and the two times.
+input's gradient) on the device the first time the shape runs (CUDA GPUs with FP8 tensor cores:
+compute capability 8.9 and up), and kept for the process; each layer records what it chose and
+the two times.
 """
 
 from __future__ import annotations
