@@ -1,0 +1,173 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "gpu/gpu_pools.h"
+
+#include <fcntl.h>
+
+#include <cerrno>
+
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+
+const char* PoolKindName(PoolKind kind) {
+  return kind == PoolKind::kVmm ? "vmm" : "legacy_ipc";
+}
+
+GpuPools::~GpuPools() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, pool] : pools_) {
+    if (pool.summary.kind == PoolKind::kVmm) {
+      api_.ReleaseExportable(pool.vmm);
+    } else {
+      api_.ReleaseLegacy(pool.legacy);
+    }
+  }
+}
+
+absl::StatusOr<PoolSummary> GpuPools::Create(const std::string& session, uid_t uid,
+                                             const std::string& uuid, uint64_t bytes,
+                                             const std::string& purpose) {
+  if (bytes == 0) return absl::InvalidArgumentError("a GPU pool needs at least one byte");
+  if (uuid.empty()) return absl::InvalidArgumentError("a GPU pool needs the GPU's UUID");
+  Pool pool;
+  absl::Status vmm = api_.CheckFdHandles(uuid);
+  if (vmm.ok()) {
+    absl::StatusOr<VmmAllocation> made = api_.CreateExportable(uuid, bytes);
+    if (made.ok()) {
+      pool.summary.kind = PoolKind::kVmm;
+      pool.vmm = std::move(*made);
+      bytes = pool.vmm.bytes;
+    } else {
+      vmm = made.status();
+    }
+  }
+  if (!vmm.ok()) {
+    absl::StatusOr<LegacyAllocation> made = api_.CreateLegacy(uuid, bytes);
+    if (!made.ok()) {
+      std::string message = absl::StrFormat(
+          "no GPU pool on %s: the virtual-memory API can't export its memory (%s), and legacy "
+          "IPC failed too (%s)",
+          uuid, vmm.message(), made.status().message());
+      events_.Emit("pool.refused", message, {{"bytes", static_cast<double>(bytes)}}, session,
+                   uid);
+      return absl::FailedPreconditionError(message);
+    }
+    pool.summary.kind = PoolKind::kLegacyIpc;
+    pool.legacy = *made;
+    bytes = pool.legacy.bytes;
+    events_.Emit("pool.fallback",
+                 absl::StrFormat("GPU pool on %s uses legacy IPC: the virtual-memory API can't "
+                                 "export its memory (%s); a legacy handle covers the whole "
+                                 "allocation, so importers map all of it",
+                                 uuid, vmm.message()),
+                 {{"bytes", static_cast<double>(bytes)}}, session, uid);
+  }
+  pool.summary.uuid = uuid;
+  pool.summary.bytes = bytes;
+  pool.summary.purpose = purpose;
+  pool.summary.uid = uid;
+  pool.summary.owner_session = session;
+  absl::MutexLock lock(&mu_);
+  pool.summary.id = next_id_++;
+  PoolSummary summary = pool.summary;
+  events_.Emit("pool.created",
+               absl::StrFormat("GPU pool %d on %s: %d bytes (%s) for %s", summary.id, uuid,
+                               bytes, PoolKindName(summary.kind), purpose),
+               {{"bytes", static_cast<double>(bytes)}}, session, uid);
+  pools_.emplace(summary.id, std::move(pool));
+  return summary;
+}
+
+absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& session,
+                                            uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || it->second.summary.uid != uid ||
+      it->second.summary.owner_session.empty()) {
+    // A pool being freed takes no new importers; another user's is not said to exist.
+    return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
+  }
+  Pool& pool = it->second;
+  PoolImport out;
+  out.pool_id = id;
+  out.uuid = pool.summary.uuid;
+  out.bytes = pool.summary.bytes;
+  out.kind = pool.summary.kind;
+  if (pool.summary.kind == PoolKind::kVmm) {
+    // A descriptor of the importer's own: the pool's stays with the pool.
+    out.fd = ipc::UniqueFd(::fcntl(pool.vmm.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!out.fd.valid()) return ErrnoStatus(errno, "duplicating a GPU pool's handle");
+  } else {
+    out.legacy_handle = pool.legacy.handle;
+  }
+  pool.importers.insert(session);
+  return out;
+}
+
+absl::Status GpuPools::Release(uint64_t id, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || it->second.importers.erase(session) == 0) {
+    return absl::NotFoundError(absl::StrFormat("this session has not imported GPU pool %d", id));
+  }
+  FreeIfUnused(it);
+  return absl::OkStatus();
+}
+
+absl::Status GpuPools::Free(uint64_t id, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || it->second.summary.owner_session != session) {
+    return absl::NotFoundError(absl::StrFormat("this session owns no GPU pool %d", id));
+  }
+  it->second.summary.owner_session.clear();
+  FreeIfUnused(it);
+  return absl::OkStatus();
+}
+
+void GpuPools::SessionEnded(const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = pools_.begin(); it != pools_.end();) {
+    auto next = std::next(it);
+    it->second.importers.erase(session);
+    if (it->second.summary.owner_session == session) it->second.summary.owner_session.clear();
+    FreeIfUnused(it);
+    it = next;
+  }
+}
+
+bool GpuPools::FreeIfUnused(std::map<uint64_t, Pool>::iterator it) {
+  Pool& pool = it->second;
+  if (!pool.summary.owner_session.empty() || !pool.importers.empty()) return false;
+  if (pool.summary.kind == PoolKind::kVmm) {
+    api_.ReleaseExportable(pool.vmm);
+  } else {
+    api_.ReleaseLegacy(pool.legacy);
+  }
+  events_.Emit("pool.freed",
+               absl::StrFormat("GPU pool %d on %s freed: %d bytes", pool.summary.id,
+                               pool.summary.uuid, pool.summary.bytes),
+               {{"bytes", static_cast<double>(pool.summary.bytes)}}, "", pool.summary.uid);
+  pools_.erase(it);
+  return true;
+}
+
+PoolSummary GpuPools::Summarize(const Pool& pool) const {
+  PoolSummary summary = pool.summary;
+  summary.importers.assign(pool.importers.begin(), pool.importers.end());
+  return summary;
+}
+
+std::vector<PoolSummary> GpuPools::List(std::optional<uid_t> uid) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<PoolSummary> out;
+  for (const auto& [id, pool] : pools_) {
+    if (!uid.has_value() || pool.summary.uid == *uid) out.push_back(Summarize(pool));
+  }
+  return out;
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,191 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU pools over VRAM APIs that refuse one way or the other (the fallbacks), importers coming
+// and going, and other users. The driver's own implementation runs on the GPU machine.
+#include "gpu/gpu_pools.h"
+
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+
+// Memory that isn't there: counts what was made and given back; fds are real (eventfds), so
+// that the importers' copies can be checked.
+class FakeVram : public VramApi {
+ public:
+  bool fd_handles = true;
+  bool legacy = true;
+  int live = 0;
+  int released = 0;
+
+  absl::Status CheckFdHandles(const std::string& uuid) override {
+    if (!fd_handles) {
+      return absl::UnimplementedError(
+          absl::StrCat(uuid, " does not support POSIX file-descriptor handles"));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<VmmAllocation> CreateExportable(const std::string&, uint64_t bytes) override {
+    VmmAllocation a;
+    a.handle = 1000 + live;
+    a.bytes = (bytes + kGranularity - 1) / kGranularity * kGranularity;
+    a.fd = ipc::UniqueFd(::eventfd(0, EFD_CLOEXEC));
+    ++live;
+    return a;
+  }
+  void ReleaseExportable(const VmmAllocation&) override {
+    --live;
+    ++released;
+  }
+  absl::StatusOr<LegacyAllocation> CreateLegacy(const std::string&, uint64_t bytes) override {
+    if (!legacy) return absl::PermissionDeniedError("cudaIpcGetMemHandle: not permitted");
+    LegacyAllocation a;
+    a.device_pointer = 0x7000000;
+    a.bytes = bytes;
+    a.handle.fill(0xab);
+    ++live;
+    return a;
+  }
+  void ReleaseLegacy(const LegacyAllocation&) override {
+    --live;
+    ++released;
+  }
+
+  static constexpr uint64_t kGranularity = 2 << 20;
+};
+
+std::vector<std::string> Kinds(const EventLog& log) {
+  std::vector<std::string> kinds;
+  for (const Event& e : log.Since(0, [](const Event&) { return true; })) kinds.push_back(e.kind);
+  return kinds;
+}
+
+TEST(GpuPools, VmmPoolsExportADescriptorOfTheImportersOwn) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(made->kind, PoolKind::kVmm);
+  EXPECT_EQ(made->bytes, uint64_t{6} << 20);  // rounded up to the granularity
+  absl::StatusOr<PoolImport> imported = pools.Import(made->id, "s2", 1000);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  ASSERT_TRUE(imported->fd.valid());
+  struct stat a {}, b {};
+  ASSERT_EQ(::fstat(imported->fd.get(), &a), 0);
+  // The same open file as the pool's, through a descriptor the pool does not own.
+  absl::StatusOr<PoolImport> again = pools.Import(made->id, "s3", 1000);
+  ASSERT_TRUE(again.ok());
+  ASSERT_EQ(::fstat(again->fd.get(), &b), 0);
+  EXPECT_EQ(a.st_ino, b.st_ino);
+  EXPECT_NE(imported->fd.get(), again->fd.get());
+  EXPECT_THAT(pools.List()[0].importers, UnorderedElementsAre("s2", "s3"));
+  EXPECT_THAT(Kinds(log), UnorderedElementsAre("pool.created"));
+}
+
+TEST(GpuPools, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {
+  FakeVram vram;
+  vram.fd_handles = false;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(made->kind, PoolKind::kLegacyIpc);
+  absl::StatusOr<PoolImport> imported = pools.Import(made->id, "s2", 1000);
+  ASSERT_TRUE(imported.ok());
+  EXPECT_FALSE(imported->fd.valid());
+  EXPECT_EQ(imported->legacy_handle[0], 0xab);
+  std::vector<Event> events = log.Since(0, [](const Event& e) { return e.kind == "pool.fallback"; });
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_THAT(events[0].message, HasSubstr("does not support POSIX file-descriptor handles"));
+  EXPECT_THAT(events[0].message, HasSubstr("covers the whole allocation"));
+}
+
+TEST(GpuPools, WhenBothWaysAreRefusedThePoolIsRefusedWithBothReasons) {
+  FakeVram vram;
+  vram.fd_handles = false;
+  vram.legacy = false;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(made.status().message(), HasSubstr("file-descriptor handles"));
+  EXPECT_THAT(made.status().message(), HasSubstr("cudaIpcGetMemHandle: not permitted"));
+  EXPECT_THAT(Kinds(log), UnorderedElementsAre("pool.refused"));
+  EXPECT_EQ(vram.live, 0);
+  EXPECT_TRUE(pools.List().empty());
+}
+
+TEST(GpuPools, AnotherUsersPoolIsNotThereForThem) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok());
+  absl::StatusOr<PoolImport> theirs = pools.Import(made->id, "x1", 2000);
+  EXPECT_EQ(theirs.status().code(), absl::StatusCode::kNotFound);
+  // The same answer as for a pool that does not exist at all.
+  EXPECT_EQ(theirs.status().message(), absl::StrFormat("no GPU pool %d", made->id));
+  EXPECT_EQ(pools.Import(99, "x1", 2000).status().message(), "no GPU pool 99");
+  EXPECT_TRUE(pools.List(2000).empty());
+  EXPECT_EQ(pools.List(1000).size(), 1u);
+  EXPECT_EQ(pools.Free(made->id, "x1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GpuPools, AFreedPoolStaysWhileImportedAndGoesWithItsLastImporter) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok());
+  ASSERT_TRUE(pools.Import(made->id, "a", 1000).ok());
+  ASSERT_TRUE(pools.Import(made->id, "b", 1000).ok());
+  ASSERT_TRUE(pools.Free(made->id, "owner").ok());
+  EXPECT_EQ(vram.live, 1);  // still mapped by a and b
+  // Being freed, it takes no new importer.
+  EXPECT_EQ(pools.Import(made->id, "c", 1000).status().code(), absl::StatusCode::kNotFound);
+  // A client killed while using it: its session ends, the pool stays for the other.
+  pools.SessionEnded("a");
+  EXPECT_EQ(vram.live, 1);
+  EXPECT_THAT(pools.List()[0].importers, UnorderedElementsAre("b"));
+  ASSERT_TRUE(pools.Release(made->id, "b").ok());
+  EXPECT_EQ(vram.live, 0);
+  EXPECT_EQ(vram.released, 1);
+  EXPECT_TRUE(pools.List().empty());
+  EXPECT_EQ(Kinds(log).back(), "pool.freed");
+  EXPECT_EQ(pools.Release(made->id, "b").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GpuPools, AnOwnerThatEndsFreesItsUnimportedPoolsAtOnce) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  ASSERT_TRUE(pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1").ok());
+  ASSERT_TRUE(pools.Create("owner", 1000, "GPU-b", 1 << 20, "base 1").ok());
+  pools.SessionEnded("owner");
+  EXPECT_EQ(vram.live, 0);
+  EXPECT_EQ(vram.released, 2);
+}
+
+TEST(GpuPools, BadRequestsAreRefused) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  EXPECT_EQ(pools.Create("s", 1000, "GPU-a", 0, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pools.Create("s", 1000, "", 1, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(vram.live, 0);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon
