@@ -191,7 +191,7 @@ def main() -> None:
                 print(f"{fmt:6s} failed: {row['stderr'][-800:]}", flush=True)
                 continue
             rows.append(row)
-            ref = rows[0]
+            ref = next((r for r in rows if r["format"] == "bf16"), row)
             print(f"{fmt:6s} held-out ppl {row['held_out_ppl']:.3f} "
                   f"({row['held_out_ppl'] / ref['held_out_ppl']:.4f}x bf16); language reference "
                   f"{row['finetune_ppl_before']:.3f} -> {row['finetune_ppl_after']:.3f} after "

@@ -103,16 +103,19 @@ absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& sess
   } else {
     out.legacy_handle = pool.legacy.handle;
   }
-  pool.importers.insert(session);
+  ++pool.importers[session];
   return out;
 }
 
 absl::Status GpuPools::Release(uint64_t id, const std::string& session) {
   absl::MutexLock lock(&mu_);
   auto it = pools_.find(id);
-  if (it == pools_.end() || it->second.importers.erase(session) == 0) {
+  auto importer = it == pools_.end() ? decltype(it->second.importers)::iterator()
+                                     : it->second.importers.find(session);
+  if (it == pools_.end() || importer == it->second.importers.end()) {
     return absl::NotFoundError(absl::StrFormat("this session has not imported GPU pool %d", id));
   }
+  if (--importer->second == 0) it->second.importers.erase(importer);
   FreeIfUnused(it);
   return absl::OkStatus();
 }
@@ -157,7 +160,7 @@ bool GpuPools::FreeIfUnused(std::map<uint64_t, Pool>::iterator it) {
 
 PoolSummary GpuPools::Summarize(const Pool& pool) const {
   PoolSummary summary = pool.summary;
-  summary.importers.assign(pool.importers.begin(), pool.importers.end());
+  for (const auto& [session, count] : pool.importers) summary.importers.push_back(session);
   return summary;
 }
 

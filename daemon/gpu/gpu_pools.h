@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -64,7 +63,8 @@ class GpuPools {
                                      const std::string& purpose);
   // `session` imports pool `id`; another uid's pool is NOT_FOUND, as a pool that isn't.
   absl::StatusOr<PoolImport> Import(uint64_t id, const std::string& session, uid_t uid);
-  // `session` no longer uses pool `id`.
+  // `session` no longer uses pool `id` (one import of it: a session that imported twice
+  // releases twice).
   absl::Status Release(uint64_t id, const std::string& session);
   // The owner is done with pool `id`: freed now, or when its last importer releases it.
   absl::Status Free(uint64_t id, const std::string& session);
@@ -77,7 +77,7 @@ class GpuPools {
  private:
   struct Pool {
     PoolSummary summary;
-    std::set<std::string> importers;
+    std::map<std::string, int> importers;  // session -> imports not yet released
     VmmAllocation vmm;        // kVmm
     LegacyAllocation legacy;  // kLegacyIpc
   };

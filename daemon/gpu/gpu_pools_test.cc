@@ -3,7 +3,7 @@
 // and going, and other users. The driver's own implementation runs on the GPU machine.
 #include "gpu/gpu_pools.h"
 
-#include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <gmock/gmock.h>
@@ -18,8 +18,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 
-// Memory that isn't there: counts what was made and given back; fds are real (eventfds), so
-// that the importers' copies can be checked.
+// Memory that isn't there: counts what was made and given back; fds are real (memfds, each a
+// file of its own), so that the importers' copies can be checked.
 class FakeVram : public VramApi {
  public:
   bool fd_handles = true;
@@ -38,7 +38,7 @@ class FakeVram : public VramApi {
     VmmAllocation a;
     a.handle = 1000 + live;
     a.bytes = (bytes + kGranularity - 1) / kGranularity * kGranularity;
-    a.fd = ipc::UniqueFd(::eventfd(0, EFD_CLOEXEC));
+    a.fd = ipc::UniqueFd(::memfd_create("fake-vram", MFD_CLOEXEC));
     ++live;
     return a;
   }
@@ -90,6 +90,29 @@ TEST(GpuPools, VmmPoolsExportADescriptorOfTheImportersOwn) {
   EXPECT_NE(imported->fd.get(), again->fd.get());
   EXPECT_THAT(pools.List()[0].importers, UnorderedElementsAre("s2", "s3"));
   EXPECT_THAT(Kinds(log), UnorderedElementsAre("pool.created"));
+  // Another pool's handle is another file.
+  absl::StatusOr<PoolSummary> other = pools.Create("s1", 1000, "GPU-a", 1 << 20, "base 2");
+  ASSERT_TRUE(other.ok());
+  absl::StatusOr<PoolImport> theirs = pools.Import(other->id, "s2", 1000);
+  ASSERT_TRUE(theirs.ok());
+  struct stat c {};
+  ASSERT_EQ(::fstat(theirs->fd.get(), &c), 0);
+  EXPECT_NE(a.st_ino, c.st_ino);
+}
+
+TEST(GpuPools, ASessionImportingTwiceHoldsThePoolUntilItReleasesTwice) {
+  FakeVram vram;
+  EventLog log(64);
+  GpuPools pools(vram, log);
+  absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok());
+  ASSERT_TRUE(pools.Import(made->id, "a", 1000).ok());
+  ASSERT_TRUE(pools.Import(made->id, "a", 1000).ok());  // two mappings in one process
+  ASSERT_TRUE(pools.Free(made->id, "owner").ok());
+  ASSERT_TRUE(pools.Release(made->id, "a").ok());
+  EXPECT_EQ(vram.live, 1);  // one mapping left
+  ASSERT_TRUE(pools.Release(made->id, "a").ok());
+  EXPECT_EQ(vram.live, 0);
 }
 
 TEST(GpuPools, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {

@@ -76,6 +76,7 @@ absl::StatusOr<Placement> PlaceBlocks(const PlacementRequest& request) {
   }
   // Spread: each block to the eligible GPU with the most room left that takes it whole.
   for (size_t b = 0; b < request.block_bytes.size(); ++b) {
+    if (request.block_bytes[b] == 0) continue;  // nothing to hold
     int best = -1;
     for (int g = 0; g < n; ++g) {
       if (room[g] >= request.block_bytes[b] && (best < 0 || room[g] > room[best])) best = g;

@@ -93,12 +93,13 @@ TEST(PoolPlacement, AGpuRunningNoRankLendsItsMemoryWhenEveryRankReadsItFast) {
   PlacementRequest request;
   request.gpus = {Gpu("GPU-a", 0), Gpu("GPU-idle", 6 * kGiB)};
   request.links = AllPairs(2, 300.0);
-  request.block_bytes = {2 * kGiB, 3 * kGiB, 2 * kGiB};
+  request.block_bytes = {2 * kGiB, 3 * kGiB, 2 * kGiB, 0};
   request.rank_gpus = {0};
   absl::StatusOr<Placement> p = PlaceBlocks(request);
   ASSERT_TRUE(p.ok()) << p.status();
-  // Whole blocks only: the third does not fit in the 1 GiB left.
-  EXPECT_THAT(p->owner, ElementsAre(1, 1, -1));
+  // Whole blocks only: the third does not fit in the 1 GiB left; an empty one is not placed
+  // (GPU-a, with no room, least of all).
+  EXPECT_THAT(p->owner, ElementsAre(1, 1, -1, -1));
   EXPECT_EQ(p->pooled_bytes[1], 5 * kGiB);
 }
 

@@ -113,18 +113,26 @@ class BaseLinear(nn.Module):
             return
         timed_now = False
         with torch.no_grad():
-            codes, scales = fp8_matmul.rowwise(_weight(self, x.device))
-            if forced:
-                choice = {"path": "scaled_mm", "why": "fp8_matmul=True"}
-            else:
-                try:
+            try:
+                codes, scales = fp8_matmul.rowwise(_weight(self, x.device))
+                if forced:
+                    choice = {"path": "scaled_mm", "why": "fp8_matmul=True"}
+                else:
                     choice, timed_now = fp8_matmul.choose(x.detach(), codes, scales,
                                                           lambda: _weight(self, x.device),
                                                           self.compute_dtype)
                     choice["why"] = "timed on this GPU"
-                except RuntimeError as e:  # this torch or GPU refused: dequantize as before
-                    choice = {"path": "dequantize",
-                              "why": f"_scaled_mm failed: {str(e).splitlines()[0][:200]}"}
+            except torch.OutOfMemoryError:
+                if forced:
+                    raise
+                codes = scales = None
+                choice = {"path": "dequantize", "why": "no memory to requantize and time it"}
+            except RuntimeError as e:  # this torch or GPU refused: dequantize as before
+                if forced:
+                    raise
+                codes = scales = None
+                choice = {"path": "dequantize",
+                          "why": f"_scaled_mm failed: {str(e).splitlines()[0][:200]}"}
                 if timed_now and self.note is not None:
                     self.note("base.fp8_matmul",
                               f"{self.out_features}x{self.in_features} fp8 weights at "
@@ -134,7 +142,10 @@ class BaseLinear(nn.Module):
                               scaled_mm_ms=choice["scaled_mm_ms"],
                               dequantize_ms=choice["dequantize_ms"])
         if choice["path"] == "scaled_mm":
-            self.fp8_rows, self.fp8_row_scales = codes, scales
+            # As integers: a later model.to(dtype) or .half() casts floating-point buffers, and
+            # would turn the codes into numbers and round the scales.
+            self.fp8_rows = codes.view(torch.uint8)
+            self.fp8_row_scales = scales.view(torch.int32)
             # The stored bytes on the device give way to the row-scaled copy (as many bytes).
             self.data = self.data.new_empty(0)
             self.scales = self.scales.new_empty(0)

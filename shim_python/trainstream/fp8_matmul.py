@@ -11,7 +11,8 @@ same row-scaled weight in the compute dtype, so forward and backward use one wei
 The choice is made per weight shape and token count, by timing both paths (forward and the
 input's gradient) on the device the first time the shape runs (CUDA GPUs with FP8 tensor cores:
 compute capability 8.9 and up), and kept for the process; each layer records what it chose and
-the two times.
+the two times. A layer decides at its first forward, for that forward's token count, and keeps
+one copy of the weight: run that first forward at the training batch's size.
 """
 
 from __future__ import annotations
@@ -44,21 +45,36 @@ def shape_fits(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
+# Rows requantized at a time: an fp32 copy of this many rows at most, not of the whole matrix.
+_ROWS_AT_A_TIME = 1024
+
+
 def rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] as e4m3 codes with one float32 scale per output row: (codes,
     scales [1, out])."""
-    w = weight.float()
-    amax = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
-    scales = amax / E4M3_MAX
-    codes = (w / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes, scales[None, :].contiguous()
+    codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for first in range(0, weight.shape[0], _ROWS_AT_A_TIME):
+        w = weight[first:first + _ROWS_AT_A_TIME].float()
+        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / E4M3_MAX
+        codes[first:first + len(w)] = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(
+            torch.float8_e4m3fn)
+        scales[first:first + len(w)] = scale
+    return codes, scales[None, :]
+
+
+def _floats(scales: torch.Tensor) -> torch.Tensor:
+    """Row scales as float32, whether kept as such or as their bits in int32 (BaseLinear keeps
+    them as bits, out of the reach of dtype casts)."""
+    return scales.view(torch.float32) if scales.dtype == torch.int32 else scales.float()
 
 
 def rowwise_weight(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The row-scaled weight in ``dtype`` (backward's). e4m3 converts to bf16 exactly, so in
     bf16 the one rounding is the product's (the scale rounded to bf16 first: 2^-9 relative),
     and no fp32 copy of the matrix is made."""
-    return codes.to(dtype) * scales.reshape(-1, 1).to(dtype)
+    return (codes.view(torch.float8_e4m3fn).to(dtype)
+            * _floats(scales).reshape(-1, 1).to(dtype))
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +91,10 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: tor
     """y = x W^T (+ bias) on FP8 tensor cores, W the row-scaled weight."""
     tokens = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_tokens(tokens)
-    # The weight's codes [out, in] row-major are the column-major [in, out] operand it wants.
-    y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scales, out_dtype=out_dtype)
+    # The weight's codes [out, in] row-major are the column-major [in, out] operand it wants;
+    # the input must be row-major. (Codes may be kept as bytes, which no .to(dtype) casts.)
+    y = torch._scaled_mm(xq.contiguous(), codes.view(torch.float8_e4m3fn).t(), scale_a=xs,
+                         scale_b=_floats(scales), out_dtype=out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], codes.shape[0])
@@ -114,7 +132,8 @@ def choose(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, make_weig
             linear(tokens, codes, scales, None, out_dtype)
             return grad @ rowwise_weight(codes, scales, out_dtype)
 
-        with torch.no_grad():
+        # Events record on the current device's stream: the layer's device made current.
+        with torch.no_grad(), torch.cuda.device(x.device):
             dequantize_ms = _time_ms(dequantizing)
             scaled_mm_ms = _time_ms(tensor_cores)
         _CHOICES[key] = {"path": "scaled_mm" if scaled_mm_ms < dequantize_ms else "dequantize",

@@ -479,6 +479,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     recompute = getattr(session.optimizer, "_recompute", None)
     if recompute is not None:
         recompute.close()
+    for module in model.modules():  # no layer keeps the session alive
+        if isinstance(module, BaseLinear):
+            module.note = None
     del model._trainstream_session
     return model
 

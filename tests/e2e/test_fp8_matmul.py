@@ -58,10 +58,19 @@ def test_tensor_cores_stay_within_the_bound_of_the_dequantized_weights():
     layer = tensor_cores[0]
     assert layer.matmul_choice == {"path": "scaled_mm", "why": "fp8_matmul=True"}
     assert reference[0].matmul_choice["path"] == "dequantize"
-    # The row-scaled copy replaced the stored bytes: one byte a weight, a scale a row.
-    assert layer.data.numel() == 0 and layer.fp8_rows.dtype == torch.float8_e4m3fn
-    assert tuple(layer.fp8_rows.shape) == (96, 128) and tuple(layer.fp8_row_scales.shape) == (1, 96)
+    # The row-scaled copy replaced the stored bytes: one byte a weight, a scale a row (kept as
+    # integers, which no dtype cast touches).
+    assert layer.data.numel() == 0 and layer.fp8_rows.dtype == torch.uint8
+    assert layer.fp8_row_scales.dtype == torch.int32
+    assert tuple(layer.fp8_rows.shape) == (96, 128)
+    assert tuple(layer.fp8_row_scales.shape) == (1, 96)
     assert "matmul=scaled_mm" in repr(layer)
+    # A cast of the whole model afterwards leaves the codes as they are and the layer working.
+    before = tensor_cores(x.detach())
+    tensor_cores.to(torch.float16)
+    assert layer.fp8_rows.dtype == torch.uint8 and layer.fp8_row_scales.dtype == torch.int32
+    tensor_cores.to(torch.bfloat16)
+    assert torch.equal(tensor_cores(x.detach()), before)
 
 
 def test_rowwise_requantization_error_is_bounded():
@@ -115,3 +124,23 @@ def test_auto_times_both_paths_on_a_gpu_with_fp8_tensor_cores():
     trainstream.quantize_model(again, "fp8")
     again(x)
     assert again[0].matmul_choice["scaled_mm_ms"] == choice["scaled_mm_ms"]
+
+
+@pytest.mark.gpu
+def test_tensor_cores_forward_and_backward_on_the_gpu_stay_within_the_bound():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = fp8_matmul.supported(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    reference, tensor_cores = _model(out=1024, inp=2048).cuda(), _model(out=1024, inp=2048).cuda()
+    trainstream.quantize_model(reference, "fp8", fp8_matmul=False)
+    trainstream.quantize_model(tensor_cores, "fp8", fp8_matmul=True)
+    x = torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = tensor_cores(x), reference(x_ref)
+    assert tensor_cores[0].matmul_choice["path"] == "scaled_mm"
+    assert 0.01 < _relative(y, y_ref) < 0.06
+    y.float().square().sum().backward()
+    y_ref.float().square().sum().backward()
+    assert _relative(x.grad, x_ref.grad) < 0.08
