@@ -3,6 +3,8 @@
 // and going, and other users. The driver's own implementation runs on the GPU machine.
 #include "gpu/gpu_pools.h"
 
+#include "gpu/driver_vram_api.h"
+
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -15,6 +17,7 @@
 namespace trainstream::daemon {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 
@@ -197,6 +200,22 @@ TEST(GpuPools, AnOwnerThatEndsFreesItsUnimportedPoolsAtOnce) {
   pools.SessionEnded("owner");
   EXPECT_EQ(vram.live, 0);
   EXPECT_EQ(vram.released, 2);
+}
+
+TEST(GpuPools, TheDriversApiRefusesAPoolOnAGpuThatIsNotThereAndSaysWhy) {
+  // The real implementation: on a machine without a driver (CI) its absence is the reason; with
+  // one, the GPU named does not exist. Either way both ways of sharing are tried and refused.
+  std::unique_ptr<VramApi> api = LoadDriverVramApi();
+  EventLog log(16);
+  GpuPools pools(*api, log);
+  absl::StatusOr<PoolSummary> made =
+      pools.Create("s", 1000, "GPU-00000000-0000-0000-0000-000000000000", 1 << 20, "base 1");
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(made.status().message(),
+              AnyOf(HasSubstr("no CUDA driver"), HasSubstr("no CUDA support"),
+                    HasSubstr("did not initialise"),
+                    HasSubstr("no GPU GPU-00000000-0000-0000-0000-000000000000")));
+  EXPECT_TRUE(pools.List().empty());
 }
 
 TEST(GpuPools, BadRequestsAreRefused) {

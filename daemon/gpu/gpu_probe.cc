@@ -7,15 +7,12 @@
 #include "absl/strings/str_format.h"
 
 namespace trainstream::daemon {
-namespace {
 
-std::string FormatUuid(const unsigned char b[16]) {
+std::string FormatGpuUuid(const unsigned char b[16]) {
   return absl::StrFormat(
       "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
       b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
 }
-
-}  // namespace
 
 GpuInventory ProbeGpus(const CudaDriverEntryPoints& driver) {
   GpuInventory inventory;
@@ -40,7 +37,7 @@ GpuInventory ProbeGpus(const CudaDriverEntryPoints& driver) {
     size_t bytes = 0;
     if (driver.device_total_mem(&bytes, device) == 0) gpu.total_bytes = bytes;
     unsigned char uuid[16] = {};
-    if (driver.device_get_uuid(uuid, device) == 0) gpu.uuid = FormatUuid(uuid);
+    if (driver.device_get_uuid(uuid, device) == 0) gpu.uuid = FormatGpuUuid(uuid);
     inventory.gpus.push_back(std::move(gpu));
   }
   return inventory;

@@ -31,6 +31,9 @@ struct CudaDriverEntryPoints {
   int (*device_get_uuid)(unsigned char uuid[16], int device) = nullptr;
 };
 
+// A GPU's 16 UUID bytes as nvidia-smi prints them: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
+std::string FormatGpuUuid(const unsigned char bytes[16]);
+
 // Lists the GPUs through `driver`; a failing call becomes the inventory's note.
 GpuInventory ProbeGpus(const CudaDriverEntryPoints& driver);
 

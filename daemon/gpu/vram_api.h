@@ -18,6 +18,7 @@ namespace trainstream::daemon {
 // Physical VRAM made with the virtual-memory API (cuMemCreate), exportable as a file
 // descriptor (cuMemExportToShareableHandle) that the data socket passes with SCM_RIGHTS.
 struct VmmAllocation {
+  std::string uuid;      // the GPU it is on
   uint64_t handle = 0;   // the driver's CUmemGenericAllocationHandle
   uint64_t bytes = 0;    // rounded up to the granularity
   ipc::UniqueFd fd;      // the shareable handle
@@ -26,6 +27,7 @@ struct VmmAllocation {
 // VRAM from cudaMalloc with its legacy IPC handle: the handle covers the whole allocation and
 // is valid only while the exporter keeps it.
 struct LegacyAllocation {
+  std::string uuid;      // the GPU it is on
   uint64_t device_pointer = 0;
   uint64_t bytes = 0;
   std::array<uint8_t, 64> handle{};  // cudaIpcMemHandle_t
