@@ -155,6 +155,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._nonfinite = nonfinite
         self._pushed = [_group(g) for g in self.param_groups]
         self._backwards = [0] * len(self._params)
+        self._grads_this_iteration = 0  # gradients landed since the last step()
         self._hooks: list = []
         self._poster = _GradientPoster(self._host) if self._cuda else None
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
@@ -212,7 +213,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         i = self._index[id(p)]
-        if not any(self._backwards):
+        # A counter, not a scan of every parameter's count: this runs once per gradient.
+        if self._grads_this_iteration == 0:
             # The first gradient of an iteration: updates start now, so a scheduler's new lr
             # must reach the daemon before it, and the copies back must know where each
             # parameter's storage is now.
@@ -224,6 +226,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"backward pass {micro + 1} before step(); accumulation_steps is "
                 f"{self.accumulation_steps} (pass accumulation_steps= to wrap)")
         self._backwards[i] = micro + 1
+        self._grads_this_iteration += 1
         if not self._cuda:
             slot = self._host.grad(i)
             if p.grad.data_ptr() != slot.data_ptr():
@@ -411,6 +414,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 p.numel() * p.element_size() for i, p in enumerate(self._params)
                 if result["updated"][i] and i not in self._paged_indices)
         self._backwards = [0] * len(self._params)
+        self._grads_this_iteration = 0
         if self._reports_norm:
             self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]
         if self._cuda and not self._device_return:
