@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quality per stored format: held-out perplexity of a small GPT whose frozen block weights come
 from a shared base (bf16, int8, nf4, fp8, nvfp4), before and after a short LoRA fine-tune
-through wrap().
+through wrap(); computing in fp32, and for the FP8 tensor-core path (fp8_matmul) in bf16 beside
+the bf16 base in bf16.
 
 No package we could install ships a small pretrained causal LM (the Hugging Face hub is not
 reachable from our machines), so the model is trained here first, on real text that ships with
@@ -40,6 +41,9 @@ from step_bench import add_worker_arguments, answered_as_worker, run_worker  # n
 
 CONFIG = GPTConfig(vocab=256, dim=128, heads=4, layers=4, context=128)
 FORMATS = ["bf16", "int8", "nf4", "fp8", "nvfp4"]
+# The same in bf16 compute: the bf16 base, and the fp8 base on FP8 tensor cores (fp8_matmul=True:
+# weights requantized per row, inputs per token), each against the other.
+VARIANTS = FORMATS + ["bf16/bf16", "fp8/tensor_cores"]
 BATCH, SEQ = 16, 128
 
 
@@ -100,20 +104,22 @@ def pretrain(text: dict, steps: int, device: str) -> dict:
 class LoRA(nn.Module):
     """A frozen layer plus a trained low-rank update (B starts at zero: the base's output)."""
 
-    def __init__(self, base: nn.Module, r: int = 8, alpha: float = 16.0):
+    def __init__(self, base: nn.Module, r: int = 8, alpha: float = 16.0,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.base = base
-        self.a = nn.Parameter(torch.randn(r, base.in_features) / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, r))
+        self.a = nn.Parameter(torch.randn(r, base.in_features, dtype=dtype)
+                              / math.sqrt(base.in_features))
+        self.b = nn.Parameter(torch.zeros(base.out_features, r, dtype=dtype))
         self.scale = alpha / r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + (x @ self.a.t() @ self.b.t()) * self.scale
 
 
-def evaluate(fmt: str, case: dict) -> dict:
-    """One format, in a worker process of its own (its connections to the daemon end with
-    it)."""
+def evaluate(variant: str, case: dict) -> dict:
+    """One format ("fmt" computing in fp32, "fmt/bf16" or "fp8/tensor_cores" in bf16), in a
+    worker process of its own (its connections to the daemon end with it)."""
     import trainstream
     from safetensors import safe_open
 
@@ -122,19 +128,25 @@ def evaluate(fmt: str, case: dict) -> dict:
     with safe_open(checkpoint, "pt") as f:
         block_linears = [k for k in f.keys()
                          if k.startswith("blocks.") and len(f.get_slice(k).get_shape()) == 2]
+    fmt, _, mode = variant.partition("/")
+    dtype = torch.bfloat16 if mode else torch.float32
     base = trainstream.load_base(checkpoint, format=fmt, quantize=block_linears, progress=False)
-    model = GPT(CONFIG)
+    model = GPT(CONFIG).to(dtype)
     model.requires_grad_(False)
-    taken = trainstream.attach_base(model, base, device=device)
+    taken = trainstream.attach_base(model, base, device=device,
+                                    fp8_matmul=mode == "tensor_cores")
     model.to(device)
-    row = {"format": fmt, "quantized_layers": len([n for n in taken["linear"]
-                                                    if n in block_linears]),
+    row = {"format": variant, "compute": str(dtype).replace("torch.", ""),
+           "quantized_layers": len([n for n in taken["linear"] if n in block_linears]),
            "base_bytes": base.stored_bytes,
            "held_out_ppl": perplexity(model, text["held_out"], device),
            "finetune_ppl_before": perplexity(model, text["finetune_held_out"], device)}
+    row["tensor_core_layers"] = sum(
+        1 for m in model.modules() if isinstance(m, trainstream.BaseLinear)
+        and (m.matmul_choice or {}).get("path") == "scaled_mm")
     for block in model.blocks:
-        block.attn.qkv = LoRA(block.attn.qkv).to(device)
-        block.attn.out = LoRA(block.attn.out).to(device)
+        block.attn.qkv = LoRA(block.attn.qkv, dtype=dtype).to(device)
+        block.attn.out = LoRA(block.attn.out, dtype=dtype).to(device)
     torch.manual_seed(2)
     for module in model.modules():
         if isinstance(module, LoRA):
@@ -158,7 +170,7 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=1000)
     parser.add_argument("--finetune-steps", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    parser.add_argument("--formats", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--timeout", type=int, default=1800)
     add_worker_arguments(parser)
     args = parser.parse_args()
@@ -188,15 +200,17 @@ def main() -> None:
         for fmt in args.formats:
             row = run_worker(os.path.abspath(__file__), fmt, "quality", socket, args.timeout)
             if row.get("failed"):
-                print(f"{fmt:6s} failed: {row['stderr'][-800:]}", flush=True)
+                print(f"{fmt:16s} failed: {row['stderr'][-800:]}", flush=True)
                 continue
             rows.append(row)
-            ref = next((r for r in rows if r["format"] == "bf16"), row)
-            print(f"{fmt:6s} held-out ppl {row['held_out_ppl']:.3f} "
-                  f"({row['held_out_ppl'] / ref['held_out_ppl']:.4f}x bf16); language reference "
+            # Against the bf16 base computing in the same precision.
+            same = "bf16/bf16" if "/" in fmt else "bf16"
+            ref = next((r for r in rows if r["format"] == same), row)
+            print(f"{fmt:16s} held-out ppl {row['held_out_ppl']:.3f} "
+                  f"({row['held_out_ppl'] / ref['held_out_ppl']:.4f}x {same}); language reference "
                   f"{row['finetune_ppl_before']:.3f} -> {row['finetune_ppl_after']:.3f} after "
                   f"{args.finetune_steps} LoRA steps "
-                  f"({row['finetune_ppl_after'] / ref['finetune_ppl_after']:.4f}x bf16's); "
+                  f"({row['finetune_ppl_after'] / ref['finetune_ppl_after']:.4f}x {same}'s); "
                   f"{row['quantized_layers']} layers from a {row['base_bytes'] / 1e6:.2f} MB base",
                   flush=True)
     if args.json:
