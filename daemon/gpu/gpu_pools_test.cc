@@ -66,16 +66,21 @@ class FakeVram : public VramApi {
   static constexpr uint64_t kGranularity = 2 << 20;
 };
 
+// A registry over fake VRAM, with its event log.
+class GpuPoolsTest : public ::testing::Test {
+ protected:
+  FakeVram vram;
+  EventLog log{64};
+  GpuPools pools{vram, log};
+};
+
 std::vector<std::string> Kinds(const EventLog& log) {
   std::vector<std::string> kinds;
   for (const Event& e : log.Since(0, [](const Event&) { return true; })) kinds.push_back(e.kind);
   return kinds;
 }
 
-TEST(GpuPools, VmmPoolsExportADescriptorOfTheImportersOwn) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, VmmPoolsExportADescriptorOfTheImportersOwn) {
   absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(made->kind, PoolKind::kVmm);
@@ -103,10 +108,7 @@ TEST(GpuPools, VmmPoolsExportADescriptorOfTheImportersOwn) {
   EXPECT_NE(a.st_ino, c.st_ino);
 }
 
-TEST(GpuPools, ASessionImportingTwiceHoldsThePoolUntilItReleasesTwice) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, ASessionImportingTwiceHoldsThePoolUntilItReleasesTwice) {
   absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
   ASSERT_TRUE(made.ok());
   ASSERT_TRUE(pools.Import(made->id, "a", 1000).ok());
@@ -118,11 +120,8 @@ TEST(GpuPools, ASessionImportingTwiceHoldsThePoolUntilItReleasesTwice) {
   EXPECT_EQ(vram.live, 0);
 }
 
-TEST(GpuPools, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {
-  FakeVram vram;
+TEST_F(GpuPoolsTest, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {
   vram.fd_handles = false;
-  EventLog log(64);
-  GpuPools pools(vram, log);
   absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(made->kind, PoolKind::kLegacyIpc);
@@ -136,12 +135,9 @@ TEST(GpuPools, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {
   EXPECT_THAT(events[0].message, HasSubstr("covers the whole allocation"));
 }
 
-TEST(GpuPools, WhenBothWaysAreRefusedThePoolIsRefusedWithBothReasons) {
-  FakeVram vram;
+TEST_F(GpuPoolsTest, WhenBothWaysAreRefusedThePoolIsRefusedWithBothReasons) {
   vram.fd_handles = false;
   vram.legacy = false;
-  EventLog log(64);
-  GpuPools pools(vram, log);
   absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
   EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(made.status().message(), HasSubstr("file-descriptor handles"));
@@ -151,10 +147,7 @@ TEST(GpuPools, WhenBothWaysAreRefusedThePoolIsRefusedWithBothReasons) {
   EXPECT_TRUE(pools.List().empty());
 }
 
-TEST(GpuPools, AnotherUsersPoolIsNotThereForThem) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, AnotherUsersPoolIsNotThereForThem) {
   absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 1 << 20, "base 1");
   ASSERT_TRUE(made.ok());
   absl::StatusOr<PoolImport> theirs = pools.Import(made->id, "x1", 2000);
@@ -167,10 +160,7 @@ TEST(GpuPools, AnotherUsersPoolIsNotThereForThem) {
   EXPECT_EQ(pools.Free(made->id, "x1").code(), absl::StatusCode::kNotFound);
 }
 
-TEST(GpuPools, AFreedPoolStaysWhileImportedAndGoesWithItsLastImporter) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, AFreedPoolStaysWhileImportedAndGoesWithItsLastImporter) {
   absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
   ASSERT_TRUE(made.ok());
   ASSERT_TRUE(pools.Import(made->id, "a", 1000).ok());
@@ -191,10 +181,7 @@ TEST(GpuPools, AFreedPoolStaysWhileImportedAndGoesWithItsLastImporter) {
   EXPECT_EQ(pools.Release(made->id, "b").code(), absl::StatusCode::kNotFound);
 }
 
-TEST(GpuPools, AnOwnerThatEndsFreesItsUnimportedPoolsAtOnce) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, AnOwnerThatEndsFreesItsUnimportedPoolsAtOnce) {
   ASSERT_TRUE(pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1").ok());
   ASSERT_TRUE(pools.Create("owner", 1000, "GPU-b", 1 << 20, "base 1").ok());
   pools.SessionEnded("owner");
@@ -218,10 +205,7 @@ TEST(GpuPools, TheDriversApiRefusesAPoolOnAGpuThatIsNotThereAndSaysWhy) {
   EXPECT_TRUE(pools.List().empty());
 }
 
-TEST(GpuPools, BadRequestsAreRefused) {
-  FakeVram vram;
-  EventLog log(64);
-  GpuPools pools(vram, log);
+TEST_F(GpuPoolsTest, BadRequestsAreRefused) {
   EXPECT_EQ(pools.Create("s", 1000, "GPU-a", 0, "x").status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(pools.Create("s", 1000, "", 1, "x").status().code(),

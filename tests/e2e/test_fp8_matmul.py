@@ -101,16 +101,26 @@ def test_a_bad_fp8_matmul_option_is_refused():
         trainstream.quantize_model(_model(), "fp8", fp8_matmul="always")
 
 
-@pytest.mark.gpu
-def test_auto_times_both_paths_on_a_gpu_with_fp8_tensor_cores():
+def _skip_without_fp8_tensor_cores() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     ok, why = fp8_matmul.supported(torch.device("cuda"))
     if not ok:
         pytest.skip(why)
-    reference, auto = _model(out=1024, inp=2048).cuda(), _model(out=1024, inp=2048).cuda()
+
+
+def _gpu_pair(fp8_matmul_option) -> tuple:
+    """The same fp8 model on the GPU twice: always dequantized, and with ``fp8_matmul_option``."""
+    reference, other = _model(out=1024, inp=2048).cuda(), _model(out=1024, inp=2048).cuda()
     trainstream.quantize_model(reference, "fp8", fp8_matmul=False)
-    trainstream.quantize_model(auto, "fp8")
+    trainstream.quantize_model(other, "fp8", fp8_matmul=fp8_matmul_option)
+    return reference, other
+
+
+@pytest.mark.gpu
+def test_auto_times_both_paths_on_a_gpu_with_fp8_tensor_cores():
+    _skip_without_fp8_tensor_cores()
+    reference, auto = _gpu_pair("auto")
     x = torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda")
     y, y_ref = auto(x), reference(x)
     choice = auto[0].matmul_choice
@@ -128,14 +138,8 @@ def test_auto_times_both_paths_on_a_gpu_with_fp8_tensor_cores():
 
 @pytest.mark.gpu
 def test_tensor_cores_forward_and_backward_on_the_gpu_stay_within_the_bound():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    ok, why = fp8_matmul.supported(torch.device("cuda"))
-    if not ok:
-        pytest.skip(why)
-    reference, tensor_cores = _model(out=1024, inp=2048).cuda(), _model(out=1024, inp=2048).cuda()
-    trainstream.quantize_model(reference, "fp8", fp8_matmul=False)
-    trainstream.quantize_model(tensor_cores, "fp8", fp8_matmul=True)
+    _skip_without_fp8_tensor_cores()
+    reference, tensor_cores = _gpu_pair(True)
     x = torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     y, y_ref = tensor_cores(x), reference(x_ref)
