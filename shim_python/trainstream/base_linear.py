@@ -54,7 +54,11 @@ class _FrozenLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_x = grad @ _weight(ctx.layer, grad.device) if ctx.needs_input_grad[0] else None
+        layer, grad_x = ctx.layer, None
+        if ctx.needs_input_grad[0] and layer.fp8_rows is not None:
+            grad_x = fp8_matmul.input_grad(grad, layer.fp8_rows, layer.fp8_row_scales)
+        elif ctx.needs_input_grad[0]:
+            grad_x = grad @ _weight(layer, grad.device)
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
         return grad_x, grad_b, None
 
@@ -133,14 +137,14 @@ class BaseLinear(nn.Module):
                 codes = scales = None
                 choice = {"path": "dequantize",
                           "why": f"_scaled_mm failed: {str(e).splitlines()[0][:200]}"}
-                if timed_now and self.note is not None:
-                    self.note("base.fp8_matmul",
-                              f"{self.out_features}x{self.in_features} fp8 weights at "
-                              f"{x.numel() // x.shape[-1]} tokens: FP8 tensor cores "
-                              f"{choice['scaled_mm_ms']:.3f} ms, dequantize and multiply "
-                              f"{choice['dequantize_ms']:.3f} ms: {choice['path']}",
-                              scaled_mm_ms=choice["scaled_mm_ms"],
-                              dequantize_ms=choice["dequantize_ms"])
+        if timed_now and self.note is not None:
+            self.note("base.fp8_matmul",
+                      f"{self.out_features}x{self.in_features} fp8 weights at "
+                      f"{x.numel() // x.shape[-1]} tokens: FP8 tensor cores "
+                      f"{choice['scaled_mm_ms']:.3f} ms, dequantize and multiply "
+                      f"{choice['dequantize_ms']:.3f} ms: {choice['path']}",
+                      scaled_mm_ms=choice["scaled_mm_ms"],
+                      dequantize_ms=choice["dequantize_ms"])
         if choice["path"] == "scaled_mm":
             # As integers: a later model.to(dtype) or .half() casts floating-point buffers, and
             # would turn the codes into numbers and round the scales.

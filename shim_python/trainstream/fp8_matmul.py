@@ -77,6 +77,14 @@ def rowwise_weight(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
             * _floats(scales).reshape(-1, 1).to(dtype))
 
 
+def input_grad(grad: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """grad W for the row-scaled weight W = diag(scales) codes, as (grad diag(scales)) codes: the
+    scales go on the gradient (tokens x out, small) instead of on the whole matrix, so the
+    weight's one pass is its codes' conversion to the gradient's dtype."""
+    scaled = grad * _floats(scales).reshape(-1).to(grad.dtype)
+    return scaled @ codes.view(torch.float8_e4m3fn).to(grad.dtype)
+
+
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [tokens, in] input as e4m3 with one float32 scale per token: (codes, scales [tokens,
     1])."""
@@ -130,7 +138,7 @@ def choose(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, make_weig
 
         def tensor_cores():
             linear(tokens, codes, scales, None, out_dtype)
-            return grad @ rowwise_weight(codes, scales, out_dtype)
+            return input_grad(grad, codes, scales)
 
         # Events record on the current device's stream: the layer's device made current.
         with torch.no_grad(), torch.cuda.device(x.device):

@@ -540,8 +540,11 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         report["fp8_matmul"] = {
             "scaled_mm": sum(m.matmul_choice["path"] == "scaled_mm" for m in layers),
             "dequantize": sum(m.matmul_choice["path"] == "dequantize" for m in layers),
+            # (out, in, path, why, FP8 tensor cores ms, dequantize ms): the times where timed
             "choices": sorted({(m.out_features, m.in_features, m.matmul_choice["path"],
-                                m.matmul_choice["why"]) for m in layers})}
+                                m.matmul_choice["why"], m.matmul_choice.get("scaled_mm_ms"),
+                                m.matmul_choice.get("dequantize_ms")) for m in layers},
+                              key=str)}
     base = getattr(model, "_trainstream_base", None)
     if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
         info = base.info()

@@ -122,8 +122,13 @@ def test_auto_times_both_paths_on_a_gpu_with_fp8_tensor_cores():
     _skip_without_fp8_tensor_cores()
     reference, auto = _gpu_pair("auto")
     x = torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda")
+    notes = []
+    auto[0].note = lambda kind, message, **numbers: notes.append((kind, numbers))
     y, y_ref = auto(x), reference(x)
     choice = auto[0].matmul_choice
+    # The timing is told (wrap() routes it to the session's events).
+    assert notes == [("base.fp8_matmul", {"scaled_mm_ms": choice["scaled_mm_ms"],
+                                          "dequantize_ms": choice["dequantize_ms"]})]
     assert choice["why"] == "timed on this GPU"
     assert choice["scaled_mm_ms"] > 0 and choice["dequantize_ms"] > 0
     faster = "scaled_mm" if choice["scaled_mm_ms"] < choice["dequantize_ms"] else "dequantize"
