@@ -5,11 +5,14 @@
 
 #include "absl/strings/str_format.h"
 #include "arena/arena.h"
+#include "bases/base_gpu_pools.h"
 #include "bases/base_store.h"
 #include "dataplane/data_channel_server.h"
 #include "doorbell/doorbell_dispatcher.h"
 #include "events/event_log.h"
 #include "events/logger.h"
+#include "gpu/driver_vram_api.h"
+#include "gpu/gpu_pools.h"
 #include "gpu/gpu_probe.h"
 #include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
@@ -46,6 +49,7 @@ absl::Status Daemon::Start() {
         if (data_server_) data_server_->Disconnect(s.id);
         if (optimizers_) optimizers_->OnSessionEnded(s, why == SessionEnd::kClosed);
         if (bases_) bases_->OnSessionEnded(s);
+        if (gpu_pools_) gpu_pools_->SessionEnded(s.id);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
                       absl::StrFormat("session of pid %d ended (%s); released %d buffer bytes",
@@ -71,6 +75,10 @@ absl::Status Daemon::Start() {
     return sessions_->Get(s.owner, s.id).ok();
   };
   bases_ = std::make_unique<BaseStore>(base_options, arena_.get(), events_.get());
+  // The driver is opened now, but a GPU context is made only with the first pool.
+  vram_ = LoadDriverVramApi();
+  gpu_pools_ = std::make_unique<GpuPools>(*vram_, *events_);
+  base_pools_ = std::make_unique<BaseGpuPools>(*bases_, *gpu_pools_, *events_);
   doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,
                          [this](const Session& session, const ipc::DoorbellMessage& message,
                                 DoorbellChannel&) {
@@ -83,7 +91,7 @@ absl::Status Daemon::Start() {
                    DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
                                               options_.admin_group},
                                              sessions_.get(), arena_.get(), doorbells_.get(),
-                                             events_.get(), bases_.get()));
+                                             events_.get(), bases_.get(), gpu_pools_.get()));
 
   DaemonFacts facts;
   facts.version = kTrainStreamVersion;
@@ -100,9 +108,11 @@ absl::Status Daemon::Start() {
                     {{"index", gpu.index}, {"total_bytes", static_cast<double>(gpu.total_bytes)}});
     }
   }
+  const std::string no_pools_note = facts.gpus.gpus.empty() ? facts.gpus.note : "";
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
-      optimizers_.get(), bases_.get()});
+      optimizers_.get(), bases_.get(),
+      GpuPoolAccess{gpu_pools_.get(), base_pools_.get(), no_pools_note}});
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,

@@ -13,15 +13,18 @@
 namespace trainstream::daemon {
 
 class Arena;
+class BaseGpuPools;
 class BaseStore;
 class ControlListener;
 class ConnectionCredentials;
 class DataChannelServer;
 class DoorbellDispatcher;
 class EventLog;
+class GpuPools;
 class OptimizerRegistry;
 class SessionRegistry;
 class UserServers;
+class VramApi;
 
 // trainstreamd: wires the parts together and runs them until Shutdown(). Create() binds both
 // sockets and starts serving; Shutdown() drains (no new sessions, waits for the current ones up
@@ -51,6 +54,9 @@ class Daemon {
   std::unique_ptr<DoorbellDispatcher> doorbells_;
   std::unique_ptr<OptimizerRegistry> optimizers_;  // after doorbells_: destroyed before them
   std::unique_ptr<BaseStore> bases_;  // after arena_: its loads stop before the arena goes
+  std::unique_ptr<VramApi> vram_;
+  std::unique_ptr<GpuPools> gpu_pools_;       // after vram_: releases its pools through it
+  std::unique_ptr<BaseGpuPools> base_pools_;
   std::unique_ptr<DataChannelServer> data_server_;
   std::unique_ptr<UserServers> servers_;
   std::unique_ptr<ControlListener> listener_;

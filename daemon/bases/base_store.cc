@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "bases/caller_access.h"
 #include "safetensors/checkpoint_set.h"
+#include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -457,6 +458,28 @@ absl::StatusOr<SegmentGrant> BaseStore::GrantSegment(const Session& session,
     }
   }
   return absl::NotFoundError(absl::StrFormat("no segment %d for this session", segment_id));
+}
+
+absl::StatusOr<std::vector<std::span<const uint8_t>>> BaseStore::HostBytes(
+    const Session& session, uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = bases_.find(id);
+  if (it == bases_.end() || !it->second->users.count(session.id)) {
+    return absl::NotFoundError(
+        absl::StrFormat("this session is not attached to a base %d (load_base first)", id));
+  }
+  Base& base = *it->second;
+  if (base.state != BaseState::kReady) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "base %d is %s: it can go to a GPU once it is ready", id, BaseStateName(base.state)));
+  }
+  std::vector<std::span<const uint8_t>> out;
+  for (const BufferRecord& record : base.buffers) {
+    ASSIGN_OR_RETURN(uint8_t * data, arena_->BufferData(base.job, record.buffer_id));
+    out.emplace_back(data, record.bytes);
+  }
+  base.mappers.insert(session.id);
+  return out;
 }
 
 void BaseStore::ExpireIdle(absl::Time now) {

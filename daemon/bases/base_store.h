@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -101,6 +102,12 @@ class BaseStore {
   // A read-only segment of a base `session` is attached to, once it is ready. From then on the
   // base stays while the session lives, even detached: its pages stay in that process.
   absl::StatusOr<SegmentGrant> GrantSegment(const Session& session, uint64_t segment_id);
+  // The daemon's own view of the buffers of a ready base `session` is attached to, in the
+  // order of BaseSnapshot.buffers (a GPU pool is filled from it). As with GrantSegment, the base
+  // stays from then on while the session lives. FAILED_PRECONDITION while it loads or after it
+  // failed; NOT_FOUND when the session is not attached to it.
+  absl::StatusOr<std::vector<std::span<const uint8_t>>> HostBytes(const Session& session,
+                                                                  uint64_t id);
   // Frees the bases nobody has used for keep_warm.
   void ExpireIdle(absl::Time now);
 

@@ -37,7 +37,7 @@ absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool 
 
 absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     const Options& options, SessionRegistry* registry, Arena* arena,
-    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases) {
+    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases, GpuPools* gpu_pools) {
   ASSIGN_OR_RETURN(ipc::UniqueFd listener,
                    ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
   ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
@@ -51,14 +51,14 @@ absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
   }
   return std::unique_ptr<DataChannelServer>(
       new DataChannelServer(options, std::move(listener), std::move(epoll), std::move(stop),
-                            registry, arena, doorbells, events, bases));
+                            registry, arena, doorbells, events, bases, gpu_pools));
 }
 
 DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd listener,
                                      ipc::UniqueFd epoll, ipc::UniqueFd stop,
                                      SessionRegistry* registry, Arena* arena,
                                      DoorbellDispatcher* doorbells, EventLog* events,
-                                     BaseStore* bases)
+                                     BaseStore* bases, GpuPools* gpu_pools)
     : options_(options),
       listener_(std::move(listener)),
       epoll_(std::move(epoll)),
@@ -67,7 +67,8 @@ DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd liste
       arena_(arena),
       doorbells_(doorbells),
       events_(events),
-      bases_(bases) {
+      bases_(bases),
+      gpu_pools_(gpu_pools) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -195,6 +196,31 @@ bool DataChannelServer::Serve(Connection& connection) {
       if (!grant.ok()) return Reply(fd, grant.status()).ok();
       int fds[] = {grant->fd.get()};
       return Reply(fd, absl::OkStatus(), grant->bytes, grant->read_only, fds).ok();
+    }
+    case v1::DataRequest::kImportPool: {
+      if (!connection.session) {
+        return Reply(fd, absl::FailedPreconditionError(
+                             "attach a session on this connection before importing a GPU pool"))
+            .ok();
+      }
+      const uint64_t pool_id = request.import_pool().pool_id();
+      absl::StatusOr<PoolImport> pool =
+          gpu_pools_ != nullptr
+              ? gpu_pools_->Handle(pool_id, connection.session->id)
+              : absl::StatusOr<PoolImport>(absl::NotFoundError(absl::StrFormat(
+                    "this session has not imported GPU pool %d", pool_id)));
+      if (!pool.ok()) return Reply(fd, pool.status()).ok();
+      v1::DataReply reply;
+      reply.set_bytes(pool->bytes);
+      reply.set_read_only(true);  // frozen data: importers map it read-only
+      reply.set_pool_kind(PoolKindName(pool->kind));
+      std::vector<int> fds;
+      if (pool->kind == PoolKind::kVmm) {
+        fds.push_back(pool->fd.get());
+      } else {
+        reply.set_legacy_ipc_handle(pool->legacy_handle.data(), pool->legacy_handle.size());
+      }
+      return ipc::SendMessage(fd, reply.SerializeAsString(), fds).ok();
     }
     default:
       return Reply(fd, absl::InvalidArgumentError("empty or unknown data-socket request")).ok();

@@ -14,6 +14,7 @@
 #include "bases/base_store.h"
 #include "doorbell/doorbell_dispatcher.h"
 #include "events/event_log.h"
+#include "gpu/gpu_pools.h"
 #include "ipc/unique_fd.h"
 #include "sessions/session_registry.h"
 
@@ -22,7 +23,8 @@ namespace trainstream::daemon {
 // The data socket (SOCK_SEQPACKET): where a client attaches its session and receives segment
 // descriptors (SCM_RIGHTS). Each session keeps exactly one connection open for its whole life;
 // the daemon ends the session the moment that connection closes (a crashed or killed client
-// included), so its memory is reclaimed without waiting for the lease. Requests and replies
+// included), so its memory (and its imports of GPU pools) is reclaimed without waiting for the
+// lease. Requests and replies
 // are trainstream.v1.DataRequest / DataReply. One thread, epoll. Thread-safe.
 class DataChannelServer {
  public:
@@ -33,7 +35,8 @@ class DataChannelServer {
   };
   static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
       const Options& options, SessionRegistry* registry, Arena* arena,
-      DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases);
+      DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
+      GpuPools* gpu_pools = nullptr);
   ~DataChannelServer();
 
   // Closes the session's data connection if it has one (after the session ended elsewhere).
@@ -48,7 +51,8 @@ class DataChannelServer {
   };
   DataChannelServer(const Options& options, ipc::UniqueFd listener, ipc::UniqueFd epoll,
                     ipc::UniqueFd stop, SessionRegistry* registry, Arena* arena,
-                    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases);
+                    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
+                    GpuPools* gpu_pools);
   void Loop();
   void Accept();
   // Returns false when the connection must close.
@@ -64,6 +68,7 @@ class DataChannelServer {
   DoorbellDispatcher* const doorbells_;
   EventLog* const events_;
   BaseStore* const bases_;  // a base's segments, for the sessions attached to it
+  GpuPools* const gpu_pools_;  // pools' handles, for the sessions that imported them
   absl::Mutex mu_;
   std::map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;

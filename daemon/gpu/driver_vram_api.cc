@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "gpu/gpu_probe.h"
 
 #ifdef TRAINSTREAM_HAVE_CUDA
@@ -34,6 +35,12 @@ class UnavailableVramApi : public VramApi {
     return absl::UnavailableError(why_);
   }
   void ReleaseLegacy(const LegacyAllocation&) override {}
+  absl::Status WriteExportable(const VmmAllocation&, std::span<const HostPiece>) override {
+    return absl::UnavailableError(why_);
+  }
+  absl::Status WriteLegacy(const LegacyAllocation&, std::span<const HostPiece>) override {
+    return absl::UnavailableError(why_);
+  }
 
  private:
   std::string why_;
@@ -60,27 +67,35 @@ struct DriverCalls {
   CUresult (*mem_alloc)(CUdeviceptr*, size_t);
   CUresult (*mem_free)(CUdeviceptr);
   CUresult (*ipc_get_mem_handle)(CUipcMemHandle*, CUdeviceptr);
+  CUresult (*address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*address_free)(CUdeviceptr, size_t);
+  CUresult (*mem_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                      unsigned long long);
+  CUresult (*mem_unmap)(CUdeviceptr, size_t);
+  CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
 };
 
 class DriverVramApi : public VramApi {
  public:
   explicit DriverVramApi(DriverCalls calls) : cuda_(calls) {}
   ~DriverVramApi() override {
+    absl::MutexLock lock(&mu_);
     for (const auto& [uuid, device] : devices_) cuda_.primary_ctx_release(device.device);
   }
 
   absl::Status CheckFdHandles(const std::string& uuid) override {
-    absl::StatusOr<CUdevice> device = Use(uuid);
+    absl::StatusOr<Device> device = Use(uuid);
     if (!device.ok()) return device.status();
     int vmm = 0, fd = 0;
     if (CUresult rc = cuda_.device_get_attribute(
-            &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, *device);
+            &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device->device);
         rc != CUDA_SUCCESS) {
       return Failed("cuDeviceGetAttribute", rc);
     }
     if (!vmm) return absl::UnimplementedError(absl::StrCat(uuid, " has no virtual memory management"));
     if (CUresult rc = cuda_.device_get_attribute(
-            &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, *device);
+            &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device->device);
         rc != CUDA_SUCCESS) {
       return Failed("cuDeviceGetAttribute", rc);
     }
@@ -93,12 +108,12 @@ class DriverVramApi : public VramApi {
 
   absl::StatusOr<VmmAllocation> CreateExportable(const std::string& uuid,
                                                  uint64_t bytes) override {
-    absl::StatusOr<CUdevice> device = Use(uuid);
+    absl::StatusOr<Device> device = Use(uuid);
     if (!device.ok()) return device.status();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = devices_[uuid].ordinal;
+    prop.location.id = device->ordinal;
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t granularity = 0;
     if (CUresult rc = cuda_.granularity(&granularity, &prop,
@@ -131,7 +146,7 @@ class DriverVramApi : public VramApi {
 
   absl::StatusOr<LegacyAllocation> CreateLegacy(const std::string& uuid,
                                                 uint64_t bytes) override {
-    absl::StatusOr<CUdevice> device = Use(uuid);
+    absl::StatusOr<Device> device = Use(uuid);
     if (!device.ok()) return device.status();
     LegacyAllocation out;
     out.uuid = uuid;
@@ -157,12 +172,66 @@ class DriverVramApi : public VramApi {
     }
   }
 
+  absl::Status WriteExportable(const VmmAllocation& allocation,
+                               std::span<const HostPiece> pieces) override {
+    absl::StatusOr<Device> device = Use(allocation.uuid);
+    if (!device.ok()) return device.status();
+    // The daemon maps the allocation only while it fills it: the importers' mappings are
+    // their own.
+    CUdeviceptr base = 0;
+    if (CUresult rc = cuda_.address_reserve(&base, allocation.bytes, 0, 0, 0);
+        rc != CUDA_SUCCESS) {
+      return Failed("cuMemAddressReserve", rc);
+    }
+    absl::Status status = absl::OkStatus();
+    bool mapped = false;
+    if (CUresult rc = cuda_.mem_map(base, allocation.bytes, 0, allocation.handle, 0);
+        rc != CUDA_SUCCESS) {
+      status = Failed("cuMemMap", rc);
+    } else {
+      mapped = true;
+      CUmemAccessDesc access{};
+      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access.location.id = device->ordinal;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if (CUresult rc = cuda_.mem_set_access(base, allocation.bytes, &access, 1);
+          rc != CUDA_SUCCESS) {
+        status = Failed("cuMemSetAccess", rc);
+      }
+    }
+    if (status.ok()) status = Copy(base, allocation.bytes, pieces);
+    if (mapped) cuda_.mem_unmap(base, allocation.bytes);
+    cuda_.address_free(base, allocation.bytes);
+    return status;
+  }
+
+  absl::Status WriteLegacy(const LegacyAllocation& allocation,
+                           std::span<const HostPiece> pieces) override {
+    absl::StatusOr<Device> device = Use(allocation.uuid);
+    if (!device.ok()) return device.status();
+    return Copy(static_cast<CUdeviceptr>(allocation.device_pointer), allocation.bytes, pieces);
+  }
+
  private:
   struct Device {
     CUdevice device = 0;
     int ordinal = 0;
     CUcontext context = nullptr;
   };
+
+  absl::Status Copy(CUdeviceptr base, uint64_t bytes, std::span<const HostPiece> pieces) {
+    for (const HostPiece& piece : pieces) {
+      if (piece.offset > bytes || piece.bytes > bytes - piece.offset) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "%d bytes at %d do not fit a pool of %d", piece.bytes, piece.offset, bytes));
+      }
+      if (CUresult rc = cuda_.memcpy_htod(base + piece.offset, piece.data, piece.bytes);
+          rc != CUDA_SUCCESS) {
+        return Failed("cuMemcpyHtoD", rc);
+      }
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status Failed(const char* call, CUresult rc) const {
     const char* text = nullptr;
@@ -173,7 +242,8 @@ class DriverVramApi : public VramApi {
 
   // The device named `uuid`, its primary context made current on this thread (retained the
   // first time: the daemon's context on that GPU from then on).
-  absl::StatusOr<CUdevice> Use(const std::string& uuid) {
+  absl::StatusOr<Device> Use(const std::string& uuid) {
+    absl::MutexLock lock(&mu_);
     auto known = devices_.find(uuid);
     if (known == devices_.end()) {
       int count = 0;
@@ -199,11 +269,12 @@ class DriverVramApi : public VramApi {
     if (CUresult rc = cuda_.ctx_set_current(known->second.context); rc != CUDA_SUCCESS) {
       return Failed("cuCtxSetCurrent", rc);
     }
-    return known->second.device;
+    return known->second;
   }
 
   DriverCalls cuda_;
-  std::map<std::string, Device> devices_;  // GpuPools calls under its lock: one at a time
+  absl::Mutex mu_;  // pools are filled outside GpuPools' lock
+  std::map<std::string, Device> devices_ ABSL_GUARDED_BY(mu_);
 };
 
 template <typename T>
@@ -241,7 +312,13 @@ std::unique_ptr<VramApi> LoadDriverVramApi() {
       Find(library, "cuMemRelease", &calls.mem_release) &&
       Find(library, "cuMemAlloc_v2", &calls.mem_alloc) &&
       Find(library, "cuMemFree_v2", &calls.mem_free) &&
-      Find(library, "cuIpcGetMemHandle", &calls.ipc_get_mem_handle);
+      Find(library, "cuIpcGetMemHandle", &calls.ipc_get_mem_handle) &&
+      Find(library, "cuMemAddressReserve", &calls.address_reserve) &&
+      Find(library, "cuMemAddressFree", &calls.address_free) &&
+      Find(library, "cuMemMap", &calls.mem_map) &&
+      Find(library, "cuMemUnmap", &calls.mem_unmap) &&
+      Find(library, "cuMemSetAccess", &calls.mem_set_access) &&
+      Find(library, "cuMemcpyHtoD_v2", &calls.memcpy_htod);
   if (!found) {
     return std::make_unique<UnavailableVramApi>(
         "the CUDA driver library lacks the virtual-memory and IPC entry points: it is too old");

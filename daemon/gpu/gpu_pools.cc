@@ -81,18 +81,40 @@ absl::StatusOr<PoolSummary> GpuPools::Create(const std::string& session, uid_t u
   return summary;
 }
 
-absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& session,
-                                            uid_t uid) {
+absl::Status GpuPools::Describe(uint64_t id, uint64_t base_id,
+                                std::vector<uint64_t> buffer_offsets) {
   absl::MutexLock lock(&mu_);
   auto it = pools_.find(id);
-  if (it == pools_.end() || it->second.summary.uid != uid ||
-      it->second.summary.owner_session.empty()) {
-    // A pool being freed takes no new importers; another user's is not said to exist.
-    return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
+  if (it == pools_.end()) return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
+  it->second.summary.base_id = base_id;
+  it->second.summary.buffer_offsets = std::move(buffer_offsets);
+  return absl::OkStatus();
+}
+
+absl::Status GpuPools::Write(uint64_t id, std::span<const HostPiece> pieces) {
+  // The copies run without the lock (seconds for a large base). The pool can't go meanwhile:
+  // its owner is the one writing and has not freed it, and map nodes don't move.
+  const Pool* pool = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pools_.find(id);
+    if (it == pools_.end()) return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
+    pool = &it->second;
   }
-  Pool& pool = it->second;
+  const absl::Time began = absl::Now();
+  absl::Status written = pool->summary.kind == PoolKind::kVmm
+                             ? api_.WriteExportable(pool->vmm, pieces)
+                             : api_.WriteLegacy(pool->legacy, pieces);
+  absl::MutexLock lock(&mu_);
+  if (auto it = pools_.find(id); it != pools_.end() && written.ok()) {
+    it->second.summary.fill_seconds += absl::ToDoubleSeconds(absl::Now() - began);
+  }
+  return written;
+}
+
+absl::StatusOr<PoolImport> GpuPools::HandleLocked(const Pool& pool) const {
   PoolImport out;
-  out.pool_id = id;
+  out.pool_id = pool.summary.id;
   out.uuid = pool.summary.uuid;
   out.bytes = pool.summary.bytes;
   out.kind = pool.summary.kind;
@@ -103,8 +125,30 @@ absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& sess
   } else {
     out.legacy_handle = pool.legacy.handle;
   }
-  ++pool.importers[session];
   return out;
+}
+
+absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& session,
+                                            uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || it->second.summary.uid != uid) {
+    // Another user's pool is not said to exist. One its owner let go still takes importers
+    // while it is imported: it lives until the last leaves.
+    return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
+  }
+  ASSIGN_OR_RETURN(PoolImport out, HandleLocked(it->second));
+  ++it->second.importers[session];
+  return out;
+}
+
+absl::StatusOr<PoolImport> GpuPools::Handle(uint64_t id, const std::string& session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || !it->second.importers.count(session)) {
+    return absl::NotFoundError(absl::StrFormat("this session has not imported GPU pool %d", id));
+  }
+  return HandleLocked(it->second);
 }
 
 absl::Status GpuPools::Release(uint64_t id, const std::string& session) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,9 @@ struct PoolSummary {
   uint64_t bytes = 0;
   PoolKind kind = PoolKind::kVmm;
   std::string purpose;            // what it holds, for a person ("base 3: qwen2.5-14b nf4")
+  uint64_t base_id = 0;           // the base it holds, if it holds one
+  std::vector<uint64_t> buffer_offsets;  // where each of that base's buffers starts
+  double fill_seconds = 0;        // Write()'s copies from host memory
   uid_t uid = 0;
   std::string owner_session;      // empty once the owner has ended or freed it
   std::vector<std::string> importers;
@@ -61,12 +65,20 @@ class GpuPools {
   absl::StatusOr<PoolSummary> Create(const std::string& session, uid_t uid,
                                      const std::string& uuid, uint64_t bytes,
                                      const std::string& purpose);
+  // Records what pool `id` holds (for List and the importers).
+  absl::Status Describe(uint64_t id, uint64_t base_id, std::vector<uint64_t> buffer_offsets);
+  // Fills pool `id` from host memory (its owner, before anyone imports it).
+  absl::Status Write(uint64_t id, std::span<const HostPiece> pieces);
   // `session` imports pool `id`; another uid's pool is NOT_FOUND, as a pool that isn't.
   absl::StatusOr<PoolImport> Import(uint64_t id, const std::string& session, uid_t uid);
+  // The handle of pool `id` for `session`, which has imported it (the data socket passes it
+  // on); counts nothing.
+  absl::StatusOr<PoolImport> Handle(uint64_t id, const std::string& session) const;
   // `session` no longer uses pool `id` (one import of it: a session that imported twice
   // releases twice).
   absl::Status Release(uint64_t id, const std::string& session);
-  // The owner is done with pool `id`: freed now, or when its last importer releases it.
+  // The owner is done with pool `id`: freed now, or when its last importer releases it (others
+  // may still join it until then: a shared base's pool lives by its users).
   absl::Status Free(uint64_t id, const std::string& session);
   // A session ended (closed or reclaimed): its imports are released and its pools freed as
   // Free() would.
@@ -84,6 +96,8 @@ class GpuPools {
   // Frees `pool` when its owner is gone and no importer is left; returns whether it did.
   bool FreeIfUnused(std::map<uint64_t, Pool>::iterator pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   PoolSummary Summarize(const Pool& pool) const;
+  absl::StatusOr<PoolImport> HandleLocked(const Pool& pool) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   VramApi& api_;
   EventLog& events_;

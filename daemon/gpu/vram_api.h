@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "absl/status/status.h"
@@ -33,6 +34,13 @@ struct LegacyAllocation {
   std::array<uint8_t, 64> handle{};  // cudaIpcMemHandle_t
 };
 
+// Host bytes to copy into a pool, at `offset` from its start.
+struct HostPiece {
+  uint64_t offset = 0;
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
 class VramApi {
  public:
   virtual ~VramApi() = default;
@@ -44,6 +52,12 @@ class VramApi {
   virtual absl::StatusOr<LegacyAllocation> CreateLegacy(const std::string& uuid,
                                                         uint64_t bytes) = 0;
   virtual void ReleaseLegacy(const LegacyAllocation& allocation) = 0;
+  // Copies `pieces` from host memory into the allocation (the daemon fills a pool this way
+  // before any importer reads it).
+  virtual absl::Status WriteExportable(const VmmAllocation& allocation,
+                                       std::span<const HostPiece> pieces) = 0;
+  virtual absl::Status WriteLegacy(const LegacyAllocation& allocation,
+                                   std::span<const HostPiece> pieces) = 0;
 };
 
 }  // namespace trainstream::daemon

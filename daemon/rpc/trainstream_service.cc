@@ -27,7 +27,8 @@ void FillRows(const std::vector<UsageRow>& rows,
 TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identity,
                                        SessionRegistry* sessions, Arena* arena, EventLog* events,
                                        const ConnectionCredentials* credentials,
-                                       OptimizerRegistry* optimizers, BaseStore* bases)
+                                       OptimizerRegistry* optimizers, BaseStore* bases,
+                                       GpuPoolAccess gpu_pools)
     : facts_(std::move(facts)),
       identity_(identity),
       sessions_(sessions),
@@ -35,7 +36,8 @@ TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identi
       events_(events),
       credentials_(credentials),
       optimizers_(optimizers),
-      bases_(bases) {}
+      bases_(bases),
+      gpu_pools_(std::move(gpu_pools)) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
   // The uid is the server's; the per-connection record only supplies the pid, and only when it

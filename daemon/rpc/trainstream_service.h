@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "arena/arena.h"
+#include "bases/base_gpu_pools.h"
 #include "bases/base_store.h"
 #include "events/event_log.h"
 #include "gpu/gpu_probe.h"
@@ -31,6 +32,13 @@ struct DaemonFacts {
   GpuInventory gpus;
 };
 
+// The daemon's GPU pools, as the control plane reaches them.
+struct GpuPoolAccess {
+  GpuPools* pools = nullptr;
+  BaseGpuPools* bases = nullptr;
+  std::string note;  // why no pool can be made on this machine, when none can
+};
+
 // The control plane for one uid (see UserServers): validates every request and acts on the
 // registry, arena and event log as that uid. The caller's pid comes from the kernel
 // credentials recorded for its connection. Thread-safe (gRPC calls it from its pool). Refusals
@@ -39,7 +47,8 @@ class TrainStreamService final : public v1::TrainStream::Service {
  public:
   TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
                      Arena* arena, EventLog* events, const ConnectionCredentials* credentials,
-                     OptimizerRegistry* optimizers, BaseStore* bases);
+                     OptimizerRegistry* optimizers, BaseStore* bases,
+                     GpuPoolAccess gpu_pools = {});
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -100,6 +109,14 @@ class TrainStreamService final : public v1::TrainStream::Service {
   grpc::Status ListBases(grpc::ServerContext*, const v1::ListBasesRequest*,
                          v1::ListBasesReply*) override;
 
+  // GPU pools (gpu_pool_rpcs.cc).
+  grpc::Status PlaceBaseOnGpu(grpc::ServerContext*, const v1::PlaceBaseOnGpuRequest*,
+                              v1::GpuPoolInfo*) override;
+  grpc::Status ReleaseGpuPool(grpc::ServerContext*, const v1::ReleaseGpuPoolRequest*,
+                              v1::ReleaseGpuPoolReply*) override;
+  grpc::Status ListGpuPools(grpc::ServerContext*, const v1::ListGpuPoolsRequest*,
+                            v1::ListGpuPoolsReply*) override;
+
  private:
   absl::StatusOr<PeerCredentials> Caller(grpc::ServerContext* context) const;
   // The caller's session, checked and owned by the caller.
@@ -122,6 +139,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   const ConnectionCredentials* const credentials_;
   OptimizerRegistry* const optimizers_;
   BaseStore* const bases_;
+  const GpuPoolAccess gpu_pools_;
   ReportedEventLimiter reported_events_{kReportedEventsPerMinute};
   std::atomic<bool> shutting_down_{false};
 };

@@ -22,7 +22,7 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   entry.service = std::make_unique<TrainStreamService>(shared_.facts, identity, shared_.sessions,
                                                        shared_.arena, shared_.events,
                                                        shared_.credentials, shared_.optimizers,
-                                                       shared_.bases);
+                                                       shared_.bases, shared_.gpu_pools);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.RegisterService(entry.service.get());
