@@ -15,6 +15,7 @@ constexpr Command kCommands[] = {
     {"optimizers", "", "each job's host optimizer: size, step, last step time and GB/s",
      &RunOptimizers},
     {"bases", "", "the shared frozen bases: format, bytes, users, load progress", &RunBases},
+    {"pools", "", "the GPU pools: GPU, bytes, what they hold, importers", &RunPools},
     {"events", "[-f|--follow] [--since=N]", "recent events; -f keeps streaming new ones",
      &RunEvents},
 };

@@ -52,6 +52,7 @@ absl::Status RunMemory(const Invocation& invocation);
 absl::Status RunEvents(const Invocation& invocation);
 absl::Status RunOptimizers(const Invocation& invocation);
 absl::Status RunBases(const Invocation& invocation);
+absl::Status RunPools(const Invocation& invocation);
 
 }  // namespace trainstream::tsctl
 

@@ -77,6 +77,19 @@ absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> Session::MapBase(uint64
   return impl_->MapBase(base_id);
 }
 
+absl::StatusOr<std::string> Session::PlaceBaseOnGpu(uint64_t base_id, int device) {
+  return impl_->PlaceBaseOnGpu(base_id, device);
+}
+absl::StatusOr<std::unique_ptr<GpuPoolMapping>> Session::ImportGpuPool(uint64_t pool_id,
+                                                                       int device) {
+  return impl_->ImportGpuPool(pool_id, device);
+}
+absl::Status Session::ReleaseGpuPool(uint64_t pool_id) { return impl_->ReleaseGpuPool(pool_id); }
+absl::StatusOr<std::string> Session::GpuPoolsJson() {
+  return impl_->Inspect<v1::ListGpuPoolsRequest, v1::ListGpuPoolsReply>(
+      &v1::TrainStream::Stub::ListGpuPools);
+}
+
 absl::StatusOr<std::string> Session::PlanHostMemory(uint64_t bytes, absl::Duration wait) {
   return impl_->PlanHostMemory(bytes, wait);
 }

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "control_channel.h"
+#include "gpu_pool_mapping.h"
 #include "ipc/doorbell_ring.h"
 #include "ipc/fd_passing.h"
 #include "ipc/unix_socket.h"
@@ -295,6 +296,50 @@ class Session::Impl {
     return buffers;
   }
 
+  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, int device) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::PlaceBaseOnGpuRequest request;
+    request.set_session_id(id_);
+    request.set_base_id(base_id);
+    ASSIGN_OR_RETURN(std::string uuid, CudaDeviceUuid(device));
+    request.set_gpu_uuid(uuid);
+    v1::GpuPoolInfo reply;
+    // Filling a pool copies the whole base to the GPU: allow it time beyond a plain call's.
+    RETURN_IF_ERROR(channel_.CallWithTimeout(
+        [&](grpc::ClientContext* c) { return channel_.stub().PlaceBaseOnGpu(c, request, &reply); },
+        options_.rpc_timeout + absl::Minutes(10)));
+    return ToJson(reply);
+  }
+
+  absl::StatusOr<std::unique_ptr<GpuPoolMapping>> ImportGpuPool(uint64_t pool_id, int device) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::DataRequest request;
+    request.mutable_import_pool()->set_pool_id(pool_id);
+    ASSIGN_OR_RETURN(ParsedReply answer, DataExchangeParsed(request, 1));
+    const v1::DataReply& reply = answer.reply;
+    if (reply.pool_kind() == "vmm") {
+      if (answer.fds.size() != 1) return absl::InternalError("pool reply without a descriptor");
+      return MapVmmPool(pool_id, device, std::move(answer.fds[0]), reply.bytes());
+    }
+    std::array<uint8_t, 64> handle{};
+    if (reply.pool_kind() != "legacy_ipc" || reply.legacy_ipc_handle().size() != handle.size()) {
+      return absl::InternalError(absl::StrCat("the daemon described a GPU pool of kind '",
+                                              reply.pool_kind(), "' this client can't map"));
+    }
+    std::memcpy(handle.data(), reply.legacy_ipc_handle().data(), handle.size());
+    return MapLegacyPool(pool_id, device, handle, reply.bytes());
+  }
+
+  absl::Status ReleaseGpuPool(uint64_t pool_id) {
+    RETURN_IF_ERROR(CheckUsable());
+    v1::ReleaseGpuPoolRequest request;
+    request.set_session_id(id_);
+    request.set_pool_id(pool_id);
+    v1::ReleaseGpuPoolReply reply;
+    return channel_.Call(
+        [&](grpc::ClientContext* c) { return channel_.stub().ReleaseGpuPool(c, request, &reply); });
+  }
+
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
                                        const std::vector<std::pair<std::string, double>>& numbers) {
     RETURN_IF_ERROR(CheckUsable());
@@ -321,20 +366,34 @@ class Session::Impl {
     return absl::OkStatus();
   }
 
+  struct ParsedReply {
+    v1::DataReply reply;
+    std::vector<ipc::UniqueFd> fds;
+  };
   // One request and its reply on the data socket, serialised with other exchanges.
-  absl::StatusOr<ipc::ReceivedMessage> DataExchange(const v1::DataRequest& request,
-                                                    size_t max_fds) {
+  absl::StatusOr<ParsedReply> DataExchangeParsed(const v1::DataRequest& request,
+                                                 size_t max_fds) {
     absl::MutexLock lock(&data_mu_);
     RETURN_IF_ERROR(ipc::SendMessage(data_.get(), request.SerializeAsString()));
     ASSIGN_OR_RETURN(ipc::ReceivedMessage answer,
                      ipc::ReceiveMessage(data_.get(), max_fds,
                                          static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));
-    v1::DataReply reply;
-    if (!reply.ParseFromString(answer.payload)) {
+    ParsedReply parsed;
+    if (!parsed.reply.ParseFromString(answer.payload)) {
       return absl::InternalError("the daemon's data-socket reply did not parse");
     }
-    RETURN_IF_ERROR(ReplyStatus(reply));
-    answer.payload = std::to_string(reply.bytes()) + (reply.read_only() ? ":ro" : ":rw");
+    RETURN_IF_ERROR(ReplyStatus(parsed.reply));
+    parsed.fds = std::move(answer.fds);
+    return parsed;
+  }
+  // As DataExchangeParsed, with the reply as "<bytes>:ro" or "<bytes>:rw".
+  absl::StatusOr<ipc::ReceivedMessage> DataExchange(const v1::DataRequest& request,
+                                                    size_t max_fds) {
+    ASSIGN_OR_RETURN(ParsedReply parsed, DataExchangeParsed(request, max_fds));
+    ipc::ReceivedMessage answer;
+    answer.payload =
+        std::to_string(parsed.reply.bytes()) + (parsed.reply.read_only() ? ":ro" : ":rw");
+    answer.fds = std::move(parsed.fds);
     return answer;
   }
 

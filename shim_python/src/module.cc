@@ -17,6 +17,7 @@
 #include "trainstream/version.h"
 
 namespace py = pybind11;
+using trainstream::client::GpuPoolMapping;
 using trainstream::client::HostBuffer;
 using trainstream::client::HostOptimizer;
 using trainstream::client::Session;
@@ -251,6 +252,41 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("bases_json", [](Session& s) { return Released([&] { return s.BasesJson(); }); })
       .def("map_base", [](Session& s, uint64_t id) {
         return Released([&] { return s.MapBase(id); });
+      })
+      .def("place_base_on_gpu", [](Session& s, uint64_t base_id, int device) {
+        return Released([&] { return s.PlaceBaseOnGpu(base_id, device); });
+      })
+      .def("import_gpu_pool", [](Session& s, uint64_t pool_id, int device) {
+        return std::shared_ptr<GpuPoolMapping>(
+            Released([&] { return s.ImportGpuPool(pool_id, device); }));
+      })
+      .def("release_gpu_pool", [](Session& s, uint64_t pool_id) {
+        Released([&] { return s.ReleaseGpuPool(pool_id); });
+      })
+      .def("gpu_pools_json", [](Session& s) {
+        return Released([&] { return s.GpuPoolsJson(); });
+      });
+
+  // A pool's VRAM as CUDA memory any library can wrap without a copy (torch.as_tensor reads
+  // __cuda_array_interface__ and keeps this object, and so the mapping, alive).
+  py::class_<GpuPoolMapping, std::shared_ptr<GpuPoolMapping>>(m, "GpuPoolMapping")
+      .def_property_readonly("pool_id", &GpuPoolMapping::pool_id)
+      .def_property_readonly("device", &GpuPoolMapping::device)
+      .def_property_readonly("device_pointer", &GpuPoolMapping::device_pointer)
+      .def_property_readonly("bytes", &GpuPoolMapping::bytes)
+      .def_property_readonly("kind", &GpuPoolMapping::kind)
+      .def_property_readonly("read_only", &GpuPoolMapping::read_only)
+      .def_property_readonly("note", &GpuPoolMapping::note)
+      .def_property_readonly("__cuda_array_interface__", [](const GpuPoolMapping& p) {
+        py::dict interface;
+        interface["shape"] = py::make_tuple(p.bytes());
+        interface["typestr"] = "|u1";
+        // Declared writable: torch refuses read-only CUDA memory; the mapping itself is
+        // read-only where the driver allows it (read_only).
+        interface["data"] = py::make_tuple(p.device_pointer(), false);
+        interface["version"] = 3;
+        interface["strides"] = py::none();
+        return interface;
       });
 
   namespace tc = trainstream::client;

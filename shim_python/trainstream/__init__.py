@@ -13,6 +13,7 @@ from . import _trainstream
 from .client import Buffer, Client, Notice, connect
 from .host_optimizer import HostOptimizer, ParameterSpec
 from .bases import SharedBase, bases, load_base
+from .gpu_pools import GpuBase, gpu_pools
 from .base_linear import BaseLinear, attach_base, quantize_model
 from .huggingface import load_model
 from .blocks import find_blocks
@@ -48,5 +49,5 @@ __all__ = [
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
-    "BaseLinear", "attach_base", "quantize_model", "load_model",
+    "BaseLinear", "attach_base", "quantize_model", "load_model", "GpuBase", "gpu_pools",
 ]

@@ -95,6 +95,7 @@ class BaseLinear(nn.Module):
         self.fp8_matmul = fp8_matmul
         self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
         self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
+        self.pooled = False  # its bytes are a view of a daemon GPU pool (attach_base)
         self.register_buffer("fp8_rows", None, persistent=False)
         self.register_buffer("fp8_row_scales", None, persistent=False)
 
@@ -108,6 +109,9 @@ class BaseLinear(nn.Module):
             ok, why = False, "fp8_matmul=False"
         elif ok and self.data.device != x.device:
             ok, why = False, "the weight stays in host memory (keep_on_host)"
+        elif ok and not forced and self.pooled:
+            ok, why = False, ("the weight is in a shared GPU pool: a row-scaled copy would "
+                              "add one per process")
         elif ok and not fp8_matmul.shape_fits(self.out_features, self.in_features):
             ok, why = False, f"{self.out_features}x{self.in_features} is not in multiples of 16"
         elif ok and not forced and self.compute_dtype != torch.bfloat16:
@@ -176,7 +180,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 keep_on_host: bool = False, rename: Any = None,
-                fp8_matmul: Any = "auto") -> dict:
+                fp8_matmul: Any = "auto", gpu_pool: bool = False) -> dict:
     """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
     the base holds becomes a :class:`BaseLinear` over the base's bytes (on the CPU the shared
     copy itself; on a GPU copied there once, or read from the shared host copy at every use with
@@ -185,12 +189,22 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     they are. ``rename(model_name) -> base_name`` maps the model's tensor names to the
     checkpoint's where they differ (adapters wrapping the layers, another prefix).
     ``fp8_matmul`` ("auto", True, False): whether an fp8 base's layers multiply on FP8 tensor
-    cores (see :class:`BaseLinear`). Returns what was taken: {"linear": [...], "copied": [...],
-    "bytes": n}, by the model's names."""
+    cores (see :class:`BaseLinear`). ``gpu_pool=True`` (a CUDA ``device``): the layers read the
+    base in place from the daemon's VRAM pool on that GPU, one copy shared by every process of
+    the user there (:meth:`SharedBase.on_gpu`), and unquantized frozen tensors of the model's
+    dtype are views of it too. Returns what was taken: {"linear": [...], "copied": [...],
+    "viewed": [...], "bytes": n}, by the model's names."""
     rename = rename or (lambda name: name)
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
-    taken: dict = {"linear": [], "copied": [], "bytes": 0}
+    if gpu_pool not in (True, False):
+        raise InvalidArgumentError(f"gpu_pool={gpu_pool!r}: use True or False")
+    if gpu_pool and (device.type != "cuda" or keep_on_host):
+        raise InvalidArgumentError(
+            f"gpu_pool=True reads the base from a GPU's VRAM: it needs a CUDA device (not "
+            f"{device}) and no keep_on_host")
+    pool = base.on_gpu(device) if gpu_pool else None
+    taken: dict = {"linear": [], "copied": [], "viewed": [], "bytes": 0}
     handled: set = set()  # biases of the layers replaced, set with them
     for name, module in list(model.named_modules()):
         key = rename(f"{name}.weight" if name else "weight")
@@ -202,9 +216,12 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         if stored.shape != tuple(module.weight.shape):
             raise InvalidArgumentError(f"base tensor '{key}' is {stored.shape}; the model's "
                                        f"weight is {tuple(module.weight.shape)}")
-        data, scales = base.raw(key)
-        if not keep_on_host and device.type != "cpu":  # on the CPU the shared copy is used
-            data, scales = data.to(device, copy=True), scales.to(device, copy=True)
+        if pool is not None:  # the pool's bytes in place
+            data, scales = pool.raw(key)
+        else:
+            data, scales = base.raw(key)
+            if not keep_on_host and device.type != "cpu":  # on the CPU the shared copy is used
+                data, scales = data.to(device, copy=True), scales.to(device, copy=True)
         bias = None
         if module.bias is not None:
             handled.add(f"{name}.bias")
@@ -217,6 +234,7 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 bias = module.bias.detach().to(device)
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
                            fp8_matmul=fp8_matmul)
+        layer.pooled = pool is not None
         _replace(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
@@ -232,10 +250,17 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         # the meta device of a model built without memory.
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        value = base.dequantize(key, dtype=param.dtype, device=device)
+        if pool is not None and stored.stored in ("bf16", "as_is") and (
+                pool.tensor(key).dtype == param.dtype):
+            value = pool.tensor(key)  # the pool's copy, in place
+            taken["viewed"].append(name)
+        else:
+            value = base.dequantize(key, dtype=param.dtype, device=device)
+            taken["copied"].append(name)
         setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
-        taken["copied"].append(name)
     model._trainstream_base = base  # the mapping lives as long as the model
+    if pool is not None:
+        model._trainstream_gpu_base = pool
     return taken
 
 

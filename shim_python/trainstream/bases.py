@@ -137,6 +137,15 @@ class SharedBase:
             return dequantize_cuda(t, data, scales, dtype).view(t.shape)
         return dequantize(t, data, scales).to(dtype).view(t.shape)
 
+    def on_gpu(self, device: Any = None) -> Any:
+        """This base in the daemon's VRAM pool on CUDA ``device``: one copy per GPU, shared by
+        every process of the user there (see :mod:`trainstream.gpu_pools`)."""
+        from .gpu_pools import place_on_gpu
+
+        if not self._buffers:
+            raise FailedPreconditionError(f"base '{self.name}' is closed in this process")
+        return place_on_gpu(self, device)
+
     def _tensor(self, name: str) -> BaseTensor:
         if not self._buffers:
             raise FailedPreconditionError(f"base '{self.name}' is closed in this process")

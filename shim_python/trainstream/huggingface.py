@@ -38,12 +38,13 @@ def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) 
 def load_model(path: str, quantize: str | None = None, device: Any = "cuda",
                dtype: torch.dtype = torch.bfloat16, keep_on_host: bool = False,
                client: Any = None, progress: bool = True,
-               fp8_matmul: Any = "auto") -> torch.nn.Module:
+               fp8_matmul: Any = "auto", gpu_pool: bool = False) -> torch.nn.Module:
     """A causal LM from the Hugging Face checkpoint folder ``path`` (config.json and
     .safetensors), frozen, its weights from the daemon's shared base: bf16 (``quantize=None``)
     or ``"int8"``, ``"nf4"``, ``"fp8"``, ``"nvfp4"`` for the block weights (embeddings, norms
     and the head stay as the checkpoint has them). Every process loading the same checkpoint
-    and format uses the one host copy. ``fp8_matmul``: see :func:`attach_base`."""
+    and format uses the one host copy. ``fp8_matmul``, ``gpu_pool`` (one VRAM copy per GPU):
+    see :func:`attach_base`."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # an optional dependency: only this function needs it
@@ -60,7 +61,7 @@ def load_model(path: str, quantize: str | None = None, device: Any = "cuda",
     model.requires_grad_(False)
     base = load_base(path, format=fmt, client=client, progress=progress)
     taken = attach_base(model, base, device=device, keep_on_host=keep_on_host,
-                        fp8_matmul=fp8_matmul)
+                        fp8_matmul=fp8_matmul, gpu_pool=gpu_pool)
     _materialize_computed_buffers(model, device)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -18,6 +18,7 @@ from .block_memory import (FrozenWeights, adaptive_plan, keep_daemon_weights_on_
                            page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
+from .gpu_pools import gpu_pools
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
@@ -550,6 +551,12 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         info = base.info()
         report["base"] = {"id": base.id, "name": base.name, "format": base.format,
                           "stored_bytes": base.stored_bytes, "users": int(info["users"])}
+    gpu_base = getattr(model, "_trainstream_gpu_base", None)
+    if gpu_base is not None:  # attach_base(gpu_pool=True): the base read in place from VRAM
+        report["gpu_pool"] = gpu_base.report()
+        report["gpu_pool"]["importers"] = next(
+            (len(p.get("importers", [])) for p in gpu_pools(gpu_base._base._client)["pools"]
+             if int(p["pool_id"]) == gpu_base.pool_id), 0)
     if os.path.exists("/proc/self/smaps"):
         from .bases import mapped_segments
         report["mapped_segments"] = mapped_segments()

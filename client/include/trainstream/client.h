@@ -54,6 +54,37 @@ struct Notice {
 class MappedSegment;
 class HostOptimizer;
 
+// A daemon GPU pool mapped into this process on one CUDA device (Session::ImportGpuPool):
+// `bytes` at `device_pointer`, read-only where the driver allows it (`note` says otherwise).
+// Unmapped on destruction, after the device has finished with it.
+class GpuPoolMapping {
+ public:
+  GpuPoolMapping(uint64_t pool_id, int device, uint64_t device_pointer, uint64_t bytes,
+                 std::string kind, bool read_only, std::string note)
+      : pool_id_(pool_id), device_(device), address_(device_pointer), bytes_(bytes),
+        kind_(std::move(kind)), read_only_(read_only), note_(std::move(note)) {}
+  ~GpuPoolMapping();
+  GpuPoolMapping(const GpuPoolMapping&) = delete;
+  GpuPoolMapping& operator=(const GpuPoolMapping&) = delete;
+
+  uint64_t pool_id() const { return pool_id_; }
+  int device() const { return device_; }
+  uint64_t device_pointer() const { return address_; }
+  uint64_t bytes() const { return bytes_; }
+  const std::string& kind() const { return kind_; }  // "vmm" or "legacy_ipc"
+  bool read_only() const { return read_only_; }
+  const std::string& note() const { return note_; }
+
+ private:
+  uint64_t pool_id_;
+  int device_;
+  uint64_t address_;
+  uint64_t bytes_;
+  std::string kind_;
+  bool read_only_;
+  std::string note_;
+};
+
 // A buffer mapped into this process. Keeps its segment mapped (and CUDA-registered) while any
 // HostBuffer of it lives. Immutable; the bytes may be used from any thread.
 class HostBuffer {
@@ -139,6 +170,15 @@ class Session {
   absl::StatusOr<std::string> BasesJson();
   // A ready base's buffers, mapped read-only, in the order of BaseInfo.buffers.
   absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id);
+
+  // GPU pools. PlaceBaseOnGpu puts a base this session is attached to in the daemon's pool on
+  // CUDA device `device` (one VRAM copy per base and GPU, shared by every session that asks)
+  // and returns the pool as JSON (GpuPoolInfo); this session is one of its importers until
+  // ReleaseGpuPool or its end. ImportGpuPool maps it here.
+  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, int device);
+  absl::StatusOr<std::unique_ptr<GpuPoolMapping>> ImportGpuPool(uint64_t pool_id, int device);
+  absl::Status ReleaseGpuPool(uint64_t pool_id);
+  absl::StatusOr<std::string> GpuPoolsJson();
 
  private:
   friend class HostOptimizer;

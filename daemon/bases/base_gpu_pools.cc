@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "bases/base_gpu_pools.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+namespace {
+
+PoolSummary Find(GpuPools& pools, uid_t uid, uint64_t pool_id) {
+  for (PoolSummary& pool : pools.List(uid)) {
+    if (pool.id == pool_id) return pool;
+  }
+  return {};
+}
+
+}  // namespace
+
+absl::StatusOr<PoolSummary> BaseGpuPools::Place(const Session& session, uint64_t base_id,
+                                                const std::string& uuid) {
+  const uid_t uid = session.owner.uid;
+  absl::MutexLock lock(&mu_);
+  auto key = std::make_tuple(uid, base_id, uuid);
+  if (auto it = placed_.find(key); it != placed_.end()) {
+    // The session must be attached to the base, as the first one was.
+    RETURN_IF_ERROR(bases_.HostBytes(session, base_id).status());
+    absl::StatusOr<PoolImport> joined = pools_.Import(it->second, session.id, uid);
+    if (joined.ok()) {
+      PoolSummary pool = Find(pools_, uid, it->second);
+      events_.Emit("pool.joined",
+                   absl::StrFormat("base %d on %s: pool %d, already in VRAM (%d importers)",
+                                   base_id, uuid, pool.id, pool.importers.size()),
+                   {{"bytes", static_cast<double>(pool.bytes)}}, session.id, uid);
+      pool.fill_seconds = 0;
+      return pool;
+    }
+    placed_.erase(it);  // freed since: its last importer left
+  }
+  return Fill(session, base_id, uuid);
+}
+
+absl::StatusOr<PoolSummary> BaseGpuPools::Fill(const Session& session, uint64_t base_id,
+                                               const std::string& uuid) {
+  const uid_t uid = session.owner.uid;
+  ASSIGN_OR_RETURN(std::vector<std::span<const uint8_t>> host, bases_.HostBytes(session, base_id));
+  ASSIGN_OR_RETURN(BaseSnapshot base, bases_.Get(uid, /*admin=*/false, base_id));
+  std::vector<uint64_t> offsets;
+  std::vector<HostPiece> pieces;
+  uint64_t bytes = 0;
+  for (std::span<const uint8_t> buffer : host) {
+    bytes = (bytes + kPoolBufferAlignment - 1) / kPoolBufferAlignment * kPoolBufferAlignment;
+    offsets.push_back(bytes);
+    pieces.push_back(HostPiece{bytes, buffer.data(), buffer.size()});
+    bytes += buffer.size();
+  }
+  if (bytes == 0) return absl::FailedPreconditionError(absl::StrFormat("base %d is empty", base_id));
+  ASSIGN_OR_RETURN(PoolSummary pool,
+                   pools_.Create(session.id, uid, uuid, bytes,
+                                 absl::StrFormat("base %d: %s %s", base_id, base.name, base.format)));
+  // From here the pool is the session's until it is filled and imported; on any failure the
+  // owner frees it (no importer yet: at once).
+  absl::Status filled = pools_.Describe(pool.id, base_id, offsets);
+  if (filled.ok()) filled = pools_.Write(pool.id, pieces);
+  absl::StatusOr<PoolImport> imported =
+      filled.ok() ? pools_.Import(pool.id, session.id, uid) : absl::StatusOr<PoolImport>(filled);
+  pools_.Free(pool.id, session.id).IgnoreError();  // from now on it lives by its importers
+  if (!imported.ok()) {
+    events_.Emit("pool.refused",
+                 absl::StrFormat("base %d could not be placed on %s: %s", base_id, uuid,
+                                 imported.status().message()),
+                 {}, session.id, uid);
+    return imported.status();
+  }
+  placed_[std::make_tuple(uid, base_id, uuid)] = pool.id;
+  PoolSummary now = Find(pools_, uid, pool.id);
+  events_.Emit("pool.filled",
+               absl::StrFormat("base %d (%s %s) copied to %s in %.2f s (%.2f GB/s): pool %d",
+                               base_id, base.name, base.format, uuid, now.fill_seconds,
+                               now.fill_seconds > 0 ? bytes / now.fill_seconds / 1e9 : 0.0,
+                               pool.id),
+               {{"bytes", static_cast<double>(bytes)}, {"seconds", now.fill_seconds}},
+               session.id, uid);
+  return now;
+}
+
+}  // namespace trainstream::daemon
