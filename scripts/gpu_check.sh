@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh bases_share [PRESET] the bf16 load and 1, 2, 4 processes sharing it
 #   scripts/gpu_check.sh bases_load [PRESET]  the daemon's load speed per quantized format
 #   scripts/gpu_check.sh bases_lora          LoRA per quantized format over a shared base
-#   (each of the last three writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
+#   scripts/gpu_check.sh pools               GPU pools: 1, 2, 4 processes on one pooled 14B base
+#   (each of the last four writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -100,6 +101,10 @@ if [[ $what == bases_lora ]]; then
   (cd bench && python3 base_lora.py --json "$OUT/base_lora.json") > "$OUT/base_lora.txt" 2>&1 \
     || status=1
 fi
+if [[ $what == pools ]]; then
+  (cd bench && python3 gpu_pool.py --json "$OUT/gpu_pool.json") > "$OUT/gpu_pool.txt" 2>&1 \
+    || status=1
+fi
 if [[ $what == tests || $what == all ]]; then
   ctest --test-dir build/py --output-on-failure -j8 > "$OUT/ctest.log" 2>&1 || status=1
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
@@ -118,5 +123,5 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt shared_base.txt shared_base_load.txt base_lora.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+         dequantize.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status

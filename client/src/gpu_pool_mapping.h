@@ -14,9 +14,6 @@
 
 namespace trainstream::client {
 
-// The UUID of CUDA device `device` as the driver and nvidia-smi write it ("GPU-xxxxxxxx-...").
-absl::StatusOr<std::string> CudaDeviceUuid(int device);
-
 // Maps a pool on CUDA device `device`: a VMM allocation from its shareable descriptor
 // (`fd`), or a legacy IPC handle. Frozen data: read-only where the driver allows it.
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapVmmPool(uint64_t pool_id, int device,

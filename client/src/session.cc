@@ -77,8 +77,9 @@ absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> Session::MapBase(uint64
   return impl_->MapBase(base_id);
 }
 
-absl::StatusOr<std::string> Session::PlaceBaseOnGpu(uint64_t base_id, int device) {
-  return impl_->PlaceBaseOnGpu(base_id, device);
+absl::StatusOr<std::string> Session::PlaceBaseOnGpu(uint64_t base_id,
+                                                    const std::string& gpu_uuid) {
+  return impl_->PlaceBaseOnGpu(base_id, gpu_uuid);
 }
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> Session::ImportGpuPool(uint64_t pool_id,
                                                                        int device) {

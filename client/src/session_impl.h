@@ -296,13 +296,12 @@ class Session::Impl {
     return buffers;
   }
 
-  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, int device) {
+  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid) {
     RETURN_IF_ERROR(CheckUsable());
     v1::PlaceBaseOnGpuRequest request;
     request.set_session_id(id_);
     request.set_base_id(base_id);
-    ASSIGN_OR_RETURN(std::string uuid, CudaDeviceUuid(device));
-    request.set_gpu_uuid(uuid);
+    request.set_gpu_uuid(gpu_uuid);
     v1::GpuPoolInfo reply;
     // Filling a pool copies the whole base to the GPU: allow it time beyond a plain call's.
     RETURN_IF_ERROR(channel_.CallWithTimeout(

@@ -253,8 +253,8 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("map_base", [](Session& s, uint64_t id) {
         return Released([&] { return s.MapBase(id); });
       })
-      .def("place_base_on_gpu", [](Session& s, uint64_t base_id, int device) {
-        return Released([&] { return s.PlaceBaseOnGpu(base_id, device); });
+      .def("place_base_on_gpu", [](Session& s, uint64_t base_id, const std::string& uuid) {
+        return Released([&] { return s.PlaceBaseOnGpu(base_id, uuid); });
       })
       .def("import_gpu_pool", [](Session& s, uint64_t pool_id, int device) {
         return std::shared_ptr<GpuPoolMapping>(
@@ -266,6 +266,10 @@ PYBIND11_MODULE(_trainstream, m) {
       .def("gpu_pools_json", [](Session& s) {
         return Released([&] { return s.GpuPoolsJson(); });
       });
+
+  m.def("cuda_device_uuid", [](int device) {
+    return Released([&] { return trainstream::client::CudaDeviceUuid(device); });
+  });
 
   // A pool's VRAM as CUDA memory any library can wrap without a copy (torch.as_tensor reads
   // __cuda_array_interface__ and keeps this object, and so the mapping, alive).

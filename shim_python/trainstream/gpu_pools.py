@@ -35,7 +35,10 @@ class GpuBase:
 
         self._base = base
         self.device = device
-        self.info = _loads(base._client._native.place_base_on_gpu(base.id, device.index))
+        from . import _trainstream
+
+        uuid = _trainstream.cuda_device_uuid(device.index)
+        self.info = _loads(base._client._native.place_base_on_gpu(base.id, uuid))
         self.pool_id = int(self.info["pool_id"])
         try:
             mapping = base._client._native.import_gpu_pool(self.pool_id, device.index)
@@ -100,6 +103,8 @@ def place_on_gpu(base: Any, device: Any = None) -> GpuBase:
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
         raise InvalidArgumentError(f"GPU pools live on CUDA devices, not {device}")
+    if not torch.cuda.is_available():
+        raise FailedPreconditionError("no CUDA device in this process: no GPU pool to use")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     pools = base.__dict__.setdefault("_gpu_pools", {})

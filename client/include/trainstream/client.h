@@ -172,10 +172,10 @@ class Session {
   absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id);
 
   // GPU pools. PlaceBaseOnGpu puts a base this session is attached to in the daemon's pool on
-  // CUDA device `device` (one VRAM copy per base and GPU, shared by every session that asks)
-  // and returns the pool as JSON (GpuPoolInfo); this session is one of its importers until
-  // ReleaseGpuPool or its end. ImportGpuPool maps it here.
-  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, int device);
+  // the GPU named `gpu_uuid` (CudaDeviceUuid; one VRAM copy per base and GPU, shared by every
+  // session that asks) and returns the pool as JSON (GpuPoolInfo); this session is one of its
+  // importers until ReleaseGpuPool or its end. ImportGpuPool maps it on CUDA device `device`.
+  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid);
   absl::StatusOr<std::unique_ptr<GpuPoolMapping>> ImportGpuPool(uint64_t pool_id, int device);
   absl::Status ReleaseGpuPool(uint64_t pool_id);
   absl::StatusOr<std::string> GpuPoolsJson();
@@ -190,6 +190,9 @@ class Session {
 // The control socket tried when none is named: $TRAINSTREAM_SOCKET, else the system socket for
 // root, else the per-user one under $XDG_RUNTIME_DIR (or /tmp/trainstream-<uid>).
 std::string DefaultSocketPath();
+
+// The UUID of CUDA device `device` as the driver and nvidia-smi write it ("GPU-xxxxxxxx-...").
+absl::StatusOr<std::string> CudaDeviceUuid(int device);
 
 // Control-plane round trip (GetStatus) against a daemon, without a session. For probes.
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path);
