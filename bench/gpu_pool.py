@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--format", default="nf4")
     parser.add_argument("--dir", default="/var/tmp/ts-bench-base")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each count, pool and private alternating (step times on "
+                             "one GPU vary from run to run)")
     parser.add_argument("--json", default="")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,10 +168,11 @@ def main() -> None:
             print(f"base: {args.format}, {base_bytes / 1e9:.2f} GB (loaded in "
                   f"{base.load_seconds:.1f} s)", flush=True)
             for count in args.processes:
-                for mode in ("pool", "private"):
+                for repeat, mode in [(r, m) for r in range(args.repeats)
+                                     for m in ("pool", "private")]:
                     row = run(os.path.abspath(__file__), folder, args.format, mode, count,
                               socket)
-                    row["base_bytes"] = base_bytes
+                    row.update(base_bytes=base_bytes, repeat=repeat)
                     rows.append(row)
                     print(f"{count} x {mode:7s}: VRAM for the base(s) "
                           f"{row['vram_for_bases'] / 1e9:6.2f} GB = "
@@ -181,13 +185,12 @@ def main() -> None:
                                        "format": args.format, "seq": SEQ,
                                        "gpu": torch.cuda.get_device_name(),
                                        "torch": torch.__version__, "rows": rows}, f, indent=1)
-                pair = [r for r in rows if r["processes"] == count]
-                if len(pair) == 2:
-                    pool, private = pair
-                    print(f"  {count} processes: pool / private step "
-                          f"{statistics.mean(pool['step_s']) / statistics.mean(private['step_s']):.3f}"
-                          f", VRAM {pool['vram_for_bases'] / 1e9:.2f} vs "
-                          f"{private['vram_for_bases'] / 1e9:.2f} GB", flush=True)
+                step = {m: statistics.median(statistics.mean(r["step_s"]) for r in rows
+                                             if r["processes"] == count and r["mode"] == m)
+                        for m in ("pool", "private")}
+                print(f"  {count} processes, median of {args.repeats} runs: pool / private step "
+                      f"{step['pool'] / step['private']:.3f} ({1e3 * step['pool']:.1f} vs "
+                      f"{1e3 * step['private']:.1f} ms)", flush=True)
 
 
 if __name__ == "__main__":

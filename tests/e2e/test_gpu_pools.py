@@ -116,7 +116,8 @@ def used():
 class LoRALinear(nn.Module):
     def __init__(self):
         super().__init__()
-        self.base = nn.Linear(dim, dim, bias=False, device="meta").requires_grad_(False)
+        self.base = nn.Linear(dim, dim, bias=False, device="meta",
+                              dtype=torch.bfloat16).requires_grad_(False)
         g = torch.Generator(device="cuda").manual_seed(1)
         self.a = nn.Parameter(0.01 * torch.randn(8, dim, device="cuda", generator=g,
                                                  dtype=torch.bfloat16))
@@ -160,7 +161,7 @@ while command == "forever" or step < int(command):
     opt.zero_grad()
     losses.append(loss.item())
     step += 1
-    if step == 2:
+    if step == 2 and command == "forever":
         say(training=True)
 torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
            sys.argv[5])
