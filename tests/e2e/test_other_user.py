@@ -85,6 +85,16 @@ ATTACK = textwrap.dedent("""
     for segment in segments:
         own.send(pb.DataRequest(get_segment=pb.DataRequest.GetSegment(segment_id=segment)).SerializeToString())
         out["base_segments"].append(pb.DataReply.FromString(own.recv(65536)).code)
+    # The victim's GPU pool (a real one where the machine has a GPU): not listed, not placed,
+    # released or handed over to this uid.
+    pool_id = int(sys.argv[7])
+    uuid = "GPU-00000000-1111-2222-3333-444444444444"
+    out["pools"] = [p.pool_id for p in stub.ListGpuPools(pb.ListGpuPoolsRequest()).pools]
+    out["place_victim"] = code(lambda: stub.PlaceBaseOnGpu(pb.PlaceBaseOnGpuRequest(session_id=victim, base_id=base_id, gpu_uuid=uuid)))
+    out["place"] = code(lambda: stub.PlaceBaseOnGpu(pb.PlaceBaseOnGpuRequest(session_id=mine, base_id=base_id, gpu_uuid=uuid)))
+    out["release_pool"] = code(lambda: stub.ReleaseGpuPool(pb.ReleaseGpuPoolRequest(session_id=mine, pool_id=pool_id)))
+    own.send(pb.DataRequest(import_pool=pb.DataRequest.ImportPool(pool_id=pool_id)).SerializeToString())
+    out["import_pool"] = pb.DataReply.FromString(own.recv(65536)).code
     print(json.dumps(out))
 """)
 
@@ -101,9 +111,10 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
         owner.plan_host_memory(1 << 20)  # the owner's plan is not the other user's to see
         base = trainstream.load_base(str(private), client=owner, progress=False)
         segments = [int(b["segment_id"]) for b in base.info()["buffers"]]
+        pool_id = base.on_gpu().pool_id if torch.cuda.is_available() else 1
         result = subprocess.run(
             [sys.executable, "-c", ATTACK, d.socket, owner.session_id, proto_modules,
-             str(base.id), str(private), json.dumps(segments)],
+             str(base.id), str(private), json.dumps(segments), str(pool_id)],
             user=other_user, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
@@ -125,6 +136,11 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
         assert out["own_attach"] == 0 and segments
         assert out["base_segments"] == [5] * len(segments)  # NOT_FOUND: not its base
         assert int(base.info()["users"]) == 1  # the owner's base is untouched
+        assert out["pools"] == []
+        assert out["place_victim"].startswith("PERMISSION_DENIED"), out["place_victim"]
+        assert out["place"].startswith("NOT_FOUND"), out["place"]  # not attached to it
+        assert out["release_pool"].startswith("NOT_FOUND"), out["release_pool"]
+        assert out["import_pool"] == 5  # NOT_FOUND: not an importer of it
         # The owner's session is untouched.
         assert bytes(owner.lookup("secret").memoryview()[:6]) == b"secret"
 
