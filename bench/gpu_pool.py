@@ -8,9 +8,12 @@ LoRA r=16 (1x512) on a Qwen2.5-14B-shaped NF4 base, each either reading the daem
 For each count and mode, the processes start together, load (or find) the shared host base,
 build the model with its adapters, then attach the base one after another while the GPU's used
 memory (cudaMemGetInfo, the whole device) is read before and after each attach; then they all
-train at once and each reports its median step time. The bound for VRAM is one copy of the base
-(plus, for the pool, the daemon's own CUDA context on that GPU); for the step time it is the
-same process count with private copies. The checkpoint is bench/shared_base.py's. Needs a GPU.
+train at once and each reports its median step time; last, one at a time, each times its
+kernels dequantizing every frozen projection once (GB/s of stored base read), the one part of a
+step where reading a pool could differ from reading a private copy, measured without the CPU
+noise of a whole step. The bound for VRAM is one copy of the base (plus, for the pool, the
+daemon's own CUDA context on that GPU); for the step time and the read speed it is the same
+process count with private copies. The checkpoint is bench/shared_base.py's. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -89,6 +92,27 @@ def worker(folder: str, mode: str, fmt: str) -> None:
         peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         gpu_pool=trainstream.memory_report(model).get("gpu_pool"))
     sys.stdin.readline()
+    # What the pool could change: how fast the kernels read the base. Every frozen projection
+    # dequantized once, timed on the GPU, with the other processes idle.
+    from trainstream.base_linear import BaseLinear, _weight
+
+    layers = [m for m in model.modules() if isinstance(m, BaseLinear)]
+    stored = sum(m.data.numel() * m.data.element_size() + m.scales.numel() for m in layers)
+
+    def read_all():
+        for m in layers:
+            _weight(m, m.data.device)
+
+    read_all()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        read_all()
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 3e3
+    say(base_read_s=round(seconds, 5), base_read_gbps=round(stored / seconds / 1e9, 1))
+    sys.stdin.readline()
 
 
 def run(script: str, folder: str, fmt: str, mode: str, count: int, socket: str) -> dict:
@@ -120,6 +144,10 @@ def run(script: str, folder: str, fmt: str, mode: str, count: int, socket: str) 
         for p in procs:
             tell(p, "train")
         trained = [hear(p) for p in procs]
+        read = []
+        for p in procs:  # one at a time: a kernel reading the base alone on the GPU
+            tell(p, "read")
+            read.append(hear(p))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -133,6 +161,7 @@ def run(script: str, folder: str, fmt: str, mode: str, count: int, socket: str) 
             "attach_s": [a["attach_s"] for a in attached],
             "step_s": [t["step_s"] for t in trained],
             "peak_allocated_gib": [t["peak_allocated_gib"] for t in trained],
+            "base_read_gbps": [r["base_read_gbps"] for r in read],
             "gpu_pool": trained[0]["gpu_pool"]}
 
 
@@ -178,7 +207,9 @@ def main() -> None:
                           f"{row['vram_for_bases'] / 1e9:6.2f} GB = "
                           f"{row['vram_for_bases'] / base_bytes:4.2f}x one copy; step "
                           f"{1e3 * statistics.mean(row['step_s']):6.1f} ms (each: "
-                          f"{', '.join(f'{1e3 * s:.1f}' for s in row['step_s'])})", flush=True)
+                          f"{', '.join(f'{1e3 * s:.1f}' for s in row['step_s'])}); kernels "
+                          f"read the base at {statistics.mean(row['base_read_gbps']):.0f} GB/s",
+                          flush=True)
                     if args.json:
                         with open(args.json, "w") as f:
                             json.dump({"bench": "gpu_pool", "preset": PRESET,
