@@ -78,7 +78,9 @@ absl::Status Daemon::Start() {
   // The driver is opened now, but a GPU context is made only with the first pool.
   vram_ = LoadDriverVramApi();
   gpu_pools_ = std::make_unique<GpuPools>(*vram_, *events_);
-  base_pools_ = std::make_unique<BaseGpuPools>(*bases_, *gpu_pools_, *events_);
+  base_pools_ = std::make_unique<BaseGpuPools>(
+      *bases_, *gpu_pools_, *events_,
+      [this](const Session& s) { return sessions_->Get(s.owner, s.id).ok(); });
   doorbells_->SetHandler(ipc::DoorbellKind::kGradientReady,
                          [this](const Session& session, const ipc::DoorbellMessage& message,
                                 DoorbellChannel&) {
@@ -135,6 +137,7 @@ void Daemon::Housekeeping() {
     sessions_->ExpireLeases(absl::Now());
     optimizers_->ExpireIdle(absl::Now());
     bases_->ExpireIdle(absl::Now());
+    gpu_pools_->Sweep();
   }
 }
 

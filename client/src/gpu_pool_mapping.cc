@@ -72,23 +72,41 @@ absl::Status Failed(const DriverCalls& cuda, const char* call, CUresult rc) {
       absl::StrFormat("%s failed: %s (CUresult %d)", call, text ? text : "?", rc));
 }
 
-// The device's primary context current on this thread (torch's, in a PyTorch process).
-absl::Status UseDevice(int device) {
-  std::string why;
-  if (!CudaDevicePresent(&why)) return absl::UnavailableError(why);
-  if (cudaError_t rc = cudaSetDevice(device); rc != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA device ", device, ": ", cudaGetErrorString(rc)));
+// Makes `device`'s primary context (torch's, in a PyTorch process) current on this thread for
+// its lifetime, and puts back the device the thread had: the caller's current device is its own.
+class DeviceScope {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceScope>> Enter(int device) {
+    std::string why;
+    if (!CudaDevicePresent(&why)) return absl::UnavailableError(why);
+    int previous = 0;
+    if (cudaGetDevice(&previous) != cudaSuccess) {
+      cudaGetLastError();
+      previous = -1;
+    }
+    if (cudaError_t rc = cudaSetDevice(device); rc != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(
+          absl::StrCat("CUDA device ", device, ": ", cudaGetErrorString(rc)));
+    }
+    cudaFree(nullptr);  // makes the primary context if nothing has yet
+    return std::unique_ptr<DeviceScope>(new DeviceScope(previous));
   }
-  cudaFree(nullptr);  // makes the primary context if nothing has yet
-  return absl::OkStatus();
-}
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  explicit DeviceScope(int previous) : previous_(previous) {}
+  int previous_;
+};
 
 }  // namespace
 
 absl::StatusOr<std::string> CudaDeviceUuid(int device) {
-  RETURN_IF_ERROR(UseDevice(device));
+  ASSIGN_OR_RETURN(std::unique_ptr<DeviceScope> scope, DeviceScope::Enter(device));
   cudaDeviceProp properties{};
   if (cudaError_t rc = cudaGetDeviceProperties(&properties, device); rc != cudaSuccess) {
     cudaGetLastError();
@@ -103,7 +121,7 @@ absl::StatusOr<std::string> CudaDeviceUuid(int device) {
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapVmmPool(uint64_t pool_id, int device,
                                                            ipc::UniqueFd fd, uint64_t bytes) {
   ASSIGN_OR_RETURN(const DriverCalls* cuda, Driver());
-  RETURN_IF_ERROR(UseDevice(device));
+  ASSIGN_OR_RETURN(std::unique_ptr<DeviceScope> scope, DeviceScope::Enter(device));
   CUmemGenericAllocationHandle handle = 0;
   if (CUresult rc = cuda->import_handle(&handle, reinterpret_cast<void*>(
                                                      static_cast<uintptr_t>(fd.get())),
@@ -150,7 +168,7 @@ absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapVmmPool(uint64_t pool_id, int
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapLegacyPool(
     uint64_t pool_id, int device, const std::array<uint8_t, 64>& handle, uint64_t bytes) {
   ASSIGN_OR_RETURN(const DriverCalls* cuda, Driver());
-  RETURN_IF_ERROR(UseDevice(device));
+  ASSIGN_OR_RETURN(std::unique_ptr<DeviceScope> scope, DeviceScope::Enter(device));
   CUipcMemHandle ipc{};
   static_assert(sizeof(ipc) == sizeof(handle));
   std::memcpy(&ipc, handle.data(), sizeof(ipc));
@@ -166,7 +184,8 @@ absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapLegacyPool(
 
 GpuPoolMapping::~GpuPoolMapping() {
   absl::StatusOr<const DriverCalls*> cuda = Driver();
-  if (!cuda.ok() || !UseDevice(device_).ok()) return;
+  absl::StatusOr<std::unique_ptr<DeviceScope>> scope = DeviceScope::Enter(device_);
+  if (!cuda.ok() || !scope.ok()) return;
   // Kernels may still read it: unmapping under them would fault.
   cudaDeviceSynchronize();
   if (kind_ == "vmm") {

@@ -316,6 +316,12 @@ class Session::Impl {
     request.mutable_import_pool()->set_pool_id(pool_id);
     ASSIGN_OR_RETURN(ParsedReply answer, DataExchangeParsed(request, 1));
     const v1::DataReply& reply = answer.reply;
+    // Mapped on another GPU, it would be read over peer access, slowly, or not at all.
+    ASSIGN_OR_RETURN(std::string uuid, CudaDeviceUuid(device));
+    if (uuid != reply.gpu_uuid()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "GPU pool %d is on %s; CUDA device %d is %s", pool_id, reply.gpu_uuid(), device, uuid));
+    }
     if (reply.pool_kind() == "vmm") {
       if (answer.fds.size() != 1) return absl::InternalError("pool reply without a descriptor");
       return MapVmmPool(pool_id, device, std::move(answer.fds[0]), reply.bytes());

@@ -27,7 +27,7 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Place(const Session& session, uint64_t
   if (auto it = placed_.find(key); it != placed_.end()) {
     // The session must be attached to the base, as the first one was.
     RETURN_IF_ERROR(bases_.HostBytes(session, base_id).status());
-    absl::StatusOr<PoolImport> joined = pools_.Import(it->second, session.id, uid);
+    absl::Status joined = Join(session, it->second);
     if (joined.ok()) {
       PoolSummary pool = Find(pools_, uid, it->second);
       events_.Emit("pool.joined",
@@ -37,20 +37,33 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Place(const Session& session, uint64_t
       pool.fill_seconds = 0;
       return pool;
     }
+    if (joined.code() != absl::StatusCode::kNotFound) return joined;
     placed_.erase(it);  // freed since: its last importer left
   }
   return Fill(session, base_id, uuid);
 }
 
+absl::Status BaseGpuPools::Join(const Session& session, uint64_t id) {
+  RETURN_IF_ERROR(pools_.Import(id, session.id, session.owner.uid, session.owner.pid).status());
+  // The registry forgets a session before its end is handled: if it is gone now, either that
+  // handling comes after this import (and releases it), or it came before, and this does.
+  if (!session_alive_(session)) {
+    pools_.Release(id, session.id).IgnoreError();
+    return absl::FailedPreconditionError("the session ended while its pool was being placed");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PoolSummary> BaseGpuPools::Fill(const Session& session, uint64_t base_id,
                                                const std::string& uuid) {
   const uid_t uid = session.owner.uid;
-  ASSIGN_OR_RETURN(std::vector<std::span<const uint8_t>> host, bases_.HostBytes(session, base_id));
+  // Pinned: the bytes stay while they are copied, whatever the session does meanwhile.
+  ASSIGN_OR_RETURN(std::unique_ptr<BaseStore::HostPin> pin, bases_.HostBytes(session, base_id));
   ASSIGN_OR_RETURN(BaseSnapshot base, bases_.Get(uid, /*admin=*/false, base_id));
   std::vector<uint64_t> offsets;
   std::vector<HostPiece> pieces;
   uint64_t bytes = 0;
-  for (std::span<const uint8_t> buffer : host) {
+  for (std::span<const uint8_t> buffer : pin->bytes()) {
     bytes = (bytes + kPoolBufferAlignment - 1) / kPoolBufferAlignment * kPoolBufferAlignment;
     offsets.push_back(bytes);
     pieces.push_back(HostPiece{bytes, buffer.data(), buffer.size()});
@@ -64,15 +77,14 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Fill(const Session& session, uint64_t 
   // owner frees it (no importer yet: at once).
   absl::Status filled = pools_.Describe(pool.id, base_id, offsets);
   if (filled.ok()) filled = pools_.Write(pool.id, pieces);
-  absl::StatusOr<PoolImport> imported =
-      filled.ok() ? pools_.Import(pool.id, session.id, uid) : absl::StatusOr<PoolImport>(filled);
+  if (filled.ok()) filled = Join(session, pool.id);
   pools_.Free(pool.id, session.id).IgnoreError();  // from now on it lives by its importers
-  if (!imported.ok()) {
+  if (!filled.ok()) {
     events_.Emit("pool.refused",
                  absl::StrFormat("base %d could not be placed on %s: %s", base_id, uuid,
-                                 imported.status().message()),
+                                 filled.message()),
                  {}, session.id, uid);
-    return imported.status();
+    return filled;
   }
   placed_[std::make_tuple(uid, base_id, uuid)] = pool.id;
   PoolSummary now = Find(pools_, uid, pool.id);

@@ -7,6 +7,7 @@
 #define TRAINSTREAM_DAEMON_BASES_BASE_GPU_POOLS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -27,8 +28,11 @@ inline constexpr uint64_t kPoolBufferAlignment = 4096;
 
 class BaseGpuPools {
  public:
-  BaseGpuPools(BaseStore& bases, GpuPools& pools, EventLog& events)
-      : bases_(bases), pools_(pools), events_(events) {}
+  // `session_alive` says whether a session is still open (an import made for one that ended
+  // meanwhile is released at once: its end has already been handled).
+  BaseGpuPools(BaseStore& bases, GpuPools& pools, EventLog& events,
+               std::function<bool(const Session&)> session_alive)
+      : bases_(bases), pools_(pools), events_(events), session_alive_(std::move(session_alive)) {}
   BaseGpuPools(const BaseGpuPools&) = delete;
   BaseGpuPools& operator=(const BaseGpuPools&) = delete;
 
@@ -40,12 +44,16 @@ class BaseGpuPools {
  private:
   absl::StatusOr<PoolSummary> Fill(const Session& session, uint64_t base_id,
                                    const std::string& uuid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Imports pool `id` for `session`, undone if the session has ended meanwhile.
+  absl::Status Join(const Session& session, uint64_t id);
 
   BaseStore& bases_;
   GpuPools& pools_;
   EventLog& events_;
+  const std::function<bool(const Session&)> session_alive_;
   // One placement at a time: a second process asking for the same base waits for the first
-  // one's fill instead of making a second copy.
+  // one's fill instead of making a second copy. (Fills of other bases wait too: a lock per
+  // base and GPU would let them run side by side.)
   absl::Mutex mu_;
   std::map<std::tuple<uid_t, uint64_t, std::string>, uint64_t> placed_ ABSL_GUARDED_BY(mu_);
 };

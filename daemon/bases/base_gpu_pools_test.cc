@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -55,7 +56,8 @@ class BaseGpuPoolsTest : public ::testing::Test {
     options.load_threads = 2;
     store_ = std::make_unique<BaseStore>(options, arena_.get(), events_.get());
     pools_ = std::make_unique<GpuPools>(vram_, *events_);
-    placer_ = std::make_unique<BaseGpuPools>(*store_, *pools_, *events_);
+    placer_ = std::make_unique<BaseGpuPools>(
+        *store_, *pools_, *events_, [this](const Session& s) { return !ended_.count(s.id); });
   }
   void TearDown() override {
     placer_.reset();
@@ -84,7 +86,15 @@ class BaseGpuPoolsTest : public ::testing::Test {
     return kinds;
   }
 
+  // What the daemon does when a session ends, as far as bases and pools go.
+  void End(const Session& session) {
+    ended_.insert(session.id);
+    store_->OnSessionEnded(session);
+    pools_->SessionEnded(session.id);
+  }
+
   fs::path dir_;
+  std::set<std::string> ended_;
   FakeVram vram_;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<EventLog> events_;
@@ -108,8 +118,9 @@ TEST_F(BaseGpuPoolsTest, APoolHoldsTheBasesBytesAndIsSharedByItsUsersOnThatGpu) 
   EXPECT_THAT(second->importers, UnorderedElementsAre("s-a", "s-b"));
 
   // Every buffer of the base is in the pool at its offset, byte for byte.
-  absl::StatusOr<std::vector<std::span<const uint8_t>>> host = store_->HostBytes(a, base_id);
-  ASSERT_TRUE(host.ok());
+  absl::StatusOr<std::unique_ptr<BaseStore::HostPin>> pin = store_->HostBytes(a, base_id);
+  ASSERT_TRUE(pin.ok());
+  const std::vector<std::span<const uint8_t>>* host = &(*pin)->bytes();
   ASSERT_EQ(second->buffer_offsets.size(), host->size());
   absl::StatusOr<PoolImport> handle = pools_->Handle(first->id, "s-a");
   ASSERT_TRUE(handle.ok()) << handle.status();
@@ -147,9 +158,9 @@ TEST_F(BaseGpuPoolsTest, LegacyPoolsAreFilledToo) {
   absl::StatusOr<PoolSummary> pool = placer_->Place(a, base_id, kGpu);
   ASSERT_TRUE(pool.ok()) << pool.status();
   EXPECT_EQ(pool->kind, PoolKind::kLegacyIpc);
-  absl::StatusOr<std::vector<std::span<const uint8_t>>> host = store_->HostBytes(a, base_id);
-  ASSERT_TRUE(host.ok());
-  const std::span<const uint8_t> last = host->back();
+  absl::StatusOr<std::unique_ptr<BaseStore::HostPin>> pin = store_->HostBytes(a, base_id);
+  ASSERT_TRUE(pin.ok());
+  const std::span<const uint8_t> last = (*pin)->bytes().back();
   EXPECT_EQ(vram_.legacy_bytes.compare(pool->buffer_offsets.back(), last.size(),
                                        reinterpret_cast<const char*>(last.data()), last.size()),
             0);
@@ -183,6 +194,39 @@ TEST_F(BaseGpuPoolsTest, AFailedFillLeavesNoPool) {
   EXPECT_THAT(EventKinds(), ElementsAre("pool.created", "pool.freed", "pool.refused"));
   vram_.fail_writes = false;  // a later attempt starts over
   EXPECT_TRUE(placer_->Place(a, base_id, kGpu).ok());
+}
+
+TEST_F(BaseGpuPoolsTest, ASessionEndingDuringTheFillLeavesNeitherPoolNorDanglingBytes) {
+  const Session a = MakeSession("s-a", 1000);
+  const uint64_t base_id = Attach(a);
+  bool base_kept = false;
+  vram_.during_write = [&] {
+    End(a);  // Ctrl-C while the base is copied to the GPU
+    // The base is idle now, yet its bytes are being read: it must outlive the copy.
+    store_->ExpireIdle(absl::Now() + absl::Hours(1));
+    base_kept = store_->Get(1000, false, base_id).ok();
+    EXPECT_EQ(vram_.live, 1);  // and the pool being written stays too
+  };
+  absl::StatusOr<PoolSummary> placed = placer_->Place(a, base_id, kGpu);
+  EXPECT_TRUE(base_kept);
+  EXPECT_EQ(placed.status().code(), absl::StatusCode::kNotFound) << placed.status();
+  EXPECT_EQ(vram_.live, 0);  // freed as soon as the copy was done
+  EXPECT_TRUE(pools_->List().empty());
+  store_->ExpireIdle(absl::Now() + absl::Hours(1));
+  EXPECT_FALSE(store_->Get(1000, false, base_id).ok());  // and the base after it
+}
+
+TEST_F(BaseGpuPoolsTest, AnImportForASessionThatEndedMeanwhileIsUndone) {
+  const Session a = MakeSession("s-a", 1000), b = MakeSession("s-b", 1000);
+  const uint64_t base_id = Attach(a);
+  ASSERT_EQ(Attach(b), base_id);
+  ASSERT_TRUE(placer_->Place(a, base_id, kGpu).ok());
+  ended_.insert(b.id);  // ended, its end handled before it joins
+  absl::StatusOr<PoolSummary> joined = placer_->Place(b, base_id, kGpu);
+  EXPECT_EQ(joined.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(pools_->List()[0].importers, ElementsAre("s-a"));
+  End(a);
+  EXPECT_EQ(vram_.live, 0);
 }
 
 }  // namespace

@@ -460,7 +460,7 @@ absl::StatusOr<SegmentGrant> BaseStore::GrantSegment(const Session& session,
   return absl::NotFoundError(absl::StrFormat("no segment %d for this session", segment_id));
 }
 
-absl::StatusOr<std::vector<std::span<const uint8_t>>> BaseStore::HostBytes(
+absl::StatusOr<std::unique_ptr<BaseStore::HostPin>> BaseStore::HostBytes(
     const Session& session, uint64_t id) {
   absl::MutexLock lock(&mu_);
   auto it = bases_.find(id);
@@ -479,7 +479,20 @@ absl::StatusOr<std::vector<std::span<const uint8_t>>> BaseStore::HostBytes(
     out.emplace_back(data, record.bytes);
   }
   base.mappers.insert(session.id);
-  return out;
+  // A mapper of its own: the bytes stay even if the session ends while they are read.
+  std::string token = absl::StrCat("pin:", next_pin_++);
+  base.mappers.insert(token);
+  return std::make_unique<HostPin>(this, id, std::move(token), std::move(out));
+}
+
+void BaseStore::Unpin(uint64_t id, const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto it = bases_.find(id);
+  if (it == bases_.end()) return;
+  Base& base = *it->second;
+  if (base.mappers.erase(token) && base.users.empty() && base.mappers.empty()) {
+    base.idle_since = absl::Now();
+  }
 }
 
 void BaseStore::ExpireIdle(absl::Time now) {

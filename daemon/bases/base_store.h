@@ -103,17 +103,34 @@ class BaseStore {
   // base stays while the session lives, even detached: its pages stay in that process.
   absl::StatusOr<SegmentGrant> GrantSegment(const Session& session, uint64_t segment_id);
   // The daemon's own view of the buffers of a ready base `session` is attached to, in the
-  // order of BaseSnapshot.buffers (a GPU pool is filled from it). As with GrantSegment, the base
-  // stays from then on while the session lives. FAILED_PRECONDITION while it loads or after it
-  // failed; NOT_FOUND when the session is not attached to it.
-  absl::StatusOr<std::vector<std::span<const uint8_t>>> HostBytes(const Session& session,
-                                                                  uint64_t id);
+  // order of BaseSnapshot.buffers (a GPU pool is filled from it), held in memory while the pin
+  // lives whatever the session does meanwhile. As with GrantSegment, the base also stays while
+  // the session lives. FAILED_PRECONDITION while it loads or after it failed; NOT_FOUND when the
+  // session is not attached to it.
+  class HostPin {
+   public:
+    HostPin(BaseStore* store, uint64_t id, std::string token,
+            std::vector<std::span<const uint8_t>> bytes)
+        : store_(store), id_(id), token_(std::move(token)), bytes_(std::move(bytes)) {}
+    ~HostPin() { store_->Unpin(id_, token_); }
+    HostPin(const HostPin&) = delete;
+    HostPin& operator=(const HostPin&) = delete;
+    const std::vector<std::span<const uint8_t>>& bytes() const { return bytes_; }
+
+   private:
+    BaseStore* store_;
+    uint64_t id_;
+    std::string token_;
+    std::vector<std::span<const uint8_t>> bytes_;
+  };
+  absl::StatusOr<std::unique_ptr<HostPin>> HostBytes(const Session& session, uint64_t id);
   // Frees the bases nobody has used for keep_warm.
   void ExpireIdle(absl::Time now);
 
  private:
   struct Base;
   void RunLoad(std::shared_ptr<Base> base);
+  void Unpin(uint64_t id, const std::string& token);
   // Releases a base already taken out of `bases_`, and says so.
   void Free(const Base& base) ABSL_LOCKS_EXCLUDED(mu_);
   BaseSnapshot SnapshotLocked(const Base& base) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -123,6 +140,7 @@ class BaseStore {
   EventLog* const events_;
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_pin_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<Base>> bases_ ABSL_GUARDED_BY(mu_);
   int active_loaders_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

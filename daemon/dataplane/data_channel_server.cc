@@ -214,6 +214,7 @@ bool DataChannelServer::Serve(Connection& connection) {
       reply.set_bytes(pool->bytes);
       reply.set_read_only(true);  // frozen data: importers map it read-only
       reply.set_pool_kind(PoolKindName(pool->kind));
+      reply.set_gpu_uuid(pool->uuid);
       std::vector<int> fds;
       if (pool->kind == PoolKind::kVmm) {
         fds.push_back(pool->fd.get());

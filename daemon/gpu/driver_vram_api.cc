@@ -74,6 +74,7 @@ struct DriverCalls {
   CUresult (*mem_unmap)(CUdeviceptr, size_t);
   CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
   CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
+  CUresult (*ctx_synchronize)();
 };
 
 class DriverVramApi : public VramApi {
@@ -230,6 +231,11 @@ class DriverVramApi : public VramApi {
         return Failed("cuMemcpyHtoD", rc);
       }
     }
+    // A copy from pageable memory may return before it has landed: the pool is complete (and
+    // may be unmapped here, or handed out) only once the device says so.
+    if (CUresult rc = cuda_.ctx_synchronize(); rc != CUDA_SUCCESS) {
+      return Failed("cuCtxSynchronize", rc);
+    }
     return absl::OkStatus();
   }
 
@@ -318,7 +324,8 @@ std::unique_ptr<VramApi> LoadDriverVramApi() {
       Find(library, "cuMemMap", &calls.mem_map) &&
       Find(library, "cuMemUnmap", &calls.mem_unmap) &&
       Find(library, "cuMemSetAccess", &calls.mem_set_access) &&
-      Find(library, "cuMemcpyHtoD_v2", &calls.memcpy_htod);
+      Find(library, "cuMemcpyHtoD_v2", &calls.memcpy_htod) &&
+      Find(library, "cuCtxSynchronize", &calls.ctx_synchronize);
   if (!found) {
     return std::make_unique<UnavailableVramApi>(
         "the CUDA driver library lacks the virtual-memory and IPC entry points: it is too old");

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <functional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -61,6 +62,7 @@ class FakeVram : public VramApi {
   absl::Status WriteExportable(const VmmAllocation& allocation,
                                std::span<const HostPiece> pieces) override {
     if (fail_writes) return absl::InternalError("cuMemcpyHtoD failed: out of memory");
+    if (during_write) during_write();
     for (const HostPiece& piece : pieces) {
       if (piece.offset + piece.bytes > allocation.bytes) return absl::OutOfRangeError("past the end");
       if (::pwrite(allocation.fd.get(), piece.data, piece.bytes,
@@ -84,6 +86,7 @@ class FakeVram : public VramApi {
   }
 
   bool fail_writes = false;
+  std::function<void()> during_write;  // runs inside each VMM write, before the copies
   int writes = 0;
   std::string legacy_bytes;  // the last legacy allocation's contents
   static constexpr uint64_t kGranularity = 2 << 20;

@@ -2,6 +2,7 @@
 #include "gpu/gpu_pools.h"
 
 #include <fcntl.h>
+#include <signal.h>
 
 #include <cerrno>
 
@@ -92,22 +93,26 @@ absl::Status GpuPools::Describe(uint64_t id, uint64_t base_id,
 }
 
 absl::Status GpuPools::Write(uint64_t id, std::span<const HostPiece> pieces) {
-  // The copies run without the lock (seconds for a large base). The pool can't go meanwhile:
-  // its owner is the one writing and has not freed it, and map nodes don't move.
-  const Pool* pool = nullptr;
+  // The copies run without the lock (seconds for a large base), the pool pinned meanwhile:
+  // whoever ends its owner or last importer during the copy leaves the freeing to this call.
+  Pool* pool = nullptr;
   {
     absl::MutexLock lock(&mu_);
     auto it = pools_.find(id);
     if (it == pools_.end()) return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
-    pool = &it->second;
+    pool = &it->second;  // map nodes don't move
+    ++pool->writers;
   }
   const absl::Time began = absl::Now();
   absl::Status written = pool->summary.kind == PoolKind::kVmm
                              ? api_.WriteExportable(pool->vmm, pieces)
                              : api_.WriteLegacy(pool->legacy, pieces);
   absl::MutexLock lock(&mu_);
-  if (auto it = pools_.find(id); it != pools_.end() && written.ok()) {
-    it->second.summary.fill_seconds += absl::ToDoubleSeconds(absl::Now() - began);
+  --pool->writers;
+  if (written.ok()) pool->summary.fill_seconds += absl::ToDoubleSeconds(absl::Now() - began);
+  if (FreeIfUnused(pools_.find(id)) && written.ok()) {
+    return absl::NotFoundError(
+        absl::StrFormat("GPU pool %d was let go while it was being filled", id));
   }
   return written;
 }
@@ -129,7 +134,7 @@ absl::StatusOr<PoolImport> GpuPools::HandleLocked(const Pool& pool) const {
 }
 
 absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& session,
-                                            uid_t uid) {
+                                            uid_t uid, pid_t pid) {
   absl::MutexLock lock(&mu_);
   auto it = pools_.find(id);
   if (it == pools_.end() || it->second.summary.uid != uid) {
@@ -139,6 +144,7 @@ absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& sess
   }
   ASSIGN_OR_RETURN(PoolImport out, HandleLocked(it->second));
   ++it->second.importers[session];
+  if (pid > 0) it->second.importer_pids[session] = pid;
   return out;
 }
 
@@ -159,7 +165,11 @@ absl::Status GpuPools::Release(uint64_t id, const std::string& session) {
   if (it == pools_.end() || importer == it->second.importers.end()) {
     return absl::NotFoundError(absl::StrFormat("this session has not imported GPU pool %d", id));
   }
-  if (--importer->second == 0) it->second.importers.erase(importer);
+  // Released by the process itself, after it unmapped: nothing lingers.
+  if (--importer->second == 0) {
+    it->second.importers.erase(importer);
+    it->second.importer_pids.erase(session);
+  }
   FreeIfUnused(it);
   return absl::OkStatus();
 }
@@ -179,16 +189,45 @@ void GpuPools::SessionEnded(const std::string& session) {
   absl::MutexLock lock(&mu_);
   for (auto it = pools_.begin(); it != pools_.end();) {
     auto next = std::next(it);
-    it->second.importers.erase(session);
-    if (it->second.summary.owner_session == session) it->second.summary.owner_session.clear();
+    Pool& pool = it->second;
+    if (pool.importers.erase(session) > 0) {
+      auto pid = pool.importer_pids.find(session);
+      // A legacy handle stays open in its process until that process closes it or exits.
+      if (pool.summary.kind == PoolKind::kLegacyIpc && pid != pool.importer_pids.end()) {
+        pool.lingering.push_back(pid->second);
+        events_.Emit("pool.lingering",
+                     absl::StrFormat("GPU pool %d (legacy IPC) is kept until process %d exits: "
+                                     "its session ended, and the handle may still be open there",
+                                     pool.summary.id, pid->second),
+                     {{"pid", static_cast<double>(pid->second)}}, session, pool.summary.uid);
+      }
+      if (pid != pool.importer_pids.end()) pool.importer_pids.erase(pid);
+    }
+    if (pool.summary.owner_session == session) pool.summary.owner_session.clear();
+    FreeIfUnused(it);
+    it = next;
+  }
+}
+
+void GpuPools::Sweep() {
+  absl::MutexLock lock(&mu_);
+  for (auto it = pools_.begin(); it != pools_.end();) {
+    auto next = std::next(it);
     FreeIfUnused(it);
     it = next;
   }
 }
 
 bool GpuPools::FreeIfUnused(std::map<uint64_t, Pool>::iterator it) {
+  if (it == pools_.end()) return false;
   Pool& pool = it->second;
-  if (!pool.summary.owner_session.empty() || !pool.importers.empty()) return false;
+  // kill(pid, 0): ESRCH once the process is gone; EPERM means it exists (another uid's).
+  std::erase_if(pool.lingering,
+                [](pid_t pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; });
+  if (!pool.summary.owner_session.empty() || !pool.importers.empty() || pool.writers > 0 ||
+      !pool.lingering.empty()) {
+    return false;
+  }
   if (pool.summary.kind == PoolKind::kVmm) {
     api_.ReleaseExportable(pool.vmm);
   } else {

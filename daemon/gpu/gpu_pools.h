@@ -69,8 +69,10 @@ class GpuPools {
   absl::Status Describe(uint64_t id, uint64_t base_id, std::vector<uint64_t> buffer_offsets);
   // Fills pool `id` from host memory (its owner, before anyone imports it).
   absl::Status Write(uint64_t id, std::span<const HostPiece> pieces);
-  // `session` imports pool `id`; another uid's pool is NOT_FOUND, as a pool that isn't.
-  absl::StatusOr<PoolImport> Import(uint64_t id, const std::string& session, uid_t uid);
+  // `session` (of process `pid`) imports pool `id`; another uid's pool is NOT_FOUND, as a pool
+  // that isn't.
+  absl::StatusOr<PoolImport> Import(uint64_t id, const std::string& session, uid_t uid,
+                                    pid_t pid = 0);
   // The handle of pool `id` for `session`, which has imported it (the data socket passes it
   // on); counts nothing.
   absl::StatusOr<PoolImport> Handle(uint64_t id, const std::string& session) const;
@@ -81,8 +83,12 @@ class GpuPools {
   // may still join it until then: a shared base's pool lives by its users).
   absl::Status Free(uint64_t id, const std::string& session);
   // A session ended (closed or reclaimed): its imports are released and its pools freed as
-  // Free() would.
+  // Free() would. A legacy-IPC pool is not freed under a process that may still have it open
+  // (a session can end before its process: closed, or its lease reclaimed): it waits for that
+  // process to exit (Sweep).
   void SessionEnded(const std::string& session);
+  // Frees the legacy-IPC pools whose last lingering process has exited.
+  void Sweep();
   // Pools of `uid` (every pool when unset).
   std::vector<PoolSummary> List(std::optional<uid_t> uid = std::nullopt) const;
 
@@ -90,6 +96,9 @@ class GpuPools {
   struct Pool {
     PoolSummary summary;
     std::map<std::string, int> importers;  // session -> imports not yet released
+    std::map<std::string, pid_t> importer_pids;  // session -> its process
+    std::vector<pid_t> lingering;  // legacy IPC: ended importers' processes, maybe still mapping
+    int writers = 0;               // Write() calls copying into it now
     VmmAllocation vmm;        // kVmm
     LegacyAllocation legacy;  // kLegacyIpc
   };

@@ -6,8 +6,11 @@
 #include "gpu/driver_vram_api.h"
 #include "gpu/fake_vram.h"
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -114,6 +117,32 @@ TEST_F(GpuPoolsTest, AnotherUsersPoolIsNotThereForThem) {
   EXPECT_TRUE(pools.List(2000).empty());
   EXPECT_EQ(pools.List(1000).size(), 1u);
   EXPECT_EQ(pools.Free(made->id, "x1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(GpuPoolsTest, ALegacyPoolWaitsForTheProcessesOfEndedImportersToExit) {
+  vram.fd_handles = false;
+  absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok());
+  ASSERT_EQ(made->kind, PoolKind::kLegacyIpc);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ASSERT_TRUE(pools.Import(made->id, "a", 1000, child).ok());
+  ASSERT_TRUE(pools.Free(made->id, "owner").ok());
+  // Its session ended (closed, or reclaimed) while the process lives: it may still have the
+  // handle open, so the memory is not freed under it.
+  pools.SessionEnded("a");
+  pools.Sweep();
+  EXPECT_EQ(vram.live, 1);
+  EXPECT_THAT(Kinds(log), testing::Contains("pool.lingering"));
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  pools.Sweep();
+  EXPECT_EQ(vram.live, 0);
+  EXPECT_TRUE(pools.List().empty());
 }
 
 TEST_F(GpuPoolsTest, AFreedPoolStaysWhileImportedAndGoesWithItsLastImporter) {

@@ -49,8 +49,9 @@ class GpuBase:
         self.read_only = mapping.read_only
         self.note = mapping.note
         self.bytes = mapping.bytes
-        # The import ends when the mapping goes: after the last view of it.
-        weakref.finalize(mapping, _release, base._client._native, self.pool_id)
+        # The import ends when the mapping goes: after the last view of it. Not at interpreter
+        # exit (the mapping may outlive the finalizers then): the session's end releases it.
+        weakref.finalize(mapping, _release, base._client._native, self.pool_id).atexit = False
         self._pool = torch.as_tensor(mapping, device=device)
         offsets = [int(o) for o in self.info.get("buffer_offsets", [])]
         if len(offsets) != len(base._buffers):

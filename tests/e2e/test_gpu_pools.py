@@ -238,6 +238,10 @@ def test_two_processes_train_over_one_vram_copy_as_over_their_own(start_daemon, 
                 pools = _pools(d.socket)
                 assert len(pools) == 1 and len(pools[0]["importers"]) == 2
                 pool_bytes = int(pools[0]["bytes"])
+                # A session of the user that never placed the base is not handed the pool.
+                with trainstream.connect(d.socket, job_id="observer") as observer:
+                    with pytest.raises(trainstream.NotFoundError, match="has not imported"):
+                        observer._native.import_gpu_pool(int(pools[0]["pool_id"]), 0)
             for w in workers:
                 w.tell("5")
             results = [w.hear() for w in workers]
@@ -300,3 +304,49 @@ def test_a_killed_client_leaves_the_pool_to_the_others_until_the_last_one_goes(s
     with trainstream.connect(d.socket, job_id="observer") as observer:
         kinds = [e["kind"] for e in observer.events()]
     assert kinds.count("pool.freed") == 1 and "pool.joined" in kinds
+
+
+# Maps the base's pool and tries to write to it: a read-only mapping must fault.
+WRITER = r'''
+import json, sys, torch, trainstream
+base = trainstream.load_base(sys.argv[1], format="nf4", progress=False)
+pool = base.on_gpu("cuda")
+print(json.dumps({"read_only": pool.read_only, "note": pool.note,
+                  "head": pool._pool[:64].tolist()}), flush=True)
+if sys.stdin.readline().strip() == "write":
+    pool._pool[:64].fill_(7)
+    torch.cuda.synchronize()
+    print("WROTE", flush=True)
+'''
+
+
+@pytest.mark.gpu
+def test_a_process_cannot_write_to_the_pool_it_reads(start_daemon, tmp_path):
+    _skip_without_gpu()
+    checkpoint(tmp_path, layers=2, dim=1024)
+    d = start_daemon("--memory_budget=1G", "--base_keep_warm_s=0")
+    env = dict(os.environ, TRAINSTREAM_SOCKET=d.socket)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(2)]
+    reader, writer = procs
+    try:
+        first = json.loads(reader.stdout.readline())
+        mapped = json.loads(writer.stdout.readline())
+        if not mapped["read_only"]:
+            pytest.skip(f"this driver maps pools read-write: {mapped['note']}")
+        writer.stdin.write("write\n")
+        writer.stdin.flush()
+        out, err = writer.communicate(timeout=60)
+        assert "WROTE" not in out and writer.returncode != 0, (out, err)
+        assert "CUDA error" in err or "illegal" in err.lower(), err[-2000:]
+        # The pool is intact for the other process, and still there.
+        assert [len(p["importers"]) for p in _pools(d.socket)] == [1]
+        check = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], env=env, text=True,
+                               input="", capture_output=True, timeout=60)
+        assert json.loads(check.stdout.splitlines()[0])["head"] == first["head"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.close()
+                p.wait(timeout=60)
