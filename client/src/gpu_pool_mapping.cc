@@ -16,6 +16,16 @@
 
 namespace trainstream::client {
 
+class GpuPoolMapper {
+ public:
+  static std::unique_ptr<GpuPoolMapping> Make(uint64_t pool_id, int device, uint64_t address,
+                                              uint64_t bytes, GpuPoolMapping::Kind kind,
+                                              bool read_only, std::string note) {
+    return std::unique_ptr<GpuPoolMapping>(new GpuPoolMapping(
+        pool_id, device, address, bytes, kind, read_only, std::move(note)));
+  }
+};
+
 #ifdef TRAINSTREAM_HAVE_CUDA
 namespace {
 
@@ -161,8 +171,8 @@ absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapVmmPool(uint64_t pool_id, int
       return Failed(*cuda, "cuMemSetAccess", again);
     }
   }
-  return std::unique_ptr<GpuPoolMapping>(new GpuPoolMapping(
-      pool_id, device, address, bytes, "vmm", read_only, std::move(note)));
+  return GpuPoolMapper::Make(pool_id, device, address, bytes, GpuPoolMapping::Kind::kVmm,
+                             read_only, std::move(note));
 }
 
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapLegacyPool(
@@ -177,9 +187,9 @@ absl::StatusOr<std::unique_ptr<GpuPoolMapping>> MapLegacyPool(
       rc != CUDA_SUCCESS) {
     return Failed(*cuda, "cuIpcOpenMemHandle", rc);
   }
-  return std::unique_ptr<GpuPoolMapping>(new GpuPoolMapping(
-      pool_id, device, address, bytes, "legacy_ipc", false,
-      "a legacy IPC handle can't be mapped read-only: frozen by convention"));
+  return GpuPoolMapper::Make(
+      pool_id, device, address, bytes, GpuPoolMapping::Kind::kLegacyIpc, false,
+      "a legacy IPC handle can't be mapped read-only: frozen by convention");
 }
 
 GpuPoolMapping::~GpuPoolMapping() {
@@ -188,7 +198,7 @@ GpuPoolMapping::~GpuPoolMapping() {
   if (!cuda.ok() || !scope.ok()) return;
   // Kernels may still read it: unmapping under them would fault.
   cudaDeviceSynchronize();
-  if (kind_ == "vmm") {
+  if (kind_ == Kind::kVmm) {
     (*cuda)->unmap(static_cast<CUdeviceptr>(address_), bytes_);
     (*cuda)->address_free(static_cast<CUdeviceptr>(address_), bytes_);
   } else {

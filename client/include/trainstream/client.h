@@ -59,10 +59,7 @@ class HostOptimizer;
 // Unmapped on destruction, after the device has finished with it.
 class GpuPoolMapping {
  public:
-  GpuPoolMapping(uint64_t pool_id, int device, uint64_t device_pointer, uint64_t bytes,
-                 std::string kind, bool read_only, std::string note)
-      : pool_id_(pool_id), device_(device), address_(device_pointer), bytes_(bytes),
-        kind_(std::move(kind)), read_only_(read_only), note_(std::move(note)) {}
+  enum class Kind { kVmm, kLegacyIpc };
   ~GpuPoolMapping();
   GpuPoolMapping(const GpuPoolMapping&) = delete;
   GpuPoolMapping& operator=(const GpuPoolMapping&) = delete;
@@ -71,16 +68,21 @@ class GpuPoolMapping {
   int device() const { return device_; }
   uint64_t device_pointer() const { return address_; }
   uint64_t bytes() const { return bytes_; }
-  const std::string& kind() const { return kind_; }  // "vmm" or "legacy_ipc"
+  const char* kind() const { return kind_ == Kind::kVmm ? "vmm" : "legacy_ipc"; }
   bool read_only() const { return read_only_; }
   const std::string& note() const { return note_; }
 
  private:
+  friend class GpuPoolMapper;  // the only maker: it owns what the destructor undoes
+  GpuPoolMapping(uint64_t pool_id, int device, uint64_t device_pointer, uint64_t bytes,
+                 Kind kind, bool read_only, std::string note)
+      : pool_id_(pool_id), device_(device), address_(device_pointer), bytes_(bytes), kind_(kind),
+        read_only_(read_only), note_(std::move(note)) {}
   uint64_t pool_id_;
   int device_;
   uint64_t address_;
   uint64_t bytes_;
-  std::string kind_;
+  Kind kind_;
   bool read_only_;
   std::string note_;
 };
