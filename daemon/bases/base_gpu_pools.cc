@@ -22,14 +22,20 @@ PoolSummary Find(GpuPools& pools, uid_t uid, uint64_t pool_id) {
 absl::StatusOr<PoolSummary> BaseGpuPools::Place(const Session& session, uint64_t base_id,
                                                 const std::string& uuid) {
   const uid_t uid = session.owner.uid;
-  absl::MutexLock lock(&mu_);
-  auto key = std::make_tuple(uid, base_id, uuid);
-  if (auto it = placed_.find(key); it != placed_.end()) {
+  std::shared_ptr<Placement> placement;
+  {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<Placement>& slot = placed_[std::make_tuple(uid, base_id, uuid)];
+    if (!slot) slot = std::make_shared<Placement>();
+    placement = slot;
+  }
+  absl::MutexLock lock(&placement->mu);
+  if (placement->pool_id != 0) {
     // The session must be attached to the base, as the first one was.
     RETURN_IF_ERROR(bases_.HostBytes(session, base_id).status());
-    absl::Status joined = Join(session, it->second);
+    absl::Status joined = Join(session, placement->pool_id);
     if (joined.ok()) {
-      PoolSummary pool = Find(pools_, uid, it->second);
+      PoolSummary pool = Find(pools_, uid, placement->pool_id);
       events_.Emit("pool.joined",
                    absl::StrFormat("base %d on %s: pool %d, already in VRAM (%d importers)",
                                    base_id, uuid, pool.id, pool.importers.size()),
@@ -38,9 +44,11 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Place(const Session& session, uint64_t
       return pool;
     }
     if (joined.code() != absl::StatusCode::kNotFound) return joined;
-    placed_.erase(it);  // freed since: its last importer left
+    placement->pool_id = 0;  // freed since: its last importer left
   }
-  return Fill(session, base_id, uuid);
+  absl::StatusOr<PoolSummary> filled = Fill(session, base_id, uuid);
+  if (filled.ok()) placement->pool_id = filled->id;
+  return filled;
 }
 
 absl::Status BaseGpuPools::Join(const Session& session, uint64_t id) {
@@ -86,7 +94,6 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Fill(const Session& session, uint64_t 
                  {}, session.id, uid);
     return filled;
   }
-  placed_[std::make_tuple(uid, base_id, uuid)] = pool.id;
   PoolSummary now = Find(pools_, uid, pool.id);
   events_.Emit("pool.filled",
                absl::StrFormat("base %d (%s %s) copied to %s in %.2f s (%.2f GB/s): pool %d",

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 
@@ -42,8 +43,15 @@ class BaseGpuPools {
                                     const std::string& uuid);
 
  private:
+  // One base on one GPU for one user: its pool, if it has one. Its lock makes a second process
+  // asking for the same base wait for the first one's fill instead of making a second copy;
+  // other bases and GPUs don't wait.
+  struct Placement {
+    absl::Mutex mu;
+    uint64_t pool_id ABSL_GUARDED_BY(mu) = 0;  // 0: none yet, or freed since
+  };
   absl::StatusOr<PoolSummary> Fill(const Session& session, uint64_t base_id,
-                                   const std::string& uuid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                   const std::string& uuid);
   // Imports pool `id` for `session`, undone if the session has ended meanwhile.
   absl::Status Join(const Session& session, uint64_t id);
 
@@ -51,11 +59,9 @@ class BaseGpuPools {
   GpuPools& pools_;
   EventLog& events_;
   const std::function<bool(const Session&)> session_alive_;
-  // One placement at a time: a second process asking for the same base waits for the first
-  // one's fill instead of making a second copy. (Fills of other bases wait too: a lock per
-  // base and GPU would let them run side by side.)
   absl::Mutex mu_;
-  std::map<std::tuple<uid_t, uint64_t, std::string>, uint64_t> placed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::tuple<uid_t, uint64_t, std::string>, std::shared_ptr<Placement>> placed_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace trainstream::daemon
