@@ -77,7 +77,8 @@ absl::Status Daemon::Start() {
   bases_ = std::make_unique<BaseStore>(base_options, arena_.get(), events_.get());
   // The driver is opened now, but a GPU context is made only with the first pool.
   vram_ = LoadDriverVramApi();
-  gpu_pools_ = std::make_unique<GpuPools>(*vram_, *events_);
+  gpu_pools_ = std::make_unique<GpuPools>(*vram_, *events_,
+                                          options_.gpu_pool_export == "legacy_ipc");
   base_pools_ = std::make_unique<BaseGpuPools>(
       *bases_, *gpu_pools_, *events_,
       [this](const Session& s) { return sessions_->Get(s.owner, s.id).ok(); });

@@ -25,6 +25,9 @@ ABSL_FLAG(std::optional<uint32_t>, lease_ms, std::nullopt,
           "reclaim a session whose client is silent this long");
 ABSL_FLAG(std::optional<uint32_t>, base_keep_warm_s, std::nullopt,
           "keep a shared base this long after its last user leaves (0: free it at once)");
+ABSL_FLAG(std::optional<std::string>, gpu_pool_export, std::nullopt,
+          "how GPU pools are shared: auto (VMM descriptors, legacy IPC where unavailable) or "
+          "legacy_ipc");
 ABSL_FLAG(int, parent_pid, 0,
           "embedded mode: shut down when this process (the one that started us) is gone");
 
@@ -41,6 +44,7 @@ int main(int argc, char** argv) {
   flags.log_level = absl::GetFlag(FLAGS_log_level);
   flags.lease_ms = absl::GetFlag(FLAGS_lease_ms);
   flags.base_keep_warm_s = absl::GetFlag(FLAGS_base_keep_warm_s);
+  flags.gpu_pool_export = absl::GetFlag(FLAGS_gpu_pool_export);
   auto options = trainstream::daemon::LoadDaemonOptions(flags);
   if (!options.ok()) {
     std::fprintf(stderr, "trainstreamd: %s\n", std::string(options.status().message()).c_str());

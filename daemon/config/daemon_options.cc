@@ -139,6 +139,12 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
     options.base_keep_warm =
         absl::Seconds(flags.base_keep_warm_s.value_or(config.base_keep_warm_s()));
   }
+  options.gpu_pool_export = flags.gpu_pool_export.value_or(
+      config.gpu_pool_export().empty() ? "auto" : config.gpu_pool_export());
+  if (options.gpu_pool_export != "auto" && options.gpu_pool_export != "legacy_ipc") {
+    return absl::InvalidArgumentError(absl::StrCat("gpu_pool_export '", options.gpu_pool_export,
+                                                   "': use auto or legacy_ipc"));
+  }
   if (config.optimizer_retention_s() != 0) {
     options.optimizer_retention = absl::Seconds(config.optimizer_retention_s());
   }

@@ -29,6 +29,7 @@ struct DaemonOptions {
   absl::Duration optimizer_retention = absl::Minutes(10);
   bool optimizer_pin_threads = true;
   absl::Duration base_keep_warm = absl::Minutes(5);
+  std::string gpu_pool_export = "auto";  // or "legacy_ipc"
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.
@@ -41,6 +42,7 @@ struct DaemonFlags {
   std::optional<std::string> log_level;
   std::optional<uint32_t> lease_ms;
   std::optional<uint32_t> base_keep_warm_s;
+  std::optional<std::string> gpu_pool_export;
 };
 
 // Reads the config file (protobuf text format of trainstream.daemon.DaemonConfig) if one is

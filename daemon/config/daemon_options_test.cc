@@ -60,5 +60,20 @@ TEST(LoadDaemonOptionsTest, ErrorsNameTheProblem) {
   EXPECT_EQ(LoadDaemonOptions(long_path).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(LoadDaemonOptionsTest, GpuPoolExportIsAutoOrLegacyIpc) {
+  DaemonFlags flags;
+  flags.config_path = WriteFile("gpu_pool_export: \"legacy_ipc\"\n");
+  absl::StatusOr<DaemonOptions> options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->gpu_pool_export, "legacy_ipc");
+  flags.gpu_pool_export = "auto";
+  EXPECT_EQ(LoadDaemonOptions(flags)->gpu_pool_export, "auto");
+  flags.gpu_pool_export = "vmm-please";
+  absl::Status refused = LoadDaemonOptions(flags).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("auto or legacy_ipc"), std::string::npos) << refused;
+  EXPECT_EQ(LoadDaemonOptions(DaemonFlags{})->gpu_pool_export, "auto");
+}
+
 }  // namespace
 }  // namespace trainstream::daemon

@@ -34,7 +34,9 @@ absl::StatusOr<PoolSummary> GpuPools::Create(const std::string& session, uid_t u
   if (bytes == 0) return absl::InvalidArgumentError("a GPU pool needs at least one byte");
   if (uuid.empty()) return absl::InvalidArgumentError("a GPU pool needs the GPU's UUID");
   Pool pool;
-  absl::Status vmm = api_.CheckFdHandles(uuid);
+  absl::Status vmm = legacy_only_ ? absl::FailedPreconditionError(
+                                       "this daemon is set to --gpu_pool_export=legacy_ipc")
+                                 : api_.CheckFdHandles(uuid);
   if (vmm.ok()) {
     absl::StatusOr<VmmAllocation> made = api_.CreateExportable(uuid, bytes);
     if (made.ok()) {

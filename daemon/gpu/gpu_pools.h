@@ -54,7 +54,9 @@ struct PoolSummary {
 
 class GpuPools {
  public:
-  GpuPools(VramApi& api, EventLog& events) : api_(api), events_(events) {}
+  // `legacy_only`: every pool is exported with legacy IPC (the daemon's --gpu_pool_export).
+  GpuPools(VramApi& api, EventLog& events, bool legacy_only = false)
+      : api_(api), events_(events), legacy_only_(legacy_only) {}
   GpuPools(const GpuPools&) = delete;
   GpuPools& operator=(const GpuPools&) = delete;
   ~GpuPools();
@@ -110,6 +112,7 @@ class GpuPools {
 
   VramApi& api_;
   EventLog& events_;
+  const bool legacy_only_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Pool> pools_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -119,6 +119,18 @@ TEST_F(GpuPoolsTest, AnotherUsersPoolIsNotThereForThem) {
   EXPECT_EQ(pools.Free(made->id, "x1").code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(GpuPoolsTest, ADaemonSetToLegacyIpcNeverExportsDescriptors) {
+  GpuPools legacy_only(vram, log, /*legacy_only=*/true);
+  absl::StatusOr<PoolSummary> made = legacy_only.Create("s1", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(made->kind, PoolKind::kLegacyIpc);  // though the fake exports descriptors
+  const std::vector<Event> events = log.Since(0, [](const Event& e) { return true; });
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events[0].kind, "pool.fallback");
+  EXPECT_THAT(events[0].message, HasSubstr("--gpu_pool_export=legacy_ipc"));
+  ASSERT_TRUE(legacy_only.Free(made->id, "s1").ok());
+}
+
 TEST_F(GpuPoolsTest, ALegacyPoolWaitsForTheProcessesOfEndedImportersToExit) {
   vram.fd_handles = false;
   absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");

@@ -217,11 +217,13 @@ def _wait_for(predicate, seconds=20.0):
 
 
 @pytest.mark.gpu
-def test_two_processes_train_over_one_vram_copy_as_over_their_own(start_daemon, tmp_path):
+@pytest.mark.parametrize("export", ["auto", "legacy_ipc"])
+def test_two_processes_train_over_one_vram_copy_as_over_their_own(start_daemon, tmp_path,
+                                                                  export):
     _skip_without_gpu()
     layers, dim = 16, 4096  # 268M values: 134 MB as nf4, beside which the rest is noise
     checkpoint(tmp_path, layers=layers, dim=dim)
-    d = start_daemon("--memory_budget=4G", "--base_keep_warm_s=0")
+    d = start_daemon("--memory_budget=4G", "--base_keep_warm_s=0", f"--gpu_pool_export={export}")
     runs = {}
     for mode in ("pool", "private"):
         workers = [Worker(d.socket, tmp_path, mode, tmp_path / f"{mode}{i}.pt", layers, dim)
@@ -258,8 +260,10 @@ def test_two_processes_train_over_one_vram_copy_as_over_their_own(start_daemon, 
     assert private["attached"][1]["attached"] > 0.9 * pool_bytes, private["attached"]
     for i in range(2):
         info = pooled["attached"][i]["pool"]
-        assert info["kind"] in ("vmm", "legacy_ipc")
-        assert info["read_only"] == (info["kind"] == "vmm" and not info["note"])
+        if export == "legacy_ipc":
+            assert info["kind"] == "legacy_ipc" and not info["read_only"] and info["note"]
+        else:
+            assert info["kind"] in ("vmm", "legacy_ipc")  # legacy where VMM can't export
         assert pooled["results"][i]["gpu_pool"]["importers"] == 2
     # The same training, bit for bit, whether the base is read from the pool or a private copy.
     for i in range(2):
