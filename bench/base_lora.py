@@ -45,6 +45,17 @@ def lora_model():
     return model
 
 
+def adapters_on_gpu(model) -> None:
+    """Makes the meta model's LoRA adapters on the GPU (A as nn.Linear initialises it, B zero)."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            a = torch.empty(module.lora_a.shape, dtype=torch.bfloat16, device="cuda")
+            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+            module.lora_a = torch.nn.Parameter(a)
+            module.lora_b = torch.nn.Parameter(torch.zeros(module.lora_b.shape,
+                                                           dtype=torch.bfloat16, device="cuda"))
+
+
 def checkpoint_name(name: str) -> str:
     """The Hugging Face name of one of this model's tensors (LoRA wraps each projection)."""
     name = name.replace(".base.", ".")
@@ -59,13 +70,7 @@ def worker(variant: str, case: dict) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, VRAM_GB * 2**30 / total), 0)
     model = lora_model()
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            a = torch.empty(module.lora_a.shape, dtype=torch.bfloat16, device="cuda")
-            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
-            module.lora_a = torch.nn.Parameter(a)
-            module.lora_b = torch.nn.Parameter(torch.zeros(module.lora_b.shape,
-                                                           dtype=torch.bfloat16, device="cuda"))
+    adapters_on_gpu(model)
     began = time.perf_counter()
     base = trainstream.load_base(case["dir"], format=fmt, progress=False)
     row["load_s"] = round(time.perf_counter() - began, 1)

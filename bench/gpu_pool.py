@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_daemon import private_daemon  # noqa: E402
-from qwen_shape import CONFIGS, LoRALinear, lm_loss  # noqa: E402
+from qwen_shape import CONFIGS, lm_loss  # noqa: E402
 from shared_base import tensor_shapes, write_checkpoint  # noqa: E402
 
-from base_lora import PRESET, checkpoint_name, lora_model  # noqa: E402
+from base_lora import PRESET, adapters_on_gpu, checkpoint_name, lora_model  # noqa: E402
 
 SEQ, WARMUP, MEASURED = 512, 4, 8
 
@@ -52,13 +52,7 @@ def worker(folder: str, mode: str, fmt: str) -> None:
     import trainstream
 
     model = lora_model()
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            a = torch.empty(module.lora_a.shape, dtype=torch.bfloat16, device="cuda")
-            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
-            module.lora_a = torch.nn.Parameter(a)
-            module.lora_b = torch.nn.Parameter(torch.zeros(module.lora_b.shape,
-                                                           dtype=torch.bfloat16, device="cuda"))
+    adapters_on_gpu(model)
     base = trainstream.load_base(folder, format=fmt, progress=False)
     torch.cuda.synchronize()
     say(ready=True)
