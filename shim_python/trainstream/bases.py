@@ -158,6 +158,8 @@ class SharedBase:
         its keep-warm time)."""
         if self._buffers:
             self._buffers = []
+            # Its GPU pools go with the last view of them (a model built over one keeps it).
+            self.__dict__.pop("_gpu_pools", None)
             self._client._native.detach_base(self.id)
 
     def __enter__(self) -> "SharedBase":
