@@ -11,6 +11,7 @@ resource; the gaps say what kept that resource waiting.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gzip
 import json
@@ -134,6 +135,7 @@ def summarize(path: str, gaps: int = 8) -> dict:
                           "kernel_busy_ms": round(_busy(
                               [(max(s, start), min(t, end)) for s, t in spans(during)]) / 1e3, 2),
                           "kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:3])})
+    why_idle = _idle_causes(idle, to_device, runtime)
     # Where the CPU's own time went: Python functions (with_stack) and torch operators, by
     # self time, the heaviest first.
     cpu = [e for e in events if e.get("cat") in ("python_function", "cpu_op")]
@@ -146,7 +148,35 @@ def summarize(path: str, gaps: int = 8) -> dict:
             "d2h_busy_ms": round(_busy(spans(to_host)) / 1e3, 2),
             "copies": kinds, "cuda_calls": top_calls,
             "h2d_idle_ms": round(sum(end - start for start, end in idle) / 1e3, 2),
+            "h2d_idle_causes_ms": why_idle,
             "h2d_gaps": described}
+
+
+def _idle_causes(idle: list, to_device: list, runtime: list) -> dict:
+    """Splits the time no copy to the GPU ran by what the copy that ended each idle stretch was
+    doing meanwhile: not yet asked for by the CPU (the CPU issuing work was behind: "cpu_late"),
+    or asked for before the stretch began and held back on the GPU (waiting for a slot to be
+    released, or behind another stream's work: "gpu_held"). A stretch the next copy was asked
+    for during counts as late from its start to the request, held after it. Copies and the
+    calls that asked for them are matched by the profiler's correlation ids."""
+    issued = {e.get("args", {}).get("correlation"): e["ts"] + e["dur"] for e in runtime
+              if "Memcpy" in e["name"] and "correlation" in e.get("args", {})}
+    starts = sorted((e["ts"], issued.get(e.get("args", {}).get("correlation"))) for e in to_device)
+    times = [ts for ts, _ in starts]
+    out = {"cpu_late": 0.0, "gpu_held": 0.0, "unattributed": 0.0}
+    for start, end in idle:
+        at = bisect.bisect_left(times, end)  # the first copy to start once the stretch ends
+        following = starts[at][1] if at < len(starts) else None
+        if following is None:
+            out["unattributed"] += end - start  # no copy after it (the span's end), or its
+            # request is not in the trace
+        elif following <= start:
+            out["gpu_held"] += end - start
+        else:
+            late = min(following, end) - start
+            out["cpu_late"] += late
+            out["gpu_held"] += (end - start) - late
+    return {k: round(v / 1e3, 2) for k, v in out.items()}
 
 
 def describe(summary: dict) -> list:
@@ -164,6 +194,11 @@ def describe(summary: dict) -> list:
     if summary.get("cpu_self_ms"):
         lines.append("  CPU self time (Python functions and operators): " + ", ".join(
             f"{n} {t} ms" for n, t in summary["cpu_self_ms"].items()))
+    if summary.get("h2d_idle_causes_ms"):
+        c = summary["h2d_idle_causes_ms"]
+        lines.append(f"  copies to the GPU idle because the CPU had not asked for the next one yet "
+                     f"{c['cpu_late']} ms; asked for and held back on the GPU {c['gpu_held']} ms"
+                     f"; not attributed (after the last copy) {c['unattributed']} ms")
     for g in summary["h2d_gaps"]:
         lines.append(f"  no copy to the GPU for {g['ms']} ms at {g['at_ms']} ms (kernels busy "
                      f"{g['kernel_busy_ms']} ms: {g['kernels']})")
