@@ -30,11 +30,12 @@ absl::Status RunPools(const Invocation& invocation) {
                {"BYTES", Align::kRight},
                {"KIND"},
                {"HOLDS"},
+               {"FILLED IN", Align::kRight},
                {"IMPORTERS", Align::kRight},
                {"SESSIONS"}});
   for (const v1::GpuPoolInfo& p : reply.pools()) {
     table.AddRow({absl::StrCat(p.pool_id()), p.gpu_uuid(), HumanBytes(p.bytes()), p.kind(),
-                  p.purpose(), absl::StrCat(p.importers_size()),
+                  p.purpose(), HumanDuration(p.fill_seconds()), absl::StrCat(p.importers_size()),
                   absl::StrJoin(p.importers(), ",")});
   }
   std::cout << table.Render();

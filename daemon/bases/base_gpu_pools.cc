@@ -84,7 +84,14 @@ absl::StatusOr<PoolSummary> BaseGpuPools::Fill(const Session& session, uint64_t 
   // From here the pool is the session's until it is filled and imported; on any failure the
   // owner frees it (no importer yet: at once).
   absl::Status filled = pools_.Describe(pool.id, base_id, offsets);
-  if (filled.ok()) filled = pools_.Write(pool.id, pieces);
+  if (filled.ok()) {
+    // Seconds for a large base, during which the caller waits: said before it starts.
+    events_.Emit("pool.filling",
+                 absl::StrFormat("copying base %d (%s %s, %.2f GB) to %s for pool %d", base_id,
+                                 base.name, base.format, bytes / 1e9, uuid, pool.id),
+                 {{"bytes", static_cast<double>(bytes)}}, session.id, uid);
+    filled = pools_.Write(pool.id, pieces);
+  }
   if (filled.ok()) filled = Join(session, pool.id);
   pools_.Free(pool.id, session.id).IgnoreError();  // from now on it lives by its importers
   if (!filled.ok()) {

@@ -132,7 +132,8 @@ TEST_F(BaseGpuPoolsTest, APoolHoldsTheBasesBytesAndIsSharedByItsUsersOnThatGpu) 
               static_cast<ssize_t>(in_pool.size()));
     EXPECT_EQ(std::memcmp(in_pool.data(), (*host)[i].data(), in_pool.size()), 0) << "buffer " << i;
   }
-  EXPECT_THAT(EventKinds(), ElementsAre("pool.created", "pool.filled", "pool.joined"));
+  EXPECT_THAT(EventKinds(),
+              ElementsAre("pool.created", "pool.filling", "pool.filled", "pool.joined"));
 
   // The pool stays while either uses it and goes with the last.
   pools_->SessionEnded("s-a");
@@ -164,7 +165,8 @@ TEST_F(BaseGpuPoolsTest, LegacyPoolsAreFilledToo) {
   EXPECT_EQ(vram_.legacy_bytes.compare(pool->buffer_offsets.back(), last.size(),
                                        reinterpret_cast<const char*>(last.data()), last.size()),
             0);
-  EXPECT_THAT(EventKinds(), ElementsAre("pool.fallback", "pool.created", "pool.filled"));
+  EXPECT_THAT(EventKinds(),
+              ElementsAre("pool.fallback", "pool.created", "pool.filling", "pool.filled"));
 }
 
 TEST_F(BaseGpuPoolsTest, OnlySessionsAttachedToTheBaseMayPlaceIt) {
@@ -191,7 +193,8 @@ TEST_F(BaseGpuPoolsTest, AFailedFillLeavesNoPool) {
   EXPECT_THAT(refused.status().message(), HasSubstr("cuMemcpyHtoD"));
   EXPECT_EQ(vram_.live, 0);
   EXPECT_TRUE(pools_->List().empty());
-  EXPECT_THAT(EventKinds(), ElementsAre("pool.created", "pool.freed", "pool.refused"));
+  EXPECT_THAT(EventKinds(),
+              ElementsAre("pool.created", "pool.filling", "pool.freed", "pool.refused"));
   vram_.fail_writes = false;  // a later attempt starts over
   EXPECT_TRUE(placer_->Place(a, base_id, kGpu).ok());
 }
