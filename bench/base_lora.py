@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -31,7 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_daemon import private_daemon  # noqa: E402
 from qwen_shape import CONFIGS, LoRALinear, add_lora, build, lm_loss  # noqa: E402
 from shared_base import tensor_shapes, write_checkpoint  # noqa: E402
-from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
+from step_bench import (add_worker_arguments, answered_as_worker, median_step_s,  # noqa: E402
+                        run_worker)
 
 PRESET = "qwen2.5-14b"
 WARMUP, MEASURED, VRAM_GB = 3, 5, 24
@@ -99,13 +99,7 @@ def worker(variant: str, case: dict) -> dict:
         s += 1
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(MEASURED):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    row.update(step_s=round(statistics.median(times), 4),
+    row.update(step_s=round(median_step_s(step, MEASURED), 4),
                peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                settle_steps=s)
     chosen = trainstream.memory_report(model).get("fp8_matmul")

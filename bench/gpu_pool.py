@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_daemon import private_daemon  # noqa: E402
 from qwen_shape import CONFIGS, lm_loss  # noqa: E402
 from shared_base import tensor_shapes, write_checkpoint  # noqa: E402
+from step_bench import median_step_s  # noqa: E402
 
 from base_lora import PRESET, adapters_on_gpu, checkpoint_name, lora_model  # noqa: E402
 
@@ -75,14 +76,7 @@ def worker(folder: str, mode: str, fmt: str) -> None:
 
     for _ in range(WARMUP):
         step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(MEASURED):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    say(step_s=round(statistics.median(times), 4),
+    say(step_s=round(median_step_s(step, MEASURED), 4),
         peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         gpu_pool=trainstream.memory_report(model).get("gpu_pool"))
     sys.stdin.readline()

@@ -49,6 +49,18 @@ def run_worker(script: str, mode: str, case: str, socket: str | None, timeout: i
     return json.loads(lines[-1])
 
 
+def median_step_s(step: Callable[[], None], steps: int) -> float:
+    """The median of ``steps`` timed calls of ``step``, each waited for on the GPU."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
     """Median pinned copy bandwidth each way, GB/s, with torch's own pinned tensors."""
     n = int(gib * 2**30)
