@@ -10,11 +10,14 @@ one run, each configuration in a fresh process:
   gpt3.6b      a 3.6B-parameter GPT, fp32 weights, full fine-tune, batch 4x512
 
 Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
-block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU)
-and, for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights
+block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU),
+``wrap_depth2`` (as ``wrap``, with ``prefetch_depth=2``: asked for by ``--modes``) and, for the
+full fine-tunes, ``compute`` (no cap: forward and backward with the weights
 resident, no optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
 Qwen shape in bf16.
 
+Every mode records the CPU's time per phase of a step (forward issued, backward, optimizer step,
+no synchronisation added) and, through ``wrap()``, the CPU time trainstream's hooks took a step.
 For ``wrap`` it records the step time once the plan has settled, the peak VRAM of those steps,
 the host memory the daemon holds for the job, and the bytes that crossed PCIe each way in one
 step (paged weights fetched, activations out and back, gradients out, updated weights back);
@@ -107,8 +110,10 @@ def worker(mode: str, case: dict) -> dict:
             cap_vram(case["vram_gb"])
             torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
-            # wrap_paged: every block streams its weights (the plan would rather not).
-            options = dict(param_offload=True) if mode == "wrap_paged" else {}
+            # wrap_paged: every block streams its weights (the plan would rather not);
+            # wrap_depth2: two streamed blocks fetched ahead instead of one.
+            options = (dict(param_offload=True) if mode == "wrap_paged" else
+                       dict(prefetch_depth=2) if mode == "wrap_depth2" else {})
             model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", **options)
             row["wrap_s"] = round(time.perf_counter() - began, 1)
             session = model._trainstream_session
@@ -132,11 +137,23 @@ def worker(mode: str, case: dict) -> dict:
             s = 0
         row["trainable"] = trainable
 
+        phases = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
         def step(i):
-            loss(i).backward()
+            # The CPU's time in each phase (no synchronisation added): where the thread that
+            # issues the GPU's work spends a step when the GPU waits on it.
+            began = time.perf_counter()
+            value = loss(i)
+            issued = time.perf_counter()
+            value.backward()
+            backward = time.perf_counter()
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
+            done = time.perf_counter()
+            phases["forward"] += issued - began
+            phases["backward"] += backward - issued
+            phases["step"] += done - backward
 
         for i in range(s, s + WARMUP_AFTER_SETTLED):
             step(i)
@@ -144,13 +161,20 @@ def worker(mode: str, case: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = _transfer_counters(model) if mode.startswith("wrap") else None
+        hooks_before = _hook_ms(model) if mode.startswith("wrap") else {}
+        for k in phases:
+            phases[k] = 0.0
         start = time.perf_counter()
         for i in range(s, s + MEASURED):
             step(i)
         torch.cuda.synchronize()
         row["step_s"] = round((time.perf_counter() - start) / MEASURED, 4)
         row["peak_vram_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["cpu_phase_ms"] = {k: round(1e3 * v / MEASURED, 1) for k, v in phases.items()}
         if mode.startswith("wrap"):
+            hooks = _hook_ms(model)
+            row["hook_ms_per_step"] = {k: round((v - hooks_before.get(k, 0.0)) / MEASURED, 2)
+                                       for k, v in hooks.items()}
             after = _transfer_counters(model)
             row.update({k: (after[k] - before[k]) // MEASURED for k in after})
             row.update(_plan_summary(model, opt))
@@ -177,6 +201,13 @@ def _transfer_counters(model) -> dict:
 
     pcie = trainstream.memory_report(model)["pcie"]
     return {"h2d_bytes": pcie["to_device_bytes"], "d2h_bytes": pcie["to_host_bytes"]}
+
+
+def _hook_ms(model) -> dict:
+    """Milliseconds trainstream's hooks have taken since wrap(), by hook."""
+    import trainstream
+
+    return {k: h["ms"] for k, h in trainstream.memory_report(model)["hooks"]["per_hook"].items()}
 
 
 def _plan_summary(model, opt) -> dict:
@@ -260,9 +291,17 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
         else:
             text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
         print(f"  {mode:8s} {text}")
-    for mode in ("wrap", "wrap_paged"):
+    for mode in ("wrap", "wrap_paged", "wrap_depth2"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)
+    for mode, row in rows.items():
+        if "cpu_phase_ms" in row:
+            phases = row["cpu_phase_ms"]
+            print(f"    {mode}: the CPU's step: forward issued in {phases['forward']} ms, "
+                  f"backward {phases['backward']} ms, optimizer step {phases['step']} ms")
+        if row.get("hook_ms_per_step"):
+            print(f"      trainstream's hooks a step ({sum(row['hook_ms_per_step'].values()):.1f}"
+                  " ms): " + ", ".join(f"{k} {v}" for k, v in row["hook_ms_per_step"].items()))
     for mode, row in rows.items():
         if "trace" in row:
             import step_trace

@@ -19,6 +19,7 @@ import torch
 
 from . import client as _client
 from .errors import FailedPreconditionError, InvalidArgumentError
+from .hook_clock import HookClock
 from .host_optimizer import HostOptimizer, ParameterSpec
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -157,6 +158,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._backwards = [0] * len(self._params)
         self._grads_this_iteration = 0  # gradients landed since the last step()
         self._hooks: list = []
+        self.clock = HookClock()            # the CPU time its hooks take (memory_report)
+        self._on_gradient_timed = self.clock.timed("optimizer.gradient_out", self._on_gradient)
+        self._forward_wait_timed = self.clock.timed("optimizer.forward_wait",
+                                                    self._wait_for_own_parameters)
         self._poster = _GradientPoster(self._host) if self._cuda else None
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
@@ -207,7 +212,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             p.data = self._host.param(i)
             p.grad = self._host.grad(i)
             p.grad.zero_()
-        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient_timed))
 
     # -- gradients out, weights back ----------------------------------------------------------
 
@@ -258,6 +263,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """These parameters' updates are no longer copied to the device (their device memory is
         about to go): waits for copies in flight first."""
         self.synchronize()
+        self._module_indices.clear()  # which parameters come back changes
         for i, p in enumerate(self._params):
             if id(p) in param_ids:
                 self._paged_indices.add(i)
@@ -269,6 +275,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """These parameters hold device tensors again (blocks that stopped streaming): their
         updates are copied there from the next step on."""
         self.synchronize()
+        self._module_indices.clear()  # which parameters come back changes
         for i, p in enumerate(self._params):
             if id(p) in param_ids and i in self._paged_indices:
                 self._paged_indices.discard(i)
@@ -298,20 +305,23 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._targets[i] = p.data_ptr()
 
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
-        for p in module.parameters(recurse=False):
-            event = self._ready.pop(id(p), None)
-            if event is not None:
-                torch.cuda.current_stream(p.device).wait_event(event)
+        # The module's trained parameters whose updates come back to the device (a streamed
+        # block's are read from the host copy at each fetch: nothing to wait for).
+        indices = self._module_indices.get(id(module))
+        if indices is None:
+            indices = [self._index[id(p)] for p in module.parameters(recurse=False)
+                       if id(p) in self._index and self._index[id(p)] not in self._paged_indices]
+            self._module_indices[id(module)] = indices
+        if not indices:
+            return
+        stream = torch.cuda.current_stream(self._params[indices[0]].device)
+        if self._ready:
+            for i in indices:
+                event = self._ready.pop(id(self._params[i]), None)
+                if event is not None:
+                    stream.wait_event(event)
         if self._device_return:
-            indices = self._module_indices.get(id(module))
-            if indices is None:
-                indices = [self._index[id(p)] for p in module.parameters(recurse=False)
-                           if id(p) in self._index]
-                self._module_indices[id(module)] = indices
-            if indices:
-                device = self._params[indices[0]].device
-                self._host._native.wait_for_parameters(
-                    indices, torch.cuda.current_stream(device).cuda_stream)
+            self._host._native.wait_for_parameters(indices, stream.cuda_stream)
 
     def attach_forward_waits(self, model: torch.nn.Module) -> None:
         """Makes each module's forward wait for its own parameters' new values (CUDA only)."""
@@ -321,9 +331,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         for module in model.modules():
             if id(module) in self._hooked_modules:
                 continue
-            if next(module.parameters(recurse=False), None) is not None:
+            # Only modules that own a trained parameter have copies to wait for (a frozen
+            # base's layers get none): a pre-hook on every module costs each forward a call.
+            if any(id(p) in self._index for p in module.parameters(recurse=False)):
                 self._hooked_modules.add(id(module))
-                self._hooks.append(module.register_forward_pre_hook(self._wait_for_own_parameters))
+                self._hooks.append(module.register_forward_pre_hook(self._forward_wait_timed))
         self._module_indices.clear()  # parameters may have been added since
         if hasattr(model, "register_state_dict_pre_hook") and id(model) not in self._hooked_dicts:
             self._hooked_dicts.add(id(model))

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .hook_clock import HookClock
 
 # Forwards timed when a measured block is replayed (after one warm-up).
 _REPLAYS = 2
@@ -60,10 +61,14 @@ class _Slot:
 
     def __init__(self, nbytes: int, device: torch.device):
         self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Its address range: a saved tensor is a view of the slot when its data lies inside.
+        self.base = self.storage.data_ptr()
+        self.end = self.base + nbytes
         self.block: int | None = None
         self.generation = -1        # the weights' generation it holds
         self.ready: Any = None      # event: the fetch into it landed
         self.released: Any = None   # event: compute finished with it
+        self.views: dict[int, list] = {}  # per block: its parameters' views of the storage
 
 
 class _Offloaded:
@@ -134,6 +139,9 @@ class BlockPager:
         self.pending_grads: dict[int, int] = {}
         self._grad_hooks: dict[int, list] = {}
         self.bound: set[int] = set()
+        # The slot each bound block reads its weights from: _pack runs for every tensor a
+        # block saves, and looks it up here rather than scanning the slots.
+        self._bound_slots: dict[int, _Slot] = {}
         self.generation = 0
         self.bytes_fetched = 0
         self.packed = 0  # saved references to paged weights kept as layouts, not tensors
@@ -147,15 +155,20 @@ class BlockPager:
         self.peak_before_replay = 0
         self.hooks: list = []
         self._saved_hooks: dict[int, Any] = {}
+        self.clock = HookClock()  # the CPU time its hooks take (memory_report)
+        self._pack_timed = self.clock.timed("paging.pack", self._pack)
+        self._unpack_timed = self.clock.timed("paging.unpack", self._unpack)
         # Every block is hooked once; which ones page weights, page activations or are measured
         # may change between steps (the plan adapts).
         for b, module in enumerate(self.blocks):
-            self.hooks.append(module.register_forward_pre_hook(self._before_forward(b),
-                                                               with_kwargs=True))
+            self.hooks.append(module.register_forward_pre_hook(
+                self.clock.timed("paging.before_forward", self._before_forward(b)),
+                with_kwargs=True))
             # always_call: a forward that raises (an OOM retried with a smaller batch) still
             # pops its saved-tensor hooks and lets go of its slot.
-            self.hooks.append(module.register_forward_hook(self._after_forward(b),
-                                                           always_call=True))
+            self.hooks.append(module.register_forward_hook(
+                self.clock.timed("paging.after_forward", self._after_forward(b)),
+                always_call=True))
         self.page_weights(paged)
         self.set_activation_blocks(activations)
 
@@ -193,7 +206,8 @@ class BlockPager:
                 p.data = self.placeholders[id(p)]
                 if p.requires_grad:
                     self._grad_hooks.setdefault(b, []).append(
-                        p.register_post_accumulate_grad_hook(self._grad_landed(b)))
+                        p.register_post_accumulate_grad_hook(
+                            self.clock.timed("paging.gradient_landed", self._grad_landed(b))))
         self.slots = []
         self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
         return added
@@ -296,10 +310,20 @@ class BlockPager:
     def _distance(self, held: int | None, wanted: int) -> int:
         return 0 if held is None else -abs(self.position[held] - self.position[wanted])
 
+    def _views(self, b: int, slot: _Slot) -> list:
+        """Block ``b``'s parameters as views of ``slot``, made once per slot and block (the
+        slots live as long as the layout: both change only between steps)."""
+        views = slot.views.get(b)
+        if views is None:
+            views = [slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
+                     for p, offset, nbytes in self.layout[b]]
+            slot.views[b] = views
+        return views
+
     def _copy_in(self, b: int, slot: _Slot) -> None:
-        for p, offset, nbytes in self.layout[b]:
-            view = slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
-            view.copy_(self.host[id(p)], non_blocking=True)
+        host = self.host
+        for (p, _, nbytes), view in zip(self.layout[b], self._views(b, slot)):
+            view.copy_(host[id(p)], non_blocking=True)
             self.bytes_fetched += nbytes
 
     def _bind(self, b: int) -> None:
@@ -307,9 +331,10 @@ class BlockPager:
         slot = self._fetch(b)
         if self.cuda and slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
-        for p, offset, nbytes in self.layout[b]:
-            p.data = slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
+        for (p, _, _), view in zip(self.layout[b], self._views(b, slot)):
+            p.data = view
         self.bound.add(b)
+        self._bound_slots[b] = slot
 
     def _unbind(self, b: int) -> None:
         """Lets block ``b``'s slot go once the compute stream is done with it. The slot keeps
@@ -317,6 +342,7 @@ class BlockPager:
         when backward starts with them, and are not fetched again."""
         slot = self._slot_of(b)
         self.bound.discard(b)
+        self._bound_slots.pop(b, None)
         for p in self.params[b]:
             p.data = self.placeholders[id(p)]
         if slot is None:
@@ -362,7 +388,7 @@ class BlockPager:
                                       "clock": time.perf_counter(), "call": (args, kwargs)}
             if torch.is_grad_enabled():
                 saved = torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: self._pack(b, t), self._unpack)
+                    lambda t: self._pack_timed(b, t), self._unpack_timed)
                 saved.__enter__()
                 self._saved_hooks[b] = saved
         return hook
@@ -453,24 +479,25 @@ class BlockPager:
         return m["wall_s"]
 
     def _pack(self, b: int, t: torch.Tensor) -> Any:
-        slot = self._slot_of(b) if b in self.position else None
-        if (slot is not None and t.device == self.device and
-                t.untyped_storage().data_ptr() == slot.storage.untyped_storage().data_ptr()):
+        # Called for every tensor an involved block saves for backward: the cheap tests first.
+        ptr = t.data_ptr()
+        slot = self._bound_slots.get(b)
+        if slot is not None and slot.base <= ptr < slot.end:
             # A view of the slot (a weight, or a view of one): keep its layout, not its bytes.
-            base = slot.storage.data_ptr()
+            # (Host and device pointers share one address space, so the range alone says it.)
             self.packed += 1
             return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
-                    (t.data_ptr() - base) // t.element_size())
-        measuring = self._measuring.get(b)
-        if measuring is not None:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key not in self.weight_storages.get(b, ()) and key not in measuring["storages"]:
-                measuring["storages"].add(key)
-                measuring["saved_bytes"] += storage.nbytes()
+                    (ptr - slot.base) // t.element_size())
+        if self._measuring:
+            measuring = self._measuring.get(b)
+            if measuring is not None:
+                key = t.untyped_storage().data_ptr()
+                if key not in self.weight_storages.get(b, ()) and key not in measuring["storages"]:
+                    measuring["storages"].add(key)
+                    measuring["saved_bytes"] += t.untyped_storage().nbytes()
         # Saved weights arrive detached, not as Parameters: told apart by their storage.
-        if (b in self.saved and t.is_contiguous() and t.device == self.device
-                and t.numel() * t.element_size() >= self.min_offload_bytes
+        if (b in self.saved and t.nbytes >= self.min_offload_bytes and t.is_contiguous()
+                and t.device == self.device
                 and t.untyped_storage().data_ptr() not in self.weight_storages.get(b, ())):
             return self._offload(b, t)
         # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
@@ -592,6 +619,7 @@ class BlockPager:
         if self.cuda:
             self._wait_for_copies()
         self.bound.clear()
+        self._bound_slots.clear()
         for h in self.hooks + [h for hs in self._grad_hooks.values() for h in hs]:
             h.remove()
         self.hooks.clear()

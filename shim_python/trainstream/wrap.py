@@ -534,6 +534,11 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                       "steps": opt.steps, "to_device_per_step": to_device // steps,
                       "to_host_per_step": to_host // steps}
     report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
+    # The CPU time trainstream's hooks took, by hook: what the client adds to the thread that
+    # issues the GPU's work (a paged step that waits on the CPU is slowed by it).
+    hooks = {**opt.clock.report(opt.steps), **(pager.clock.report(opt.steps) if pager else {})}
+    report["hooks"] = {"per_hook": hooks,
+                       "ms_per_step": round(sum(h["ms_per_step"] for h in hooks.values()), 3)}
     report["plan"] = session.plan.report() if session.plan is not None else None
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
     layers = [m for m in model.modules() if isinstance(m, BaseLinear) and m.matmul_choice]

@@ -106,6 +106,15 @@ def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_w
     kinds = [e["kind"] for e in report["events"]]
     assert "client.wrap.activation_offload" in kinds
     assert ("client.wrap.param_offload" in kinds) == page_weights
+    # The CPU time of trainstream's own hooks, by hook: one gradient hook call per trained
+    # tensor and step, a pack per saved tensor of the three paging blocks.
+    hooks = report["hooks"]["per_hook"]
+    trained = sum(p.requires_grad for p in streamed.parameters())
+    assert hooks["optimizer.gradient_out"]["calls"] == 5 * trained
+    assert hooks["paging.pack"]["calls"] >= 5 * 3 and hooks["paging.unpack"]["calls"] > 0
+    assert all(h["ms"] > 0 for h in hooks.values() if h["calls"])
+    assert report["hooks"]["ms_per_step"] == pytest.approx(
+        sum(h["ms_per_step"] for h in hooks.values()), abs=0.01)
     for a, b in zip(weights(resident), weights(streamed)):
         assert torch.equal(a, b)
     assert not pager.hooks  # unwrap took the paging hooks away
