@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "device_return.h"
+#include "gradient_sender.h"
 #include "session_impl.h"
 
 namespace trainstream::client {
@@ -125,6 +126,36 @@ absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uin
                         no_gradient ? ipc::kFlagNoGradient : 0u});
 }
 
+absl::Status HostOptimizer::SendGradient(uint32_t index, uint64_t iteration, uint32_t micro,
+                                         int device, const void* device_src, uint64_t bytes,
+                                         void* stream) {
+  if (index >= params_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parameter index %d is out of range: the optimizer has %d", index, params_.size()));
+  }
+  GradientSender* sender = nullptr;
+  {
+    absl::MutexLock lock(&sender_mu_);
+    if (sender_ == nullptr) {
+      ASSIGN_OR_RETURN(sender_, GradientSender::Create(
+                                    device, [this](uint32_t i, uint64_t it, uint32_t m) {
+                                      return PostGradient(i, it, m);
+                                    }));
+    }
+    sender = sender_.get();  // lives as long as this object
+  }
+  return sender->Send(*params_[index].grad, index, iteration, micro, device_src, bytes, stream);
+}
+
+absl::Status HostOptimizer::DrainGradients() {
+  GradientSender* sender = nullptr;
+  {
+    absl::MutexLock lock(&sender_mu_);
+    sender = sender_.get();
+  }
+  return sender == nullptr ? absl::OkStatus() : sender->Drain();
+}
+
 absl::Status HostOptimizer::ExplainFailure() {
   absl::StatusOr<std::string> info = InfoJson();
   std::string why = "the job's optimizer failed";
@@ -141,6 +172,11 @@ absl::Status HostOptimizer::ExplainFailure() {
 HostOptimizer::HostOptimizer(Session& session) : session_(session) {}
 
 HostOptimizer::~HostOptimizer() {
+  {
+    // Its thread posts through this object: it goes (drained) first.
+    absl::MutexLock lock(&sender_mu_);
+    sender_.reset();
+  }
   stop_router_ = true;
   if (router_.joinable()) router_.join();
 }

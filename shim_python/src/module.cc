@@ -327,6 +327,17 @@ PYBIND11_MODULE(_trainstream, m) {
               bool no_gradient) {
              Released([&] { return o.PostGradient(index, iteration, micro, no_gradient); });
            })
+      .def("send_gradient",
+           [](HostOptimizer& o, uint32_t index, uint64_t iteration, uint32_t micro, int device,
+              uintptr_t device_src, uint64_t bytes, uintptr_t stream) {
+             Released([&] {
+               return o.SendGradient(index, iteration, micro, device,
+                                     reinterpret_cast<const void*>(device_src), bytes,
+                                     reinterpret_cast<void*>(stream));
+             });
+           })
+      .def("drain_gradients",
+           [](HostOptimizer& o) { Released([&] { return o.DrainGradients(); }); })
       .def("wait_consumed",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, int timeout_ms) {
              Released([&] { return o.WaitGradientConsumed(index, iteration, timeout_ms); });

@@ -190,6 +190,19 @@ class HostOptimizer:
         """Announces that gradient slot ``i`` holds micro-step ``micro`` of the next iteration."""
         self._native.post(i, self.iteration + 1, micro, no_grad)
 
+    def send_gradient(self, i: int, micro: int, grad: Any, stream: Any) -> None:
+        """CUDA: copies ``grad`` (contiguous, in slot ``i``'s dtype) into gradient slot ``i``
+        on ``stream`` and announces it, as :meth:`post` does, once the copy has landed: a
+        native thread waits for the copy, so the caller never does. Failures come back from
+        :meth:`drain_gradients`."""
+        self._native.send_gradient(i, self.iteration + 1, micro, grad.device.index,
+                                   grad.data_ptr(), grad.numel() * grad.element_size(),
+                                   stream.cuda_stream)
+
+    def drain_gradients(self) -> None:
+        """Blocks until every sent gradient is announced; raises the first failure."""
+        self._native.drain_gradients()
+
     def wait_consumed(self, i: int) -> None:
         self._native.wait_consumed(i, self.iteration + 1, self.timeout_ms)
 

@@ -4,14 +4,14 @@
 Gradients leave as backward produces them (``register_post_accumulate_grad_hook``); the daemon
 updates each tensor as soon as every rank's gradient for it is in; the updated weights come
 back before they are used. CPU models keep their weights and gradients in the daemon's shared
-memory itself, so nothing is copied; CUDA models copy on a side stream, and a module's forward
-waits only for its own parameters' copies.
+memory itself, so nothing is copied; CUDA models copy each gradient out (small ones on the
+compute stream, large ones on a side stream) and a native thread announces it once it landed;
+updates come back on a stream of their own, and a module's forward waits only for its own
+parameters' copies.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from typing import Any, Iterable
 
@@ -30,43 +30,9 @@ GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": 
                    "bf16": torch.bfloat16, torch.float32: torch.float32,
                    torch.bfloat16: torch.bfloat16}
 _AUTO_STEPS = 2  # offload="auto" decides after this many offloaded steps
-
-
-class _GradientPoster:
-    """Rings a CUDA gradient's doorbell once its device-to-host copy has landed, on a thread of
-    its own, so backward never waits for PCIe."""
-
-    def __init__(self, host: HostOptimizer):
-        self._host = host
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="trainstream-poster", daemon=True)
-        self._thread.start()
-
-    def submit(self, index: int, micro: int, event: Any, keep_alive: Any) -> None:
-        self._queue.put((index, micro, event, keep_alive))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            index, micro, event, _ = item
-            try:
-                event.synchronize()
-                self._host.post(index, micro)
-            except BaseException as e:  # re-raised on the training thread by drain()
-                self._error = e
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
-
-    def drain(self) -> None:
-        self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5)
+# Gradients up to this size leave on the compute stream itself (a few microseconds of copy
+# there, and no cross-stream wait and event per gradient); larger ones on the side stream.
+_SIDE_STREAM_BYTES = 1 << 20
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -126,6 +92,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._gradient_dtype = gradient_dtype
         self._names = names
         self._grad_dtypes = [gradient_dtype or p.dtype for p in self._params]
+        self._grad_sizes = [torch.tensor([], dtype=d).element_size() for d in self._grad_dtypes]
         specs = [ParameterSpec(_safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
                                self._grad_dtypes[i], group_of[id(p)])
                  for i, p in enumerate(self._params)]
@@ -162,7 +129,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._on_gradient_timed = self.clock.timed("optimizer.gradient_out", self._on_gradient)
         self._forward_wait_timed = self.clock.timed("optimizer.forward_wait",
                                                     self._wait_for_own_parameters)
-        self._poster = _GradientPoster(self._host) if self._cuda else None
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
@@ -191,6 +157,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                                                  if id(p) not in initial)
         self._targets: list[int] = []
         self._module_indices: dict[int, list[int]] = {}
+        self._waited_modules: set[int] = set()  # modules whose forward waited since step()
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -244,19 +211,25 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if micro > 0:
             self._host.wait_consumed(i)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(p.device))
         grad = p.grad
-        if grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous():
+        current = torch.cuda.current_stream(p.device)
+        convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
+        nbytes = grad.numel() * self._grad_sizes[i]
+        if convert or nbytes > _SIDE_STREAM_BYTES:
+            # The side stream, after the work that made the gradient; the allocator keeps its
+            # memory until that stream is done with it.
+            stream = self._copy_stream
+            stream.wait_stream(current)
             grad.record_stream(stream)
-            with torch.cuda.stream(stream):
-                grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
-        self._host.grad_buffer(i).copy_from_device(grad, stream=stream)
-        self.bytes_to_host += grad.numel() * grad.element_size()
-        event = torch.cuda.Event()
-        event.record(stream)
-        grad.record_stream(stream)
-        self._poster.submit(i, micro, event, grad)
+            if convert:
+                with torch.cuda.stream(stream):
+                    grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
+        else:
+            # On the compute stream: its later work (reusing this memory, once p.grad lets go
+            # of it) is ordered after the copy.
+            stream = current
+        self._host.send_gradient(i, micro, grad, stream)
+        self.bytes_to_host += nbytes
         p.grad = None  # no gradient stays in VRAM
 
     def stop_returning(self, param_ids: set) -> None:
@@ -264,6 +237,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         about to go): waits for copies in flight first."""
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
+        self._waited_modules.clear()
         for i, p in enumerate(self._params):
             if id(p) in param_ids:
                 self._paged_indices.add(i)
@@ -276,6 +250,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         updates are copied there from the next step on."""
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
+        self._waited_modules.clear()
         for i, p in enumerate(self._params):
             if id(p) in param_ids and i in self._paged_indices:
                 self._paged_indices.discard(i)
@@ -305,13 +280,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._targets[i] = p.data_ptr()
 
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
+        key = id(module)
+        if key in self._waited_modules:
+            # Waited on since the last step(): no update has come back since (updates land
+            # during the last backward before step(), after the module's last forward).
+            return
+        self._waited_modules.add(key)
         # The module's trained parameters whose updates come back to the device (a streamed
         # block's are read from the host copy at each fetch: nothing to wait for).
-        indices = self._module_indices.get(id(module))
+        indices = self._module_indices.get(key)
         if indices is None:
             indices = [self._index[id(p)] for p in module.parameters(recurse=False)
                        if id(p) in self._index and self._index[id(p)] not in self._paged_indices]
-            self._module_indices[id(module)] = indices
+            self._module_indices[key] = indices
         if not indices:
             return
         stream = torch.cuda.current_stream(self._params[indices[0]].device)
@@ -345,8 +326,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Blocks until every queued copy in either direction has landed."""
-        if self._poster is not None:
-            self._poster.drain()
+        if self._cuda:
+            self._host.drain_gradients()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
             self._ready.clear()
@@ -366,9 +347,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             for i, p in enumerate(self._params):
                 p.data = self._host.param(i).clone()
                 p.grad = None
-        if self._poster is not None:
-            self._poster.close()
-            self._poster = None
 
     # -- torch.optim.Optimizer ----------------------------------------------------------------
 
@@ -410,8 +388,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"step() after {backwards} backward pass(es); accumulation_steps is "
                 f"{self.accumulation_steps}")
         self._push_hyperparameters()
-        if self._poster is not None:
-            self._poster.drain()
+        if self._cuda:
+            self._host.drain_gradients()
         for i, count in enumerate(self._backwards):
             if count == 0:  # no gradient this step: left alone, as torch does
                 for micro in range(self._host.accumulation_steps):
@@ -419,6 +397,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._leader:
             self._reduce_across_machines()
         result = self._host.wait()
+        # Every update of this step is on its way back (the router enqueued each copy before
+        # passing its notice on): the next forward of each module waits again.
+        self._waited_modules.clear()
         if self._pager is not None:
             self._pager.weights_changed()
         if self._cuda:
@@ -518,9 +499,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._poster is not None:
-            self._poster.close()
-            self._poster = None
         cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
         # The same group dicts: a scheduler that holds this optimizer keeps working.
         gpu = cls(self.param_groups, fused=True)
@@ -635,6 +613,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, p in enumerate(new, start=start):
             self._index[id(p)] = i
         self._grad_dtypes += grad_dtypes
+        self._grad_sizes += [torch.tensor([], dtype=d).element_size() for d in grad_dtypes]
         if first <= start:
             self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
         self._backwards += [0] * len(new)

@@ -69,6 +69,7 @@ class _Slot:
         self.ready: Any = None      # event: the fetch into it landed
         self.released: Any = None   # event: compute finished with it
         self.views: dict[int, list] = {}  # per block: its parameters' views of the storage
+        self.unpacked: dict[tuple, torch.Tensor] = {}  # saved weights' views, by packed layout
 
 
 class _Offloaded:
@@ -77,9 +78,10 @@ class _Offloaded:
     def __init__(self, block: int, host: torch.Tensor, copied: Any):
         self.block = block
         self.host = host
-        self.copied = copied        # event: the copy to host landed (CUDA)
+        self.copied = copied        # event: the block's copies to host landed (CUDA)
         self.device: torch.Tensor | None = None
-        self.returned: Any = None   # event: the copy back landed
+        self.returned: Any = None   # event: the copy back (with its batch) landed
+        self.used = False           # backward has unpacked it
 
 
 class BlockPager:
@@ -115,6 +117,11 @@ class BlockPager:
         self.max_inflight_bytes = int(max_inflight_bytes)
         self._inflight: collections.deque = collections.deque()
         self._inflight_bytes = 0
+        # Copies to host of the block running now: one event for all of them, recorded after
+        # its forward (an event per tensor cost two CUDA calls each).
+        self._unrecorded: list[_Offloaded] = []
+        self._unrecorded_bytes = 0
+        self._compute_waited: Any = None  # the last copy-back event the compute stream waited on
         self.inflight_waits = 0
         self.left_on_host_bytes = 0  # paged weights that close() could not put back on the device
         # Host memory for activations: the daemon's (an ActivationArena, or a callable making
@@ -398,6 +405,8 @@ class BlockPager:
             saved = self._saved_hooks.pop(b, None)
             if saved is not None:
                 saved.__exit__(None, None, None)
+                if self._unrecorded:
+                    self._record_offloads()
                 if b in self.position:
                     # Its last gradient landing frees the slot early, unless frozen weights
                     # (LoRA's base) are still read for the input gradient after it.
@@ -517,23 +526,32 @@ class BlockPager:
         host = self._host_for(t)
         if host is None:
             return t.detach()
+        item = _Offloaded(b, host, None)
         if self.cuda:
-            self._limit_inflight(nbytes)
+            self._limit_inflight(self._unrecorded_bytes + nbytes)
+            # After the work that made it, on the activation stream: no weight fetch waits.
             self.activation_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.activation_stream):
                 host.copy_(t, non_blocking=True)
             t.record_stream(self.activation_stream)  # not reused before the copy is done
-            copied = torch.cuda.Event()
-            copied.record(self.activation_stream)
-            self._inflight.append((copied, nbytes))
-            self._inflight_bytes += nbytes
+            self._unrecorded.append(item)
+            self._unrecorded_bytes += nbytes
         else:
             host.copy_(t)
-            copied = None
         self.bytes_offloaded += nbytes
-        item = _Offloaded(b, host, copied)
         self.saved[b].append(item)
         return item
+
+    def _record_offloads(self) -> None:
+        """One event after the running block's copies to host memory: what bringing them back
+        waits for, and what bounds the bytes in flight."""
+        copied = torch.cuda.Event()
+        copied.record(self.activation_stream)
+        for item in self._unrecorded:
+            item.copied = copied
+        self._inflight.append((copied, self._unrecorded_bytes))
+        self._inflight_bytes += self._unrecorded_bytes
+        self._unrecorded, self._unrecorded_bytes = [], 0
 
     def _limit_inflight(self, nbytes: int) -> None:
         while self._inflight and self._inflight[0][0].query():  # landed already
@@ -549,38 +567,55 @@ class BlockPager:
         compute.wait_stream(self.stream)
         compute.wait_stream(self.activation_stream)
 
-    def _bring_back(self, item: _Offloaded) -> None:
-        if item.device is not None:
+    def _bring_back(self, items: list) -> None:
+        """Copies ``items`` (those not on the device already) back, as one batch behind one
+        event."""
+        todo = [item for item in items if item.device is None]
+        if not todo:
             return
         if not self.cuda:
-            item.device = item.host
+            for item in todo:
+                item.device = item.host
             return
-        # Allocated from the compute stream's pool (where it is used and freed); the copy waits
-        # for the compute stream's earlier work, and the allocator waits for the copy before it
-        # reuses the memory.
+        if self._unrecorded:  # a forward that never reached its end hook
+            self._record_offloads()
+        # Allocated from the compute stream's pool (where they are used and freed); the copies
+        # wait for the compute stream's earlier work, and the allocator waits for the copies
+        # before it reuses the memory.
         compute = torch.cuda.current_stream(self.device)
-        item.device = torch.empty_like(item.host, device=self.device)
+        for item in todo:
+            item.device = torch.empty_like(item.host, device=self.device)
         self.activation_stream.wait_stream(compute)
-        self.activation_stream.wait_event(item.copied)
+        for event in {id(item.copied): item.copied for item in todo}.values():
+            self.activation_stream.wait_event(event)
         with torch.cuda.stream(self.activation_stream):
-            item.device.copy_(item.host, non_blocking=True)
-        item.device.record_stream(self.activation_stream)
-        item.returned = torch.cuda.Event()
-        item.returned.record(self.activation_stream)
+            for item in todo:
+                item.device.copy_(item.host, non_blocking=True)
+        returned = torch.cuda.Event()
+        returned.record(self.activation_stream)
+        for item in todo:
+            item.device.record_stream(self.activation_stream)
+            item.returned = returned
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Offloaded):
-            self._bring_back(packed)
-            # Backward reached this block: its predecessor's activations come back now.
+            self._bring_back([packed])
+            # Backward reached this block: its predecessor's activations come back now (those
+            # backward has not used yet), in one batch.
             k = self.offloading.index(packed.block)
             if k > 0:
-                for item in self.saved[self.offloading[k - 1]]:
-                    self._bring_back(item)
+                self._bring_back([item for item in self.saved[self.offloading[k - 1]]
+                                  if not item.used])
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(packed.returned)
+                compute = torch.cuda.current_stream(self.device)
+                # A batch's event once per stream: later waits on it would add nothing.
+                if self._compute_waited != (compute, packed.returned):
+                    compute.wait_event(packed.returned)
+                    self._compute_waited = (compute, packed.returned)
             # Backward owns it now: once used it is freed, rather than kept until the next
             # forward (the host copy stays, for retain_graph).
             device, packed.device = packed.device, None
+            packed.used = True
             return device
         if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
             return packed
@@ -593,8 +628,13 @@ class BlockPager:
                 self._unbind(later)
             self._bind(b)
             self._prefetch_after(b, -1)  # backward runs the blocks in reverse
-        slot = self._slot_of(b)
-        return slot.storage.view(dtype).as_strided(shape, stride, offset)
+        slot = self._bound_slots[b]
+        # The same saved weight comes back each step: its view is made once per slot.
+        view = slot.unpacked.get(packed)
+        if view is None:
+            view = slot.storage.view(dtype).as_strided(shape, stride, offset)
+            slot.unpacked[packed] = view
+        return view
 
     def _grad_landed(self, b: int):
         def hook(p):

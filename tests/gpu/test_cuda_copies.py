@@ -88,3 +88,39 @@ def test_torch_copies_cross_the_gib_marks_of_a_large_segment(start_daemon):
         host[window].copy_(dev, non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(host[window], dev.cpu())
+
+
+def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
+    """HostOptimizer.send_gradient: the copy runs on the caller's stream and a native thread
+    posts it once landed; the update that follows reads exactly the device's gradient."""
+    from trainstream import HostOptimizer, ParameterSpec
+
+    d = start_daemon("--memory_budget=2G")
+    with trainstream.connect(d.socket, job_id="sender") as client:
+        shapes = [(1000,), (257, 3)]
+        opt = HostOptimizer(client, [ParameterSpec(f"p{i}", s, torch.float32)
+                                     for i, s in enumerate(shapes)],
+                            groups=[dict(lr=1e-2, weight_decay=0.0)])
+        weights = [torch.randn(s) for s in shapes]
+        opt.load_weights(weights)
+        too_big = torch.zeros(1001, device="cuda")
+        with pytest.raises(trainstream.InvalidArgumentError,
+                           match="a 4004-byte gradient does not fit its 4000-byte buffer"):
+            opt.send_gradient(0, 0, too_big, torch.cuda.current_stream())
+        reference = [torch.nn.Parameter(w.clone()) for w in weights]
+        ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0)
+        stream = torch.cuda.Stream()
+        for step in range(3):
+            grads = [torch.randn(s, device="cuda") for s in shapes]
+            with torch.cuda.stream(stream):  # made and sent on a stream of the caller's
+                stream.wait_stream(torch.cuda.current_stream())
+                for i, g in enumerate(grads):
+                    opt.send_gradient(i, 0, g.mul(2.0), stream)
+            opt.drain_gradients()  # every post is rung: the daemon has them all
+            result = opt.wait()
+            assert result["updated"] == [True, True] and not result["skipped"]
+            for p, g in zip(reference, grads):
+                p.grad = (g * 2.0).cpu()
+            ref_opt.step()
+            for i, p in enumerate(reference):
+                assert torch.allclose(opt.master(i), p.detach(), rtol=1e-5, atol=1e-6), step

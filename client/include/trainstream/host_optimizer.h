@@ -21,6 +21,7 @@
 namespace trainstream::client {
 
 class DeviceReturn;
+class GradientSender;
 
 // Where one parameter's updated value goes on the GPU: `bytes` at device address `device_ptr`.
 struct DeviceTarget {
@@ -96,6 +97,15 @@ class HostOptimizer {
   // `iteration` (1-based), or that this rank has no gradient for it.
   absl::Status PostGradient(uint32_t index, uint64_t iteration, uint32_t micro = 0,
                             bool no_gradient = false);
+  // CUDA: copies parameter `index`'s gradient (`bytes` at `device_src` on CUDA device `device`)
+  // into this rank's gradient slot on `stream` (a cudaStream_t) and posts it as PostGradient
+  // does once the copy has landed, from a thread of this object: the caller never waits.
+  // Failures of the copy or the post come back from DrainGradients.
+  absl::Status SendGradient(uint32_t index, uint64_t iteration, uint32_t micro, int device,
+                            const void* device_src, uint64_t bytes, void* stream);
+  // Blocks until every gradient sent so far is posted; returns the first failure since the
+  // last call.
+  absl::Status DrainGradients();
   // Waits until `index`'s slot may be written again (after a non-final micro-step).
   absl::Status WaitGradientConsumed(uint32_t index, uint64_t iteration, int timeout_ms);
   // Waits until every parameter's update of `iteration` is in place. A failed job reads as
@@ -166,6 +176,10 @@ class HostOptimizer {
   uint64_t attached_at_ = 0;
   // Notices that arrived for a later wait than the one that read them.
   std::vector<Notice> held_;
+
+  // Gradients sent from device memory (made with the first SendGradient).
+  absl::Mutex sender_mu_;
+  std::unique_ptr<GradientSender> sender_ ABSL_GUARDED_BY(sender_mu_);
 
   // With device returns: the routing thread, and what it passes on to the waits.
   std::unique_ptr<DeviceReturn> device_return_;

@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "gradient_sender.h"
+
+#include "absl/strings/str_format.h"
+#include "trainstream/cuda_transfer.h"
+#include "trainstream/status_macros.h"
+
+#ifdef TRAINSTREAM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace trainstream::client {
+
+#ifdef TRAINSTREAM_HAVE_CUDA
+namespace {
+
+absl::Status CudaStatus(cudaError_t rc, const char* what) {
+  if (rc == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
+  return absl::InternalError(absl::StrFormat("%s failed: %s", what, cudaGetErrorString(rc)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GradientSender>> GradientSender::Create(int device, Post post) {
+  std::string why;
+  if (!CudaAvailable(&why)) return absl::UnavailableError(why);
+  auto sender = std::unique_ptr<GradientSender>(new GradientSender(device, std::move(post)));
+  sender->thread_ = std::thread([s = sender.get()] { s->Run(); });
+  return sender;
+}
+
+GradientSender::~GradientSender() {
+  Drain().IgnoreError();  // nothing left to report to: the optimizer is going away
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  cudaSetDevice(device_);
+  for (void* e : all_events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+absl::StatusOr<void*> GradientSender::TakeEvent() {
+  if (!free_events_.empty()) {
+    void* e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  // Blocking sync: the thread sleeps on the copy instead of spinning a core the training
+  // process's own threads need.
+  cudaEvent_t event = nullptr;
+  RETURN_IF_ERROR(CudaStatus(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync),
+      "cudaEventCreateWithFlags"));
+  all_events_.push_back(event);
+  return event;
+}
+
+absl::Status GradientSender::Send(const HostBuffer& buffer, uint32_t index, uint64_t iteration,
+                                  uint32_t micro, const void* device_src, uint64_t bytes,
+                                  void* stream) {
+  if (bytes > buffer.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parameter %d: a %d-byte gradient does not fit its %d-byte buffer '%s'", index, bytes,
+        buffer.size(), buffer.info().name));
+  }
+  RETURN_IF_ERROR(CopyToHost(buffer, 0, device_src, bytes, stream));
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(void* event, TakeEvent());
+  if (absl::Status s = CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(event),
+                                                  static_cast<cudaStream_t>(stream)),
+                                  "cudaEventRecord");
+      !s.ok()) {
+    free_events_.push_back(event);
+    return s;
+  }
+  queue_.push_back({event, index, iteration, micro});
+  return absl::OkStatus();
+}
+
+void GradientSender::Run() {
+  cudaSetDevice(device_);  // the current device is per thread
+  while (true) {
+    Pending next;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](GradientSender* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+            return s->stop_ || !s->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stopping, and everything sent was rung
+      next = queue_.front();
+      queue_.pop_front();
+      ++posting_;
+    }
+    absl::Status s = CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(next.event)),
+                                "cudaEventSynchronize (a gradient's copy to host memory)");
+    if (s.ok()) s = post_(next.index, next.iteration, next.micro);
+    absl::MutexLock lock(&mu_);
+    free_events_.push_back(next.event);
+    --posting_;
+    // The first failure is kept for Drain; later gradients still flow.
+    if (!s.ok() && error_.ok()) error_ = s;
+  }
+}
+
+absl::Status GradientSender::Drain() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](GradientSender* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+        return s->queue_.empty() && s->posting_ == 0;
+      },
+      this));
+  absl::Status error = error_;
+  error_ = absl::OkStatus();
+  return error;
+}
+
+#else  // !TRAINSTREAM_HAVE_CUDA
+
+absl::StatusOr<std::unique_ptr<GradientSender>> GradientSender::Create(int, Post) {
+  return absl::UnavailableError("this build of trainstream has no CUDA support");
+}
+GradientSender::~GradientSender() = default;
+absl::Status GradientSender::Send(const HostBuffer&, uint32_t, uint64_t, uint32_t, const void*,
+                                  uint64_t, void*) {
+  return absl::UnavailableError("no CUDA support");
+}
+absl::Status GradientSender::Drain() { return absl::OkStatus(); }
+void GradientSender::Run() {}
+absl::StatusOr<void*> GradientSender::TakeEvent() {
+  return absl::UnavailableError("no CUDA support");
+}
+
+#endif
+
+}  // namespace trainstream::client
