@@ -37,7 +37,6 @@ GradientSender::~GradientSender() {
     stop_ = true;
   }
   if (thread_.joinable()) thread_.join();
-  cudaSetDevice(device_);
   for (void* e : all_events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
 }
 
@@ -65,6 +64,21 @@ absl::Status GradientSender::Send(const HostBuffer& buffer, uint32_t index, uint
         "parameter %d: a %d-byte gradient does not fit its %d-byte buffer '%s'", index, bytes,
         buffer.size(), buffer.info().name));
   }
+  // The events belong to device_: a caller whose current device differs is switched for the
+  // call and switched back.
+  int caller_device = 0;
+  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&caller_device), "cudaGetDevice"));
+  if (caller_device != device_) {
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  }
+  absl::Status sent = Enqueue(buffer, index, iteration, micro, device_src, bytes, stream);
+  if (caller_device != device_) cudaSetDevice(caller_device);
+  return sent;
+}
+
+absl::Status GradientSender::Enqueue(const HostBuffer& buffer, uint32_t index,
+                                     uint64_t iteration, uint32_t micro, const void* device_src,
+                                     uint64_t bytes, void* stream) {
   RETURN_IF_ERROR(CopyToHost(buffer, 0, device_src, bytes, stream));
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(void* event, TakeEvent());
@@ -129,6 +143,10 @@ absl::Status GradientSender::Send(const HostBuffer&, uint32_t, uint64_t, uint32_
   return absl::UnavailableError("no CUDA support");
 }
 absl::Status GradientSender::Drain() { return absl::OkStatus(); }
+absl::Status GradientSender::Enqueue(const HostBuffer&, uint32_t, uint64_t, uint32_t,
+                                     const void*, uint64_t, void*) {
+  return absl::UnavailableError("no CUDA support");
+}
 void GradientSender::Run() {}
 absl::StatusOr<void*> GradientSender::TakeEvent() {
   return absl::UnavailableError("no CUDA support");

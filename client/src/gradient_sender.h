@@ -52,6 +52,9 @@ class GradientSender {
     uint32_t micro;
   };
   GradientSender(int device, Post post) : device_(device), post_(std::move(post)) {}
+  // Send on device_.
+  absl::Status Enqueue(const HostBuffer& buffer, uint32_t index, uint64_t iteration,
+                       uint32_t micro, const void* device_src, uint64_t bytes, void* stream);
   void Run();
   absl::StatusOr<void*> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -97,6 +97,9 @@ absl::StatusOr<uint32_t> HostOptimizer::AddParameters(const std::vector<Paramete
         "%d parameters given; the optimizer already has %d: pass the whole list, new ones last",
         all.size(), params_.size()));
   }
+  // The sender's thread reads params_ (through PostGradient): nothing may be in flight while
+  // it grows.
+  RETURN_IF_ERROR(DrainGradients());
   ASSIGN_OR_RETURN(Registered reply, Register(all));
   return reply.first_added;
 }

@@ -158,6 +158,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._targets: list[int] = []
         self._module_indices: dict[int, list[int]] = {}
         self._waited_modules: set[int] = set()  # modules whose forward waited since step()
+        self._updates_landing = False  # a last micro-step's gradient left: updates come back
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -211,6 +212,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if micro > 0:
             self._host.wait_consumed(i)
+        if micro + 1 == self.accumulation_steps:
+            self._updates_landing = True
         grad = p.grad
         current = torch.cuda.current_stream(p.device)
         convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
@@ -281,9 +284,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
         key = id(module)
-        if key in self._waited_modules:
-            # Waited on since the last step(): no update has come back since (updates land
-            # during the last backward before step(), after the module's last forward).
+        if key in self._waited_modules and (not self._updates_landing or _in_backward()):
+            # Waited on since the last step(), and no update of its own can have come back
+            # since: updates land only once the last backward before step() has produced
+            # their gradients, after the module's last forward or recompute in it. (A forward
+            # between that backward and step(), an evaluation say, waits again.)
             return
         self._waited_modules.add(key)
         # The module's trained parameters whose updates come back to the device (a streamed
@@ -400,6 +405,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Every update of this step is on its way back (the router enqueued each copy before
         # passing its notice on): the next forward of each module waits again.
         self._waited_modules.clear()
+        self._updates_landing = False
         if self._pager is not None:
             self._pager.weights_changed()
         if self._cuda:
@@ -724,6 +730,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
         info["steps"] = self.steps
         return info
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs an autograd backward now (a recompute inside it, say)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _group(g: dict) -> dict:

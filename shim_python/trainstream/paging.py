@@ -528,6 +528,11 @@ class BlockPager:
             return t.detach()
         item = _Offloaded(b, host, None)
         if self.cuda:
+            if self._unrecorded and (self._inflight_bytes + self._unrecorded_bytes + nbytes
+                                     > self.max_inflight_bytes):
+                # This block alone passes the cap: an event for its copies so far, so that
+                # the wait below has something of this block's to wait for.
+                self._record_offloads()
             self._limit_inflight(self._unrecorded_bytes + nbytes)
             # After the work that made it, on the activation stream: no weight fetch waits.
             self.activation_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -112,8 +112,8 @@ def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
         stream = torch.cuda.Stream()
         for step in range(3):
             grads = [torch.randn(s, device="cuda") for s in shapes]
-            with torch.cuda.stream(stream):  # made and sent on a stream of the caller's
-                stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream())  # after the gradients are made
+            with torch.cuda.stream(stream):  # sent from a stream of the caller's
                 for i, g in enumerate(grads):
                     opt.send_gradient(i, 0, g.mul(2.0), stream)
             opt.drain_gradients()  # every post is rung: the daemon has them all
