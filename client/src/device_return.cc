@@ -2,22 +2,13 @@
 #include "device_return.h"
 
 #include "absl/strings/str_format.h"
+#include "cuda_status.h"
 #include "trainstream/cuda_transfer.h"
-
-#ifdef TRAINSTREAM_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace trainstream::client {
 
 #ifdef TRAINSTREAM_HAVE_CUDA
 namespace {
-
-absl::Status CudaStatus(cudaError_t rc, const char* what) {
-  if (rc == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
-  return absl::InternalError(absl::StrFormat("%s failed: %s", what, cudaGetErrorString(rc)));
-}
 
 absl::Status CheckTargets(const std::vector<std::shared_ptr<HostBuffer>>& sources,
                           const std::vector<DeviceTarget>& targets, size_t first_index) {

@@ -3,24 +3,12 @@
 
 #include "absl/strings/str_format.h"
 #include "trainstream/cuda_transfer.h"
+#include "cuda_status.h"
 #include "trainstream/status_macros.h"
-
-#ifdef TRAINSTREAM_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace trainstream::client {
 
 #ifdef TRAINSTREAM_HAVE_CUDA
-namespace {
-
-absl::Status CudaStatus(cudaError_t rc, const char* what) {
-  if (rc == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
-  return absl::InternalError(absl::StrFormat("%s failed: %s", what, cudaGetErrorString(rc)));
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<GradientSender>> GradientSender::Create(int device, Post post) {
   std::string why;
