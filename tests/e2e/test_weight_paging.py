@@ -148,8 +148,6 @@ def test_load_state_dict_reaches_the_daemons_weights(daemon_socket, paged):
 def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_socket):
     resident, r_opt, again, a_opt = twins(6, 3, recompute=[0, 1])
     calls = []
-    # A pre-hook: recomputation stops as soon as backward has what it needs, before the MLP's
-    # forward returns, so its post-hooks run only once.
     again.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
     assert train(resident, r_opt, 4) == train(again, a_opt, 4)
     assert len(calls) == 2 * 4  # forward, and again in each backward
@@ -160,6 +158,79 @@ def test_recomputed_blocks_train_bit_identical_and_run_forward_twice(daemon_sock
     assert "forward" not in again.blocks[0].__dict__  # unwrap restored the block
     with pytest.raises(ValueError, match=r"blocks \[1\] are both paged and recomputed"):
         trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=[1], recompute=[1])
+
+
+class _AdaptedBlock(torch.nn.Module):
+    """A frozen layer with a trained low-rank adapter beside it; ``gate`` (a keyword tensor)
+    scales the adapter when given."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.base = torch.nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.down = torch.nn.Linear(dim, 4, bias=False)
+        self.up = torch.nn.Linear(4, dim, bias=False)
+
+    def forward(self, x, gate=None):
+        adapter = self.up(self.down(x))
+        return torch.tanh(self.base(x) + (adapter if gate is None else adapter * gate))
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen embedding, then adapted blocks: no input of the first block needs a gradient.
+    With ``gated``, a trained gate outside the blocks reaches each as a keyword argument."""
+
+    def __init__(self, gated: bool, layers: int = 3, dim: int = 32, vocab: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.embed.requires_grad_(False)
+        self.blocks = torch.nn.ModuleList(_AdaptedBlock(dim) for _ in range(layers))
+        self.gate = torch.nn.Parameter(torch.ones(dim)) if gated else None
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, gate=self.gate) if self.gate is not None else block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_recompute_trains_adapters_after_frozen_layers_and_keyword_tensors(daemon_socket, gated):
+    """The first block's input needs no gradient (a frozen embedding) yet its adapter trains;
+    a trained tensor passed by keyword gets its gradient through every recomputed block."""
+    torch.manual_seed(9)
+    model = _Adapted(gated).to(DEVICE)
+    other = copy.deepcopy(model)
+    common = dict(offload=True, device=DEVICE, lr=3e-3, param_offload=False,
+                  activation_offload=False)
+    kept, k_opt = trainstream.wrap(model, blocks=list(model.blocks), recompute=False, **common)
+    again, a_opt = trainstream.wrap(other, blocks=list(other.blocks), recompute=[0, 1, 2],
+                                    **common)
+    first_adapter = again.blocks[0].up.weight.detach().clone()
+    assert train(kept, k_opt, 3) == train(again, a_opt, 3)
+    for a, b in zip(weights(kept), weights(again)):
+        assert torch.equal(a, b)
+    assert not torch.equal(again.blocks[0].up.weight.detach(), first_adapter)
+    if gated:
+        assert not torch.equal(again.gate.detach(), torch.ones_like(again.gate))
+
+
+def test_gradients_through_a_recomputed_block_come_from_backward(daemon_socket):
+    """torch.autograd.grad through a recomputed block is refused by torch, naming .grad() (the
+    optimizer takes gradients from backward() in any case); backward() gets them."""
+    torch.manual_seed(10)
+    model, _ = trainstream.wrap(_Adapted(False).to(DEVICE), offload=True, device=DEVICE,
+                                recompute=[1], param_offload=False, activation_offload=False)
+    hidden = model.embed(torch.randint(0, 128, (2, 8), device=DEVICE)).detach()
+    hidden.requires_grad_(True)
+    loss = model.blocks[1](hidden).float().pow(2).mean()
+    with pytest.raises(RuntimeError, match=r"\.grad\(\)"):
+        torch.autograd.grad(loss, [hidden])
+    loss = model.blocks[1](hidden).float().pow(2).mean()
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    trainstream.unwrap(model)
 
 
 def test_activations_stay_on_the_device_when_the_daemon_has_no_room(start_daemon, monkeypatch):
