@@ -223,6 +223,8 @@ def _plan_summary(model, opt) -> dict:
     threads = max(1, int(stats.get("threads", 1)))
     return {"paged_blocks": len(report["params"]["paged_blocks"]), "blocks": len(policy),
             "offloaded_blocks": policy.count("offload"),
+            # Forward waiting for activations' copies to host (max_inflight_bytes), since wrap().
+            "inflight_waits": report["activations"]["inflight_waits"],
             "recomputed_blocks": policy.count("recompute"),
             "block_forward_s": plan.get("measured", {}).get("forward_s", 0.0),
             # The bench's private daemon serves this one job.

@@ -216,6 +216,54 @@ def test_recompute_trains_adapters_after_frozen_layers_and_keyword_tensors(daemo
         assert not torch.equal(again.gate.detach(), torch.ones_like(again.gate))
 
 
+def test_recompute_replays_dropout_bit_identically(daemon_socket):
+    """A recomputed block draws the same dropout mask again in backward, and the random
+    numbers after it are those of a run without recompute."""
+    class Dropped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            return torch.tanh(self.drop(self.linear(x)))
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Dropped() for _ in range(3))
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Stack().to(DEVICE)
+    other = copy.deepcopy(model)
+    common = dict(offload=True, device=DEVICE, lr=1e-2, param_offload=False,
+                  activation_offload=False)
+    kept, k_opt = trainstream.wrap(model, blocks=list(model.blocks), recompute=False, **common)
+    again, a_opt = trainstream.wrap(other, blocks=list(other.blocks), recompute=[0, 1, 2],
+                                    **common)
+
+    def run(m, opt):
+        torch.manual_seed(5)
+        losses = []
+        for _ in range(4):
+            loss = m(torch.randn(8, 16, device=DEVICE)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run(kept, k_opt) == run(again, a_opt)
+    for a, b in zip(weights(kept), weights(again)):
+        assert torch.equal(a, b)
+
+
 def test_gradients_through_a_recomputed_block_come_from_backward(daemon_socket):
     """torch.autograd.grad through a recomputed block is refused by torch, naming .grad() (the
     optimizer takes gradients from backward() in any case); backward() gets them."""
