@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_daemon import private_daemon  # noqa: E402
 from qwen_shape import CONFIGS, lm_loss  # noqa: E402
-from shared_base import tensor_shapes, write_checkpoint  # noqa: E402
+from shared_base import checkpoint_bytes  # noqa: E402
 from step_bench import median_step_s  # noqa: E402
 
 from base_lora import PRESET, adapters_on_gpu, checkpoint_name, lora_model  # noqa: E402
@@ -171,8 +171,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"checkpoint: {folder}", flush=True)
-    shards = write_checkpoint(folder, tensor_shapes(CONFIGS[PRESET]))
-    file_bytes = sum(os.path.getsize(p) for p in shards)
+    file_bytes = checkpoint_bytes(folder, CONFIGS[PRESET])
     torch.zeros(1, device="cuda")  # this process's own context, before any reading
     rows = []
     with private_daemon(f"{int(file_bytes * 1.3) >> 20}M", "--base_keep_warm_s=600") as socket:

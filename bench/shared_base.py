@@ -59,6 +59,12 @@ def tensor_shapes(cfg) -> list:
     return shapes + [("model.norm.weight", (cfg.dim,)), ("lm_head.weight", (cfg.vocab, cfg.dim))]
 
 
+def checkpoint_bytes(folder: str, cfg) -> int:
+    """The checkpoint of ``cfg``'s shapes in ``folder`` (written unless a complete one is
+    there): its files' bytes together."""
+    return sum(os.path.getsize(p) for p in write_checkpoint(folder, tensor_shapes(cfg)))
+
+
 def write_checkpoint(folder: str, shapes: list) -> list:
     """Writes a checkpoint of random bf16 tensors with these (name, shape) pairs unless a
     complete one is there; returns its shard paths."""
