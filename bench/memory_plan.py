@@ -32,6 +32,7 @@ copy engines' and the kernels' busy time, pinned or pageable copies, the CPU's o
 Python function and operator, and the longest stretches with nothing crossing to the GPU.
 
     python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json] [--trace DIR]
+                                [--cprofile]
 """
 
 from __future__ import annotations
@@ -189,10 +190,29 @@ def worker(mode: str, case: dict) -> dict:
                 for i in range(s, s + 2):
                     step(i)
             row["trace"] = step_trace.summarize(path)
+        if os.environ.get("TS_BENCH_CPROFILE"):
+            # Where the CPU's time goes, by Python function and native call: two steps under
+            # cProfile (which slows Python calls, not native ones), top 30 by own time.
+            row["cprofile"] = _cprofiled(lambda: [step(i) for i in range(s + 2, s + 4)])
     except torch.OutOfMemoryError as e:
         row.update(oom=True, error=str(e).splitlines()[0][:200],
                    peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
     return row
+
+
+def _cprofiled(run) -> list:
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile)
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:30]
+    return [{"function": f"{os.path.basename(file)}:{line}({name})", "calls": calls,
+             "own_ms_per_step": round(1e3 * own / 2, 2),
+             "total_ms_per_step": round(1e3 * total / 2, 2)}
+            for (file, line, name), (_, calls, own, total, _) in top]
 
 
 def _transfer_counters(model) -> dict:
@@ -246,6 +266,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--trace", default="",
                         help="profile two steps of each mode into this folder")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="two more steps of each mode under cProfile: the top functions")
     add_worker_arguments(parser)
     args = parser.parse_args()
     if answered_as_worker(args, worker, CASES):
@@ -257,6 +279,8 @@ def main() -> None:
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         os.environ["TS_BENCH_TRACE"] = os.path.abspath(args.trace)  # the workers read it
+    if args.cprofile:
+        os.environ["TS_BENCH_CPROFILE"] = "1"
     bandwidth = pinned_bandwidth()
     print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "
           f"device->host {bandwidth['d2h_gbps']} GB/s", flush=True)
@@ -305,6 +329,11 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
             print(f"      trainstream's hooks a step ({sum(row['hook_ms_per_step'].values()):.1f}"
                   " ms): " + ", ".join(f"{k} {v}" for k, v in row["hook_ms_per_step"].items()))
     for mode, row in rows.items():
+        if "cprofile" in row:
+            print(f"    {mode}, cProfile, per step: own ms, total ms, calls, function")
+            for f in row["cprofile"]:
+                print(f"      {f['own_ms_per_step']:8.2f} {f['total_ms_per_step']:8.2f} "
+                      f"{f['calls'] // 2:6d}  {f['function']}")
         if "trace" in row:
             import step_trace
 

@@ -44,14 +44,16 @@ absl::StatusOr<void*> GradientSender::TakeEvent() {
   return event;
 }
 
-absl::Status GradientSender::Send(const HostBuffer& buffer, uint32_t index, uint64_t iteration,
-                                  uint32_t micro, const void* device_src, uint64_t bytes,
+absl::Status GradientSender::Send(uint64_t iteration, const std::vector<Copy>& copies,
                                   void* stream) {
-  if (bytes > buffer.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parameter %d: a %d-byte gradient does not fit its %d-byte buffer '%s'", index, bytes,
-        buffer.size(), buffer.info().name));
+  for (const Copy& c : copies) {
+    if (c.bytes > c.buffer->size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameter %d: a %d-byte gradient does not fit its %d-byte buffer '%s'", c.index,
+          c.bytes, c.buffer->size(), c.buffer->info().name));
+    }
   }
+  if (copies.empty()) return absl::OkStatus();
   // The events belong to device_: a caller whose current device differs is switched for the
   // call and switched back.
   int caller_device = 0;
@@ -59,25 +61,29 @@ absl::Status GradientSender::Send(const HostBuffer& buffer, uint32_t index, uint
   if (caller_device != device_) {
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   }
-  absl::Status sent = Enqueue(buffer, index, iteration, micro, device_src, bytes, stream);
+  absl::Status sent = Enqueue(iteration, copies, stream);
   if (caller_device != device_) cudaSetDevice(caller_device);
   return sent;
 }
 
-absl::Status GradientSender::Enqueue(const HostBuffer& buffer, uint32_t index,
-                                     uint64_t iteration, uint32_t micro, const void* device_src,
-                                     uint64_t bytes, void* stream) {
-  RETURN_IF_ERROR(CopyToHost(buffer, 0, device_src, bytes, stream));
+absl::Status GradientSender::Enqueue(uint64_t iteration, const std::vector<Copy>& copies,
+                                     void* stream) {
+  Pending pending{nullptr, iteration, {}};
+  pending.posts.reserve(copies.size());
+  for (const Copy& c : copies) {
+    RETURN_IF_ERROR(CopyToHost(*c.buffer, 0, c.device_src, c.bytes, stream));
+    pending.posts.emplace_back(c.index, c.micro);
+  }
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(void* event, TakeEvent());
-  if (absl::Status s = CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(event),
+  ASSIGN_OR_RETURN(pending.event, TakeEvent());
+  if (absl::Status s = CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(pending.event),
                                                   static_cast<cudaStream_t>(stream)),
                                   "cudaEventRecord");
       !s.ok()) {
-    free_events_.push_back(event);
+    free_events_.push_back(pending.event);
     return s;
   }
-  queue_.push_back({event, index, iteration, micro});
+  queue_.push_back(std::move(pending));
   return absl::OkStatus();
 }
 
@@ -93,13 +99,16 @@ void GradientSender::Run() {
           },
           this));
       if (queue_.empty()) return;  // stopping, and everything sent was rung
-      next = queue_.front();
+      next = std::move(queue_.front());
       queue_.pop_front();
       ++posting_;
     }
     absl::Status s = CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(next.event)),
-                                "cudaEventSynchronize (a gradient's copy to host memory)");
-    if (s.ok()) s = post_(next.index, next.iteration, next.micro);
+                                "cudaEventSynchronize (gradients' copies to host memory)");
+    for (const auto& [index, micro] : next.posts) {
+      if (!s.ok()) break;
+      s = post_(index, next.iteration, micro);
+    }
     absl::MutexLock lock(&mu_);
     free_events_.push_back(next.event);
     --posting_;
@@ -126,13 +135,11 @@ absl::StatusOr<std::unique_ptr<GradientSender>> GradientSender::Create(int, Post
   return absl::UnavailableError("this build of trainstream has no CUDA support");
 }
 GradientSender::~GradientSender() = default;
-absl::Status GradientSender::Send(const HostBuffer&, uint32_t, uint64_t, uint32_t, const void*,
-                                  uint64_t, void*) {
+absl::Status GradientSender::Send(uint64_t, const std::vector<Copy>&, void*) {
   return absl::UnavailableError("no CUDA support");
 }
 absl::Status GradientSender::Drain() { return absl::OkStatus(); }
-absl::Status GradientSender::Enqueue(const HostBuffer&, uint32_t, uint64_t, uint32_t,
-                                     const void*, uint64_t, void*) {
+absl::Status GradientSender::Enqueue(uint64_t, const std::vector<Copy>&, void*) {
   return absl::UnavailableError("no CUDA support");
 }
 void GradientSender::Run() {}

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -33,13 +34,22 @@ class GradientSender {
   GradientSender(const GradientSender&) = delete;
   GradientSender& operator=(const GradientSender&) = delete;
 
-  // Enqueues the copy of `bytes` from `device_src` to the start of `buffer` on `stream` (a
-  // cudaStream_t), then the post of (index, iteration, micro) once the copy has landed. The
-  // device memory must stay valid until the copy has run on `stream` (the caching allocator
-  // guarantees it for memory freed to `stream` itself). INVALID_ARGUMENT when `bytes` exceeds
-  // the buffer.
-  absl::Status Send(const HostBuffer& buffer, uint32_t index, uint64_t iteration, uint32_t micro,
-                    const void* device_src, uint64_t bytes, void* stream);
+  // One gradient: `bytes` at `device_src` go to the start of `buffer`, then parameter
+  // `index`'s post of micro-step `micro`.
+  struct Copy {
+    const HostBuffer* buffer;
+    uint32_t index;
+    uint32_t micro;
+    const void* device_src;
+    uint64_t bytes;
+  };
+
+  // Enqueues `copies` on `stream` (a cudaStream_t), then their posts for `iteration` once all
+  // of them have landed: one event and one wake-up of the thread for the batch. The device
+  // memory must stay valid until the copies have run on `stream` (the caching allocator
+  // guarantees it for memory freed to `stream` itself). INVALID_ARGUMENT, with nothing
+  // enqueued, when any copy exceeds its buffer.
+  absl::Status Send(uint64_t iteration, const std::vector<Copy>& copies, void* stream);
   // Blocks until every post sent so far has been rung; returns (and forgets) the first
   // failure since the last Drain.
   absl::Status Drain();
@@ -47,14 +57,12 @@ class GradientSender {
  private:
   struct Pending {
     void* event;  // cudaEvent_t
-    uint32_t index;
     uint64_t iteration;
-    uint32_t micro;
+    std::vector<std::pair<uint32_t, uint32_t>> posts;  // (index, micro)
   };
   GradientSender(int device, Post post) : device_(device), post_(std::move(post)) {}
   // Send on device_.
-  absl::Status Enqueue(const HostBuffer& buffer, uint32_t index, uint64_t iteration,
-                       uint32_t micro, const void* device_src, uint64_t bytes, void* stream);
+  absl::Status Enqueue(uint64_t iteration, const std::vector<Copy>& copies, void* stream);
   void Run();
   absl::StatusOr<void*> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

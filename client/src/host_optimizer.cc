@@ -132,9 +132,20 @@ absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uin
 absl::Status HostOptimizer::SendGradient(uint32_t index, uint64_t iteration, uint32_t micro,
                                          int device, const void* device_src, uint64_t bytes,
                                          void* stream) {
-  if (index >= params_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parameter index %d is out of range: the optimizer has %d", index, params_.size()));
+  return SendGradients(iteration, device, {{index, micro, device_src, bytes}}, stream);
+}
+
+absl::Status HostOptimizer::SendGradients(uint64_t iteration, int device,
+                                          const std::vector<GradientCopy>& copies,
+                                          void* stream) {
+  std::vector<GradientSender::Copy> sends;
+  sends.reserve(copies.size());
+  for (const GradientCopy& c : copies) {
+    if (c.index >= params_.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameter index %d is out of range: the optimizer has %d", c.index, params_.size()));
+    }
+    sends.push_back({params_[c.index].grad.get(), c.index, c.micro, c.device_src, c.bytes});
   }
   GradientSender* sender = nullptr;
   {
@@ -147,7 +158,7 @@ absl::Status HostOptimizer::SendGradient(uint32_t index, uint64_t iteration, uin
     }
     sender = sender_.get();  // lives as long as this object
   }
-  return sender->Send(*params_[index].grad, index, iteration, micro, device_src, bytes, stream);
+  return sender->Send(iteration, sends, stream);
 }
 
 absl::Status HostOptimizer::DrainGradients() {

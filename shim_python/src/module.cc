@@ -2,6 +2,8 @@
 // trainstream._trainstream: the client library for Python. Blocking calls release the GIL.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -334,6 +336,18 @@ PYBIND11_MODULE(_trainstream, m) {
                return o.SendGradient(index, iteration, micro, device,
                                      reinterpret_cast<const void*>(device_src), bytes,
                                      reinterpret_cast<void*>(stream));
+             });
+           })
+      .def("send_gradients",
+           [](HostOptimizer& o, uint64_t iteration, int device, uintptr_t stream,
+              const std::vector<std::tuple<uint32_t, uint32_t, uintptr_t, uint64_t>>& copies) {
+             std::vector<HostOptimizer::GradientCopy> batch;
+             batch.reserve(copies.size());
+             for (const auto& [index, micro, src, bytes] : copies) {
+               batch.push_back({index, micro, reinterpret_cast<const void*>(src), bytes});
+             }
+             Released([&] {
+               return o.SendGradients(iteration, device, batch, reinterpret_cast<void*>(stream));
              });
            })
       .def("drain_gradients",

@@ -49,7 +49,7 @@ class ActivationArena:
     def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of ``shape`` and ``dtype`` in the arena (more is allocated from the
         daemon when the chunks so far are full; the daemon's refusal propagates)."""
-        nbytes = max(1, torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size())
+        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
         while True:
             if self._chunk < len(self._chunks):
                 chunk = self._chunks[self._chunk]

@@ -192,12 +192,22 @@ class HostOptimizer:
 
     def send_gradient(self, i: int, micro: int, grad: Any, stream: Any) -> None:
         """CUDA: copies ``grad`` (contiguous, in slot ``i``'s dtype) into gradient slot ``i``
-        on ``stream`` and announces it, as :meth:`post` does, once the copy has landed: a
-        native thread waits for the copy, so the caller never does. Failures come back from
-        :meth:`drain_gradients`."""
-        self._native.send_gradient(i, self.iteration + 1, micro, grad.device.index,
-                                   grad.data_ptr(), grad.numel() * grad.element_size(),
-                                   stream.cuda_stream)
+        on ``stream`` (a ``torch.cuda.Stream``, or a ``cudaStream_t`` as an int) and announces
+        it, as :meth:`post` does, once the copy has landed: a native thread waits for the
+        copy, so the caller never does. Failures come back from :meth:`drain_gradients`."""
+        self._native.send_gradient(i, self.iteration + 1, micro, grad.get_device(),
+                                   grad.data_ptr(), grad.nbytes,
+                                   stream if isinstance(stream, int) else stream.cuda_stream)
+
+    def send_gradients(self, copies: Sequence[tuple], stream: Any) -> None:
+        """:meth:`send_gradient` for each ``(i, micro, grad)`` of ``copies`` (on one device and
+        ``stream``), posted together once all have landed: one call and one event for them."""
+        if not copies:
+            return
+        self._native.send_gradients(
+            self.iteration + 1, copies[0][2].get_device(),
+            stream if isinstance(stream, int) else stream.cuda_stream,
+            [(i, micro, grad.data_ptr(), grad.nbytes) for i, micro, grad in copies])
 
     def drain_gradients(self) -> None:
         """Blocks until every sent gradient is announced; raises the first failure."""

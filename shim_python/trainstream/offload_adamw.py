@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from . import client as _client
+from . import cuda_streams
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hook_clock import HookClock
 from .host_optimizer import HostOptimizer, ParameterSpec
@@ -33,6 +34,10 @@ _AUTO_STEPS = 2  # offload="auto" decides after this many offloaded steps
 # Gradients up to this size leave on the compute stream itself (a few microseconds of copy
 # there, and no cross-stream wait and event per gradient); larger ones on the side stream.
 _SIDE_STREAM_BYTES = 1 << 20
+# Those small ones leave in batches (one native call and one event each), sent when this many
+# gradients or bytes wait, or when the backward they came from ends.
+_BATCH_GRADIENTS = 32
+_BATCH_BYTES = 8 << 20
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -130,6 +135,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._forward_wait_timed = self.clock.timed("optimizer.forward_wait",
                                                     self._wait_for_own_parameters)
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
+        self._device_index = cuda_streams.device_index(first.device) if self._cuda else -1
+        # Small gradients waiting to leave together: (index, micro-step, gradient), all made on
+        # the stream _batch_stream; their memory is held until their copies are enqueued.
+        self._batch: list[tuple[int, int, torch.Tensor]] = []
+        self._batch_stream = 0
+        self._batch_bytes = 0
+        self._batch_task = -2  # the backward whose end sends the batch (a graph task id)
+        self._send_batch_timed = self.clock.timed("optimizer.gradient_batch", self._send_batch)
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
@@ -168,6 +181,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 [(0, 0) if id(p) in initial else (p.data_ptr(), p.numel() * p.element_size())
                  for p in self._params])
         self._hooked_modules: set[int] = set()
+        self._wait_blocks: dict[int, Any] = {}  # blocks that wait for everything inside them
         self._hooked_dicts: set[int] = set()
         self._model: Any = None
         for i, p in enumerate(self._params):
@@ -211,29 +225,53 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._host.post(i)
             return
         if micro > 0:
+            self._send_batch()  # the last micro-step's gradient may still wait in it
             self._host.wait_consumed(i)
         if micro + 1 == self.accumulation_steps:
             self._updates_landing = True
         grad = p.grad
-        current = torch.cuda.current_stream(p.device)
         convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
         nbytes = grad.numel() * self._grad_sizes[i]
         if convert or nbytes > _SIDE_STREAM_BYTES:
             # The side stream, after the work that made the gradient; the allocator keeps its
             # memory until that stream is done with it.
             stream = self._copy_stream
-            stream.wait_stream(current)
+            stream.wait_stream(cuda_streams.current(self._device_index))
             grad.record_stream(stream)
             if convert:
                 with torch.cuda.stream(stream):
                     grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
+            pointer = stream.cuda_stream
+            self._host.send_gradient(i, micro, grad, pointer)
         else:
-            # On the compute stream: its later work (reusing this memory, once p.grad lets go
-            # of it) is ordered after the copy.
-            stream = current
-        self._host.send_gradient(i, micro, grad, stream)
+            # On the compute stream, in a batch: its later work (reusing this memory once the
+            # batch lets go of it) is ordered after the copies.
+            self._add_to_batch(i, micro, grad, nbytes)
         self.bytes_to_host += nbytes
         p.grad = None  # no gradient stays in VRAM
+
+    def _add_to_batch(self, i: int, micro: int, grad: torch.Tensor, nbytes: int) -> None:
+        pointer = cuda_streams.current_pointer(self._device_index)
+        if self._batch and pointer != self._batch_stream:
+            self._send_batch()
+        task = _graph_task()
+        if task == -1:  # not inside a backward (no end to wait for): sent now
+            self._host.send_gradient(i, micro, grad, pointer)
+            return
+        if task != self._batch_task:
+            # Sent at the latest when this backward ends (a recompute's inner backward too).
+            torch.autograd.Variable._execution_engine.queue_callback(self._send_batch_timed)
+            self._batch_task = task
+        self._batch.append((i, micro, grad))
+        self._batch_stream = pointer
+        self._batch_bytes += nbytes
+        if len(self._batch) >= _BATCH_GRADIENTS or self._batch_bytes >= _BATCH_BYTES:
+            self._send_batch()
+
+    def _send_batch(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if batch:
+            self._host.send_gradients(batch, self._batch_stream)
 
     def stop_returning(self, param_ids: set) -> None:
         """These parameters' updates are no longer copied to the device (their device memory is
@@ -295,12 +333,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         # block's are read from the host copy at each fetch: nothing to wait for).
         indices = self._module_indices.get(key)
         if indices is None:
-            indices = [self._index[id(p)] for p in module.parameters(recurse=False)
+            indices = [self._index[id(p)] for p in module.parameters(recurse=key in
+                                                                     self._wait_blocks)
                        if id(p) in self._index and self._index[id(p)] not in self._paged_indices]
             self._module_indices[key] = indices
         if not indices:
             return
-        stream = torch.cuda.current_stream(self._params[indices[0]].device)
+        stream = cuda_streams.current(self._device_index)
         if self._ready:
             for i in indices:
                 event = self._ready.pop(id(self._params[i]), None)
@@ -309,17 +348,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._device_return:
             self._host._native.wait_for_parameters(indices, stream.cuda_stream)
 
-    def attach_forward_waits(self, model: torch.nn.Module) -> None:
-        """Makes each module's forward wait for its own parameters' new values (CUDA only)."""
+    def attach_forward_waits(self, model: torch.nn.Module, blocks: Iterable[Any] = ()) -> None:
+        """Makes each module's forward wait for its own parameters' new values (CUDA only).
+        Each of ``blocks`` (the repeated layers) waits once, for every trained parameter inside
+        it: one hook where a LoRA block would have seven, and none that a recomputed block's
+        second forward calls again (its updates cannot have come back by then)."""
         if not self._cuda:
             return
         self._model = model
-        for module in model.modules():
+        self._wait_blocks.update({id(b): b for b in blocks})
+        inside_blocks = {id(m) for b in self._wait_blocks.values() for m in b.modules()}
+        candidates = [(b, True) for b in self._wait_blocks.values()] + [
+            (m, False) for m in model.modules() if id(m) not in inside_blocks]
+        for module, whole in candidates:
             if id(module) in self._hooked_modules:
                 continue
             # Only modules that own a trained parameter have copies to wait for (a frozen
             # base's layers get none): a pre-hook on every module costs each forward a call.
-            if any(id(p) in self._index for p in module.parameters(recurse=False)):
+            if any(id(p) in self._index for p in module.parameters(recurse=whole)):
                 self._hooked_modules.add(id(module))
                 self._hooks.append(module.register_forward_pre_hook(self._forward_wait_timed))
         self._module_indices.clear()  # parameters may have been added since
@@ -332,6 +378,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Blocks until every queued copy in either direction has landed."""
         if self._cuda:
+            self._send_batch()
             self._host.drain_gradients()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
@@ -394,6 +441,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{self.accumulation_steps}")
         self._push_hyperparameters()
         if self._cuda:
+            self._send_batch()
             self._host.drain_gradients()
         for i, count in enumerate(self._backwards):
             if count == 0:  # no gradient this step: left alone, as torch does
@@ -732,10 +780,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         return info
 
 
+def _graph_task() -> int:
+    """The autograd backward this thread runs now (its graph task id), -1 when none."""
+    return _current_graph_task() if _current_graph_task is not None else -1
+
+
+# Each backward's id, from torch (-1 outside one); a torch without it sends each gradient on
+# its own, and lets every forward wait.
+_current_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """Whether this thread runs an autograd backward now (a recompute inside it, say)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task() != -1
 
 
 def _group(g: dict) -> dict:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import cuda_streams
 from .hook_clock import HookClock
 
 # Forwards timed when a measured block is replayed (after one warm-up).
@@ -110,6 +111,7 @@ class BlockPager:
         self.device = torch.device(device) if device is not None else next(
             self.blocks[0].parameters()).device
         self.cuda = self.device.type == "cuda"
+        self._device_index = cuda_streams.device_index(self.device) if self.cuda else -1
         self.saved: dict[int, list[_Offloaded]] = {}
         self.bytes_offloaded = 0
         # Activations still crossing to host memory keep their device memory until the copy
@@ -117,11 +119,15 @@ class BlockPager:
         self.max_inflight_bytes = int(max_inflight_bytes)
         self._inflight: collections.deque = collections.deque()
         self._inflight_bytes = 0
-        # Copies to host of the block running now: one event for all of them, recorded after
-        # its forward (an event per tensor cost two CUDA calls each).
-        self._unrecorded: list[_Offloaded] = []
-        self._unrecorded_bytes = 0
+        # Activations the block running now saved, with their device tensors: copied to host
+        # together after its forward, behind one event (a stream switch and an event per
+        # tensor cost the CPU more than the copy's own call).
+        self._unissued: list[tuple[_Offloaded, torch.Tensor]] = []
+        self._unissued_bytes = 0
         self._compute_waited: Any = None  # the last copy-back event the compute stream waited on
+        # Blocks whose backward has asked for their predecessor's activations since their
+        # forward.
+        self._predecessor_asked: set[int] = set()
         self.inflight_waits = 0
         self.left_on_host_bytes = 0  # paged weights that close() could not put back on the device
         # Host memory for activations: the daemon's (an ActivationArena, or a callable making
@@ -297,7 +303,7 @@ class BlockPager:
         slot.block, slot.generation = b, self.generation
         if self.cuda:
             if slot.released is None:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self.stream.wait_stream(cuda_streams.current(self._device_index))
             else:
                 self.stream.wait_event(slot.released)
             with torch.cuda.stream(self.stream):
@@ -337,7 +343,7 @@ class BlockPager:
         """Points block ``b``'s parameters at its slot, once the fetch has landed."""
         slot = self._fetch(b)
         if self.cuda and slot.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            cuda_streams.current(self._device_index).wait_event(slot.ready)
         for (p, _, _), view in zip(self.layout[b], self._views(b, slot)):
             p.data = view
         self.bound.add(b)
@@ -356,7 +362,7 @@ class BlockPager:
             return
         if self.cuda:
             slot.released = torch.cuda.Event()
-            slot.released.record(torch.cuda.current_stream(self.device))
+            slot.released.record(cuda_streams.current(self._device_index))
 
     def _prefetch_after(self, b: int, step: int) -> None:
         k = self.position[b]
@@ -379,6 +385,7 @@ class BlockPager:
                 self._prefetch_after(b, +1)
             if b in self.saved:
                 self.saved[b] = []  # last step's are gone with its graph
+                self._predecessor_asked.discard(b)
                 if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
                     self.arena.reset()  # a new step: the last one's backward is over
             if b in self.saved or b in self.measure:
@@ -405,8 +412,8 @@ class BlockPager:
             saved = self._saved_hooks.pop(b, None)
             if saved is not None:
                 saved.__exit__(None, None, None)
-                if self._unrecorded:
-                    self._record_offloads()
+                if self._unissued:
+                    self._issue_offloads()
                 if b in self.position:
                     # Its last gradient landing frees the slot early, unless frozen weights
                     # (LoRA's base) are still read for the input gradient after it.
@@ -528,35 +535,38 @@ class BlockPager:
             return t.detach()
         item = _Offloaded(b, host, None)
         if self.cuda:
-            if self._unrecorded and (self._inflight_bytes + self._unrecorded_bytes + nbytes
-                                     > self.max_inflight_bytes):
-                # This block alone passes the cap: an event for its copies so far, so that
-                # the wait below has something of this block's to wait for.
-                self._record_offloads()
-            self._limit_inflight(self._unrecorded_bytes + nbytes)
-            # After the work that made it, on the activation stream: no weight fetch waits.
-            self.activation_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.activation_stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self.activation_stream)  # not reused before the copy is done
-            self._unrecorded.append(item)
-            self._unrecorded_bytes += nbytes
+            if self._unissued and (self._inflight_bytes + self._unissued_bytes + nbytes
+                                   > self.max_inflight_bytes):
+                # This block alone passes the cap: its copies so far start now, so that the
+                # wait below has something of this block's to wait for.
+                self._issue_offloads()
+            self._limit_inflight(self._unissued_bytes + nbytes)
+            self._unissued.append((item, t))
+            self._unissued_bytes += nbytes
         else:
             host.copy_(t)
         self.bytes_offloaded += nbytes
         self.saved[b].append(item)
         return item
 
-    def _record_offloads(self) -> None:
-        """One event after the running block's copies to host memory: what bringing them back
-        waits for, and what bounds the bytes in flight."""
+    def _issue_offloads(self) -> None:
+        """Copies the running block's saved activations to host memory on the activation
+        stream, after the work that made them, behind one event: what bringing them back waits
+        for, and what bounds the bytes in flight."""
+        stream = self.activation_stream
+        stream.wait_stream(cuda_streams.current(self._device_index))
+        with torch.cuda.stream(stream):
+            for item, t in self._unissued:
+                item.host.copy_(t, non_blocking=True)
+        for _, t in self._unissued:
+            t.record_stream(stream)  # not reused before its copy is done
         copied = torch.cuda.Event()
-        copied.record(self.activation_stream)
-        for item in self._unrecorded:
+        copied.record(stream)
+        for item, _ in self._unissued:
             item.copied = copied
-        self._inflight.append((copied, self._unrecorded_bytes))
-        self._inflight_bytes += self._unrecorded_bytes
-        self._unrecorded, self._unrecorded_bytes = [], 0
+        self._inflight.append((copied, self._unissued_bytes))
+        self._inflight_bytes += self._unissued_bytes
+        self._unissued, self._unissued_bytes = [], 0
 
     def _limit_inflight(self, nbytes: int) -> None:
         while self._inflight and self._inflight[0][0].query():  # landed already
@@ -568,7 +578,7 @@ class BlockPager:
             self.inflight_waits += 1
 
     def _wait_for_copies(self) -> None:
-        compute = torch.cuda.current_stream(self.device)
+        compute = cuda_streams.current(self._device_index)
         compute.wait_stream(self.stream)
         compute.wait_stream(self.activation_stream)
 
@@ -582,12 +592,12 @@ class BlockPager:
             for item in todo:
                 item.device = item.host
             return
-        if self._unrecorded:  # a forward that never reached its end hook
-            self._record_offloads()
+        if self._unissued:  # a forward that never reached its end hook
+            self._issue_offloads()
         # Allocated from the compute stream's pool (where they are used and freed); the copies
         # wait for the compute stream's earlier work, and the allocator waits for the copies
         # before it reuses the memory.
-        compute = torch.cuda.current_stream(self.device)
+        compute = cuda_streams.current(self._device_index)
         for item in todo:
             item.device = torch.empty_like(item.host, device=self.device)
         self.activation_stream.wait_stream(compute)
@@ -604,15 +614,18 @@ class BlockPager:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Offloaded):
-            self._bring_back([packed])
-            # Backward reached this block: its predecessor's activations come back now (those
-            # backward has not used yet), in one batch.
-            k = self.offloading.index(packed.block)
-            if k > 0:
-                self._bring_back([item for item in self.saved[self.offloading[k - 1]]
-                                  if not item.used])
+            if packed.device is None:
+                self._bring_back([packed])
+            if packed.block not in self._predecessor_asked:
+                # Backward reached this block: its predecessor's activations come back now
+                # (those backward has not used yet), in one batch.
+                self._predecessor_asked.add(packed.block)
+                k = self.offloading.index(packed.block)
+                if k > 0:
+                    self._bring_back([item for item in self.saved[self.offloading[k - 1]]
+                                      if not item.used])
             if self.cuda:
-                compute = torch.cuda.current_stream(self.device)
+                compute = cuda_streams.current(self._device_index)
                 # A batch's event once per stream: later waits on it would add nothing.
                 if self._compute_waited != (compute, packed.returned):
                     compute.wait_event(packed.returned)

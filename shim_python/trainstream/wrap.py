@@ -18,6 +18,7 @@ from .block_memory import (FrozenWeights, adaptive_plan, keep_daemon_weights_on_
                            page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
+from .blocks import find_blocks
 from .gpu_pools import gpu_pools
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
 
@@ -291,7 +292,6 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
     chosen as quantize_choice describes, and an event saying why."""
     from . import quantize_choice
     from .block_memory import vram_budget
-    from .blocks import find_blocks
 
     if quantize_choice.frozen_linear_count(model) == 0:
         events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize"))
@@ -431,7 +431,9 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"{dist.get_rank() // world} of {topology.machines} "
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
-    offload.attach_forward_waits(model)
+    offload.attach_forward_waits(model, paging.blocks if paging is not None else
+                                 list(config["blocks"]) if config["blocks"] is not None else
+                                 find_blocks(model))
     frozen = FrozenWeights(client)
     pager = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)

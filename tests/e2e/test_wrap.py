@@ -233,6 +233,32 @@ def test_updates_follow_a_parameter_given_new_storage(daemon_socket):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_block_waits_for_its_own_updates_once_per_forward(daemon_socket):
+    # Updates are copied back to the GPU during backward, and a forward waits for its own
+    # parameters' copies. A block waits once for everything inside it, rather than each of its
+    # layers on its own (a LoRA block would call seven hooks); training stays exact.
+    torch.manual_seed(11)
+    ref = TinyGPT(layers=3).to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True)
+
+    def waits():
+        hooks = trainstream.memory_report(ours)["hooks"]["per_hook"]
+        return hooks["optimizer.forward_wait"]["calls"]
+
+    before = waits()
+    train(ref, ref_opt, 3)
+    train(ours, opt, 3)
+    # Each forward: the 3 blocks, and the 4 modules outside them that own a trained parameter
+    # (wte, wpe, ln_f and the tied head).
+    assert waits() - before == 3 * (3 + 4)
+    assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
     torch.manual_seed(6)
     ref = TinyGPT().to("cuda")

@@ -91,8 +91,9 @@ def test_torch_copies_cross_the_gib_marks_of_a_large_segment(start_daemon):
 
 
 def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
-    """HostOptimizer.send_gradient: the copy runs on the caller's stream and a native thread
-    posts it once landed; the update that follows reads exactly the device's gradient."""
+    """HostOptimizer.send_gradient and send_gradients (a batch behind one event): the copies
+    run on the caller's stream and a native thread posts them once landed; the update that
+    follows reads exactly the device's gradients."""
     from trainstream import HostOptimizer, ParameterSpec
 
     d = start_daemon("--memory_budget=2G")
@@ -107,6 +108,11 @@ def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
         with pytest.raises(trainstream.InvalidArgumentError,
                            match="a 4004-byte gradient does not fit its 4000-byte buffer"):
             opt.send_gradient(0, 0, too_big, torch.cuda.current_stream())
+        # In a batch, the oversized one is refused before anything of the batch is sent.
+        with pytest.raises(trainstream.InvalidArgumentError,
+                           match="a 4004-byte gradient does not fit its 4000-byte buffer"):
+            opt.send_gradients([(1, 0, torch.zeros(shapes[1], device="cuda")),
+                                (0, 0, too_big)], torch.cuda.current_stream())
         reference = [torch.nn.Parameter(w.clone()) for w in weights]
         ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0)
         stream = torch.cuda.Stream()
@@ -114,8 +120,13 @@ def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
             grads = [torch.randn(s, device="cuda") for s in shapes]
             stream.wait_stream(torch.cuda.current_stream())  # after the gradients are made
             with torch.cuda.stream(stream):  # sent from a stream of the caller's
-                for i, g in enumerate(grads):
-                    opt.send_gradient(i, 0, g.mul(2.0), stream)
+                doubled = [g.mul(2.0) for g in grads]
+                if step == 1:  # one batch, one event
+                    opt.send_gradients(list(zip(range(len(shapes)), [0, 0], doubled)),
+                                       stream.cuda_stream)
+                else:
+                    for i, g in enumerate(doubled):
+                        opt.send_gradient(i, 0, g, stream)
             opt.drain_gradients()  # every post is rung: the daemon has them all
             result = opt.wait()
             assert result["updated"] == [True, True] and not result["skipped"]

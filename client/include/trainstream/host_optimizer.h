@@ -103,6 +103,18 @@ class HostOptimizer {
   // Failures of the copy or the post come back from DrainGradients.
   absl::Status SendGradient(uint32_t index, uint64_t iteration, uint32_t micro, int device,
                             const void* device_src, uint64_t bytes, void* stream);
+  // One gradient of a batch for SendGradients.
+  struct GradientCopy {
+    uint32_t index;
+    uint32_t micro;
+    const void* device_src;
+    uint64_t bytes;
+  };
+  // As SendGradient for each of `copies` (on `stream`, all of iteration `iteration`), posted
+  // together once every copy has landed: a block's small gradients cost one call and one event
+  // instead of one each.
+  absl::Status SendGradients(uint64_t iteration, int device,
+                             const std::vector<GradientCopy>& copies, void* stream);
   // Blocks until every gradient sent so far is posted; returns the first failure since the
   // last call.
   absl::Status DrainGradients();
