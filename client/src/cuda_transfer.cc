@@ -85,4 +85,24 @@ absl::Status CopyToHost(const HostBuffer& buffer, uint64_t offset, const void* d
                      /*to_device=*/false);
 }
 
+absl::Status CopyPieces(const std::vector<CopyPiece>& pieces, void* stream) {
+#ifdef TRAINSTREAM_HAVE_CUDA
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const CopyPiece& p = pieces[i];
+    cudaError_t rc = cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault,
+                                     static_cast<cudaStream_t>(stream));
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrFormat(
+          "cudaMemcpyAsync of piece %d of %d (%d bytes) failed: %s", i, pieces.size(), p.bytes,
+          cudaGetErrorString(rc)));
+    }
+  }
+  return absl::OkStatus();
+#else
+  if (pieces.empty()) return absl::OkStatus();
+  return absl::UnavailableError("this build of trainstream has no CUDA support");
+#endif
+}
+
 }  // namespace trainstream::client

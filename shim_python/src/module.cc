@@ -141,6 +141,20 @@ PYBIND11_MODULE(_trainstream, m) {
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
   });
+  // Host<->device copies of (dst, src, bytes) pointer pieces, queued on `stream` in one call.
+  using Piece = std::tuple<uintptr_t, uintptr_t, uint64_t>;
+  m.def("copy_pieces",
+        [](uintptr_t stream, const std::vector<Piece>& pieces) {
+          std::vector<trainstream::client::CopyPiece> batch;
+          batch.reserve(pieces.size());
+          for (const auto& [dst, src, bytes] : pieces) {
+            batch.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                             bytes});
+          }
+          Released([&] {
+            return trainstream::client::CopyPieces(batch, reinterpret_cast<void*>(stream));
+          });
+        });
   m.def("cuda_available", [] {
     std::string why;
     bool ok = trainstream::client::CudaAvailable(&why);

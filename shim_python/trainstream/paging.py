@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import cuda_streams
+from . import _trainstream, cuda_streams
 from .hook_clock import HookClock
 
 # Forwards timed when a measured block is replayed (after one warm-up).
@@ -138,6 +138,7 @@ class BlockPager:
         self.host: dict[int, torch.Tensor] = {}
         self._host_copy = host_copy
         self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        self.layout_bytes: dict[int, int] = {}  # per block: its weights' bytes
         self.slot_bytes = 0
         self.slots: list[_Slot] = []
         # Weights and activations copied on streams of their own: an activation's copy waits
@@ -197,13 +198,22 @@ class BlockPager:
         for b in added:
             self.params[b] = list(self.blocks[b].parameters(recurse=True))
             for p in self.params[b]:
-                self.host[id(p)] = self._host_copy(p)
+                host = self._host_copy(p)
+                if (host.dtype != p.dtype or host.shape != p.shape
+                        or not host.is_contiguous()):
+                    raise ValueError(
+                        f"the host copy of a {tuple(p.shape)} {p.dtype} parameter of block {b} "
+                        f"is a {tuple(host.shape)} {host.dtype} tensor"
+                        f"{'' if host.is_contiguous() else ' (not contiguous)'}: it must match "
+                        "the parameter, contiguous")
+                self.host[id(p)] = host
             offset, parts = 0, []
             for p in self.params[b]:
                 offset = (offset + 255) // 256 * 256  # every view aligned as the allocator would
                 parts.append((p, offset, p.numel() * p.element_size()))
                 offset += p.numel() * p.element_size()
             self.layout[b] = parts
+            self.layout_bytes[b] = sum(nbytes for _, _, nbytes in parts)
             self.slot_bytes = max(self.slot_bytes, (offset + 255) // 256 * 256)
         self.paged = sorted(set(self.paged) | set(added))
         self.position = {b: k for k, b in enumerate(self.paged)}
@@ -246,6 +256,7 @@ class BlockPager:
                 p.data = host.to(self.device, copy=True) if self.cuda else host
                 self.placeholders.pop(id(p), None)
             self.layout.pop(b)
+            self.layout_bytes.pop(b)
             self.pending_grads.pop(b, None)
         self.paged = [b for b in self.paged if b not in removed]
         self.position = {b: k for k, b in enumerate(self.paged)}
@@ -306,8 +317,7 @@ class BlockPager:
                 self.stream.wait_stream(cuda_streams.current(self._device_index))
             else:
                 self.stream.wait_event(slot.released)
-            with torch.cuda.stream(self.stream):
-                self._copy_in(b, slot)
+            self._copy_in(b, slot)
             slot.ready = torch.cuda.Event()
             slot.ready.record(self.stream)
         else:
@@ -335,9 +345,17 @@ class BlockPager:
 
     def _copy_in(self, b: int, slot: _Slot) -> None:
         host = self.host
-        for (p, _, nbytes), view in zip(self.layout[b], self._views(b, slot)):
-            view.copy_(host[id(p)], non_blocking=True)
-            self.bytes_fetched += nbytes
+        pairs = zip(self.layout[b], self._views(b, slot))
+        if self.cuda:
+            # The block's weights in one native call, on the weight stream (torch would
+            # dispatch each tensor's copy on its own: a block has a score of them).
+            _trainstream.copy_pieces(self.stream.cuda_stream,
+                                     [(view.data_ptr(), host[id(p)].data_ptr(), nbytes)
+                                      for (p, _, nbytes), view in pairs])
+        else:
+            for (p, _, _), view in pairs:
+                view.copy_(host[id(p)])
+        self.bytes_fetched += self.layout_bytes[b]
 
     def _bind(self, b: int) -> None:
         """Points block ``b``'s parameters at its slot, once the fetch has landed."""
@@ -555,9 +573,8 @@ class BlockPager:
         for, and what bounds the bytes in flight."""
         stream = self.activation_stream
         stream.wait_stream(cuda_streams.current(self._device_index))
-        with torch.cuda.stream(stream):
-            for item, t in self._unissued:
-                item.host.copy_(t, non_blocking=True)
+        _trainstream.copy_pieces(stream.cuda_stream, [(item.host.data_ptr(), t.data_ptr(),
+                                                       t.nbytes) for item, t in self._unissued])
         for _, t in self._unissued:
             t.record_stream(stream)  # not reused before its copy is done
         copied = torch.cuda.Event()
@@ -603,9 +620,9 @@ class BlockPager:
         self.activation_stream.wait_stream(compute)
         for event in {id(item.copied): item.copied for item in todo}.values():
             self.activation_stream.wait_event(event)
-        with torch.cuda.stream(self.activation_stream):
-            for item in todo:
-                item.device.copy_(item.host, non_blocking=True)
+        _trainstream.copy_pieces(self.activation_stream.cuda_stream,
+                                 [(item.device.data_ptr(), item.host.data_ptr(),
+                                   item.host.nbytes) for item in todo])
         returned = torch.cuda.Event()
         returned.record(self.activation_stream)
         for item in todo:

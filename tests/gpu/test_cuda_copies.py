@@ -135,3 +135,39 @@ def test_gradients_sent_from_device_land_and_are_posted(start_daemon):
             ref_opt.step()
             for i, p in enumerate(reference):
                 assert torch.allclose(opt.master(i), p.detach(), rtol=1e-5, atol=1e-6), step
+
+
+def test_copy_pieces_moves_a_batch_both_ways_in_one_call(start_daemon):
+    """copy_pieces (the pager's copies of a block's weights and activations): every piece
+    lands where asked, between a daemon buffer and device memory, in either direction."""
+    from trainstream import _trainstream
+
+    d = start_daemon("--memory_budget=1G")
+    with trainstream.connect(d.socket, job_id="pieces") as client:
+        buffer = client.allocate("pieces", 4 << 20, tag="test")
+        host = buffer.tensor(torch.float32)
+        host.copy_(torch.arange(host.numel(), dtype=torch.float32))
+        device = torch.zeros_like(host, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the zeros
+        quarter = host.numel() // 4
+        # Quarters 0, 2 and 3 in, quarter 1 left alone.
+        _trainstream.copy_pieces(stream.cuda_stream,
+                                 [(device[k * quarter:].data_ptr(), host[k * quarter:].data_ptr(),
+                                   quarter * 4) for k in (0, 2, 3)])
+        stream.synchronize()
+        expected = host.clone()
+        expected[quarter:2 * quarter] = 0
+        assert torch.equal(device.cpu(), expected)
+        # Out again: the first half of the device tensor over the buffer's second half.
+        device.add_(1)
+        stream.wait_stream(torch.cuda.current_stream())
+        half = host.numel() // 2
+        _trainstream.copy_pieces(stream.cuda_stream,
+                                 [(host[half:].data_ptr(), device.data_ptr(), half * 4)])
+        stream.synchronize()
+        assert torch.equal(host[half:], expected[:half] + 1)
+        assert torch.equal(host[:half], torch.arange(half, dtype=torch.float32))
+        with pytest.raises(trainstream.TrainStreamError,
+                           match="cudaMemcpyAsync of piece 0 of 1 \\(16 bytes\\) failed"):
+            _trainstream.copy_pieces(stream.cuda_stream, [(0, host.data_ptr(), 16)])

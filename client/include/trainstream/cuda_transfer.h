@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "trainstream/client.h"
@@ -22,6 +23,19 @@ absl::Status CopyToDevice(const HostBuffer& buffer, uint64_t offset, void* devic
                           uint64_t bytes, void* stream);
 absl::Status CopyToHost(const HostBuffer& buffer, uint64_t offset, const void* device_src,
                         uint64_t bytes, void* stream);
+
+// One piece of a CopyPieces batch: `bytes` from `src` to `dst`, either of them pinned host
+// memory (registered or allocated pinned) and the other device memory.
+struct CopyPiece {
+  void* dst;
+  const void* src;
+  uint64_t bytes;
+};
+
+// Enqueues every piece on `stream` in order, the direction told by the addresses: one call for
+// a block's weights or activations, where torch would dispatch each tensor's copy on its own.
+// The memory must stay valid until the copies have run on `stream`.
+absl::Status CopyPieces(const std::vector<CopyPiece>& pieces, void* stream);
 
 }  // namespace trainstream::client
 
