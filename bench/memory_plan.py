@@ -32,7 +32,7 @@ copy engines' and the kernels' busy time, pinned or pageable copies, the CPU's o
 Python function and operator, and the longest stretches with nothing crossing to the GPU.
 
     python bench/memory_plan.py [--cases gpt1.8b qwen14b_512 ...] [--json out.json] [--trace DIR]
-                                [--cprofile]
+                                [--cprofile] [--daemon-threads N]
 """
 
 from __future__ import annotations
@@ -266,6 +266,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--trace", default="",
                         help="profile two steps of each mode into this folder")
+    parser.add_argument("--daemon-threads", type=int, default=0,
+                        help="the daemon's optimizer threads (default: one per core): a full "
+                             "fine-tune's host pass shares the cores with the training process")
     parser.add_argument("--cprofile", action="store_true",
                         help="two more steps of each mode under cProfile: the top functions")
     add_worker_arguments(parser)
@@ -285,7 +288,8 @@ def main() -> None:
     print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, "
           f"device->host {bandwidth['d2h_gbps']} GB/s", flush=True)
     rows = []
-    with private_daemon("85%") as socket:
+    flags = [f"--threads={args.daemon_threads}"] if args.daemon_threads else []
+    with private_daemon("85%", *flags) as socket:
         for name in args.cases:
             case = CASES[name]
             modes = args.modes or case.get("modes") or (
@@ -304,6 +308,7 @@ def main() -> None:
                     json.dump({"bench": "memory_plan", "date": time.strftime("%Y-%m-%d"),
                                "host": platform.node(), "gpu": torch.cuda.get_device_name(0),
                                "torch": torch.__version__, "bandwidth": bandwidth,
+                               "daemon_threads": args.daemon_threads or "one per core",
                                "rows": rows}, f, indent=1)
 
 
