@@ -9,6 +9,9 @@
 
 #ifdef TRAINSTREAM_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "cuda_status.h"
+#include "trainstream/status_macros.h"
 #endif
 
 namespace trainstream::client {
@@ -89,14 +92,11 @@ absl::Status CopyPieces(const std::vector<CopyPiece>& pieces, void* stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
   for (size_t i = 0; i < pieces.size(); ++i) {
     const CopyPiece& p = pieces[i];
-    cudaError_t rc = cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault,
-                                     static_cast<cudaStream_t>(stream));
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      return absl::InternalError(absl::StrFormat(
-          "cudaMemcpyAsync of piece %d of %d (%d bytes) failed: %s", i, pieces.size(), p.bytes,
-          cudaGetErrorString(rc)));
-    }
+    const std::string what =
+        absl::StrFormat("cudaMemcpyAsync of piece %d of %d (%d bytes)", i, pieces.size(), p.bytes);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault,
+                                               static_cast<cudaStream_t>(stream)),
+                               what.c_str()));
   }
   return absl::OkStatus();
 #else

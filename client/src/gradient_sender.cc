@@ -105,9 +105,11 @@ void GradientSender::Run() {
     }
     absl::Status s = CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(next.event)),
                                 "cudaEventSynchronize (gradients' copies to host memory)");
-    for (const auto& [index, micro] : next.posts) {
-      if (!s.ok()) break;
-      s = post_(index, next.iteration, micro);
+    if (s.ok()) {
+      for (const auto& [index, micro] : next.posts) {
+        absl::Status posted = post_(index, next.iteration, micro);
+        if (!posted.ok() && s.ok()) s = posted;  // the rest of the batch still flows
+      }
     }
     absl::MutexLock lock(&mu_);
     free_events_.push_back(next.event);

@@ -48,7 +48,8 @@ class GradientSender {
   // of them have landed: one event and one wake-up of the thread for the batch. The device
   // memory must stay valid until the copies have run on `stream` (the caching allocator
   // guarantees it for memory freed to `stream` itself). INVALID_ARGUMENT, with nothing
-  // enqueued, when any copy exceeds its buffer.
+  // enqueued, when any copy exceeds its buffer; a CUDA failure midway leaves the copies before
+  // it enqueued and none of the batch posted (the iteration cannot complete, and says why).
   absl::Status Send(uint64_t iteration, const std::vector<Copy>& copies, void* stream);
   // Blocks until every post sent so far has been rung; returns (and forgets) the first
   // failure since the last Drain.

@@ -98,7 +98,7 @@ def paging_choice(model: torch.nn.Module, config: dict,
     """The block stack's paging and recompute, from param_offload, activation_offload and
     recompute (each "auto" by default: planned against the VRAM budget); checked before anything
     is set up, so a bad choice costs nothing. None when nothing pages, recomputes or adapts."""
-    from .blocks import find_blocks
+    from .blocks import find_blocks, has_forward
 
     weights, acts, again = (config["param_offload"], config["activation_offload"],
                             config["recompute"])
@@ -126,6 +126,13 @@ def paging_choice(model: torch.nn.Module, config: dict,
         return None
     explicit = config["blocks"] is not None
     blocks = list(config["blocks"]) if explicit else find_blocks(model)
+    uncalled = [i for i, b in enumerate(blocks) if not has_forward(b)]
+    if uncalled:
+        raise ValueError(
+            f"trainstream.wrap: blocks[{uncalled[0]}] is a {type(blocks[uncalled[0]]).__name__} "
+            "without a forward of its own: a block must be a module the model calls (its "
+            "weights are bound and its activations paged around that call); pass the layers "
+            "themselves")
     if not blocks:
         if not (is_off(weights) and is_off(acts) and is_off(again)):
             raise ValueError("trainstream.wrap: param_offload, activation_offload and recompute "

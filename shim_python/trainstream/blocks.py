@@ -12,10 +12,19 @@ def _signature(module: Any) -> tuple:
                                 for name, p in module.named_parameters()))
 
 
+def has_forward(module: Any) -> bool:
+    """Whether ``module`` is called itself (a class with its own ``forward``), as the hooks on a
+    block need: an ``nn.ModuleList`` holding a layer's parts is iterated, never called."""
+    from torch import nn
+
+    return type(module).forward is not nn.Module.forward
+
+
 def find_blocks(model: Any) -> list:
     """The longest list of consecutive, identically built submodules held in one
     ``nn.ModuleList`` or ``nn.Sequential`` (a transformer's layers): same class, same parameter
-    names, shapes and dtypes. Empty when the model has no such stack of two or more."""
+    names, shapes and dtypes, each called as a whole (``has_forward``). Empty when the model has
+    no such stack of two or more."""
     from torch import nn
 
     best: list = []
@@ -27,7 +36,7 @@ def find_blocks(model: Any) -> list:
         for child in children:
             if run and _signature(child) != _signature(run[0]):
                 run = []
-            if next(child.parameters(), None) is None:
+            if next(child.parameters(), None) is None or not has_forward(child):
                 run = []
                 continue
             run.append(child)

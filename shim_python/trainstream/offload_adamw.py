@@ -19,6 +19,7 @@ import torch
 
 from . import client as _client
 from . import cuda_streams
+from .blocks import has_forward
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hook_clock import HookClock
 from .host_optimizer import HostOptimizer, ParameterSpec
@@ -97,7 +98,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._gradient_dtype = gradient_dtype
         self._names = names
         self._grad_dtypes = [gradient_dtype or p.dtype for p in self._params]
-        self._grad_sizes = [torch.tensor([], dtype=d).element_size() for d in self._grad_dtypes]
+        self._grad_sizes = [d.itemsize for d in self._grad_dtypes]
         specs = [ParameterSpec(_safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
                                self._grad_dtypes[i], group_of[id(p)])
                  for i, p in enumerate(self._params)]
@@ -356,7 +357,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not self._cuda:
             return
         self._model = model
-        self._wait_blocks.update({id(b): b for b in blocks})
+        # Only a block the model calls has a forward to hook (a ModuleList of a layer's parts
+        # is iterated, not called: its parts keep hooks of their own).
+        self._wait_blocks.update({id(b): b for b in blocks if has_forward(b)})
         inside_blocks = {id(m) for b in self._wait_blocks.values() for m in b.modules()}
         candidates = [(b, True) for b in self._wait_blocks.values()] + [
             (m, False) for m in model.modules() if id(m) not in inside_blocks]
@@ -667,7 +670,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, p in enumerate(new, start=start):
             self._index[id(p)] = i
         self._grad_dtypes += grad_dtypes
-        self._grad_sizes += [torch.tensor([], dtype=d).element_size() for d in grad_dtypes]
+        self._grad_sizes += [d.itemsize for d in grad_dtypes]
         if first <= start:
             self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
         self._backwards += [0] * len(new)

@@ -573,8 +573,7 @@ class BlockPager:
         for, and what bounds the bytes in flight."""
         stream = self.activation_stream
         stream.wait_stream(cuda_streams.current(self._device_index))
-        _trainstream.copy_pieces(stream.cuda_stream, [(item.host.data_ptr(), t.data_ptr(),
-                                                       t.nbytes) for item, t in self._unissued])
+        self._copy_activations(stream, [(item.host, t) for item, t in self._unissued])
         for _, t in self._unissued:
             t.record_stream(stream)  # not reused before its copy is done
         copied = torch.cuda.Event()
@@ -584,6 +583,19 @@ class BlockPager:
         self._inflight.append((copied, self._unissued_bytes))
         self._inflight_bytes += self._unissued_bytes
         self._unissued, self._unissued_bytes = [], 0
+
+    def _copy_activations(self, stream: Any, pairs: list) -> None:
+        """Copies each ``(destination, source)`` pair on ``stream``. The arena's host memory
+        (the daemon's, alive as long as the pager) takes one native call for all of them;
+        private pinned tensors go through torch, whose pinned-memory pool then keeps a freed
+        buffer from being handed out again before its copy has run."""
+        if self.arena is not None:
+            _trainstream.copy_pieces(stream.cuda_stream, [(dst.data_ptr(), src.data_ptr(),
+                                                           src.nbytes) for dst, src in pairs])
+            return
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
 
     def _limit_inflight(self, nbytes: int) -> None:
         while self._inflight and self._inflight[0][0].query():  # landed already
@@ -620,9 +632,8 @@ class BlockPager:
         self.activation_stream.wait_stream(compute)
         for event in {id(item.copied): item.copied for item in todo}.values():
             self.activation_stream.wait_event(event)
-        _trainstream.copy_pieces(self.activation_stream.cuda_stream,
-                                 [(item.device.data_ptr(), item.host.data_ptr(),
-                                   item.host.nbytes) for item in todo])
+        self._copy_activations(self.activation_stream,
+                               [(item.device, item.host) for item in todo])
         returned = torch.cuda.Event()
         returned.record(self.activation_stream)
         for item in todo:

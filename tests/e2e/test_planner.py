@@ -120,6 +120,11 @@ def test_find_blocks_returns_the_repeated_stack():
     gpt = GPT(PRESETS["tiny"])
     assert trainstream.find_blocks(gpt) == list(gpt.blocks)
     assert trainstream.find_blocks(torch.nn.Linear(4, 4)) == []
+    # A stack of ModuleLists holding each layer's parts (iterated by the model, never called)
+    # is no block stack: hooks around its entries would never run.
+    parts = torch.nn.ModuleList(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
+                                for _ in range(3))
+    assert trainstream.find_blocks(torch.nn.ModuleDict({"layers": parts})) == []
 
 
 def test_profile_hardware_measures_once_then_reads_the_cache(tmp_path, monkeypatch):

@@ -316,6 +316,15 @@ def test_host_arena_private_or_capped(daemon_socket, host_arena):
         assert torch.equal(a, b)
 
 
+def test_blocks_the_model_never_calls_are_refused(daemon_socket):
+    # Lists of a layer's parts are iterated, not called: no hook around them would ever run.
+    model = TinyGPT()
+    parts = torch.nn.ModuleList(torch.nn.ModuleList([b.attn, b.mlp]) for b in model.blocks)
+    with pytest.raises(ValueError, match=r"blocks\[0\] is a ModuleList without a forward of "
+                                         r"its own"):
+        trainstream.wrap(model, device=DEVICE, blocks=list(parts), param_offload=True)
+
+
 def test_paging_options_are_checked(daemon_socket):
     for bad in (dict(host_arena="big"), dict(host_arena=-1), dict(max_inflight_bytes=0),
                 dict(profile="yes")):

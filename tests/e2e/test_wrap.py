@@ -259,6 +259,33 @@ def test_each_block_waits_for_its_own_updates_once_per_forward(daemon_socket):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_gradients_leave_in_batches_by_the_end_of_backward(daemon_socket):
+    # TinyGPT's gradients are all under 1 MiB: they leave in batches, and the last batch when
+    # backward ends, not at step() (the host optimizer starts on them meanwhile).
+    torch.manual_seed(12)
+    ref = TinyGPT(layers=3).to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True, accumulation_steps=2)
+    for step in range(3):
+        for micro in range(2):
+            x, y = batch(2 * step + micro, device="cuda")
+            (loss_fn(ref, x, y) / 2).backward()
+            (loss_fn(ours, x, y) / 2).backward()
+            assert opt._batch == []  # sent when backward ended
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    hooks = trainstream.memory_report(ours)["hooks"]["per_hook"]
+    # The end-of-backward send ran for each of the six backward passes.
+    assert hooks["optimizer.gradient_batch"]["calls"] >= 6
+    assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
     torch.manual_seed(6)
     ref = TinyGPT().to("cuda")

@@ -34,7 +34,9 @@ struct CopyPiece {
 
 // Enqueues every piece on `stream` in order, the direction told by the addresses: one call for
 // a block's weights or activations, where torch would dispatch each tensor's copy on its own.
-// The memory must stay valid until the copies have run on `stream`.
+// The memory must stay valid until the copies have run on `stream`; nothing tells an allocator
+// so (torch's pinned-memory pool would hand a freed buffer out again before the copy ran). A
+// failure leaves the pieces before it enqueued.
 absl::Status CopyPieces(const std::vector<CopyPiece>& pieces, void* stream);
 
 }  // namespace trainstream::client
