@@ -173,6 +173,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._module_indices: dict[int, list[int]] = {}
         self._waited_modules: set[int] = set()  # modules whose forward waited since step()
         self._updates_landing = False  # a last micro-step's gradient left: updates come back
+        self._completed_early = False  # a forward completed this iteration before step()
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -184,6 +185,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._hooked_modules: set[int] = set()
         self._wait_blocks: dict[int, Any] = {}  # blocks that wait for everything inside them
         self._hooked_dicts: set[int] = set()
+        self._hooked_models: set[int] = set()
         self._model: Any = None
         for i, p in enumerate(self._params):
             self._take_over(i, p)
@@ -200,6 +202,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -- gradients out, weights back ----------------------------------------------------------
 
     def _on_gradient(self, p: torch.Tensor) -> None:
+        if self._completed_early:
+            raise FailedPreconditionError(
+                f"backward pass {self.accumulation_steps + 1} before step(); accumulation_steps "
+                f"is {self.accumulation_steps} (pass accumulation_steps= to wrap). A forward "
+                "after the last backward already applied this step's updates")
         i = self._index[id(p)]
         # A counter, not a scan of every parameter's count: this runs once per gradient.
         if self._grads_this_iteration == 0:
@@ -223,6 +230,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 slot.copy_(p.grad)
                 p.grad = slot
             if micro + 1 == self.accumulation_steps:  # the slot holds the sum of the passes
+                self._updates_landing = True
                 self._host.post(i)
             return
         if micro > 0:
@@ -321,7 +329,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._host._native.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
             self._targets[i] = p.data_ptr()
 
+    def _settle_updates(self) -> None:
+        """Between the last backward and step(), updates are still landing: a forward, or a
+        checkpoint, completes the iteration first and reads the new values, all of them."""
+        if self._updates_landing and not _in_backward() and self._gpu_optimizer is None:
+            self._complete_iteration()
+            self._completed_early = True
+
+    def _before_model_forward(self, module: Any, args: Any) -> None:
+        self._settle_updates()
+
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
+        self._settle_updates()  # a submodule called on its own, say
         key = id(module)
         if key in self._waited_modules and (not self._updates_landing or _in_backward()):
             # Waited on since the last step(), and no update of its own can have come back
@@ -350,10 +369,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._host._native.wait_for_parameters(indices, stream.cuda_stream)
 
     def attach_forward_waits(self, model: torch.nn.Module, blocks: Iterable[Any] = ()) -> None:
-        """Makes each module's forward wait for its own parameters' new values (CUDA only).
+        """Makes each module's forward wait for its own parameters' new values (CUDA), and a
+        forward between the last backward and step() wait for every update (CPU too).
         Each of ``blocks`` (the repeated layers) waits once, for every trained parameter inside
         it: one hook where a LoRA block would have seven, and none that a recomputed block's
         second forward calls again (its updates cannot have come back by then)."""
+        if id(model) not in self._hooked_models:
+            # A forward or a checkpoint between the last backward and step() completes the
+            # iteration first, on a CPU too (updates land in place there).
+            self._hooked_models.add(id(model))
+            self._hooks.append(model.register_forward_pre_hook(self._before_model_forward))
+            if hasattr(model, "register_state_dict_pre_hook"):
+                self._hooks.append(model.register_state_dict_pre_hook(
+                    lambda module, prefix, keep_vars: self._settle_updates()))
         if not self._cuda:
             return
         self._model = model
@@ -442,6 +470,27 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise FailedPreconditionError(
                 f"step() after {backwards} backward pass(es); accumulation_steps is "
                 f"{self.accumulation_steps}")
+        if not (self._completed_early and self._grads_this_iteration == 0):
+            self._complete_iteration()
+        self._completed_early = False
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self._step_times.append(now - self._last_step_end)
+        self._last_step_end = now
+        if self._adaptive is not None:
+            self._adaptive.after_step()
+        # Decided once the memory plan has settled: its peaks are what the choice compares.
+        if (self._switch_when_fits and self._host.iteration >= _AUTO_STEPS
+                and (self._adaptive is None or not self._adaptive.adapting)):
+            self._switch_when_fits = False
+            self._decide_offload()
+        return loss
+
+    def _complete_iteration(self) -> None:
+        """Waits for every update of the iteration (most finished during backward) and starts
+        their copies back: step()'s work, done early by a forward between the last backward
+        and step(). Updates land during backward, so such a forward would otherwise read
+        whichever had landed; it reads all of them instead."""
         self._push_hyperparameters()
         if self._cuda:
             self._send_batch()
@@ -475,18 +524,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                     event = torch.cuda.Event()
                     event.record(stream)
                     self._ready[id(p)] = event
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._step_times.append(now - self._last_step_end)
-        self._last_step_end = now
-        if self._adaptive is not None:
-            self._adaptive.after_step()
-        # Decided once the memory plan has settled: its peaks are what the choice compares.
-        if (self._switch_when_fits and self._host.iteration >= _AUTO_STEPS
-                and (self._adaptive is None or not self._adaptive.adapting)):
-            self._switch_when_fits = False
-            self._decide_offload()
-        return loss
 
     # -- offload="auto" -----------------------------------------------------------------------
 
@@ -687,6 +724,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""
         if self._gpu_optimizer is not None:
             return self._gpu_optimizer.state_dict()
+        self._settle_updates()  # between the last backward and step(): the updated state
         ours = self._host.state_dict()
         position = {id(p): n for n, p in enumerate(self._all)}
         state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}

@@ -77,6 +77,47 @@ def test_wrap_matches_stock_adamw_over_20_steps(daemon_socket, case):
     trainstream.unwrap(ours)
 
 
+def test_a_forward_between_backward_and_step_sees_every_update(daemon_socket):
+    # Updates are applied during backward, as each gradient arrives. A forward before step()
+    # (an evaluation, say) waits for all of them rather than reading whichever have landed,
+    # and step() then does not update twice.
+    torch.manual_seed(13)
+    ref = TinyGPT().to(DEVICE)
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True)
+    train(ref, ref_opt, 2)
+    train(ours, opt, 2)
+    x, y = batch(2, device=DEVICE)
+    loss_fn(ref, x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    loss_fn(ours, x, y).backward()
+    with torch.no_grad():
+        between = ours(x)
+    assert opt.steps == 3  # the forward completed the iteration
+    opt.step()
+    opt.zero_grad()
+    assert opt.steps == 3  # and step() did not start another
+    with torch.no_grad():
+        after, expected = ours(x), ref(x)
+    assert torch.equal(between, after)
+    assert (after - expected).abs().max().item() <= 1e-4
+    assert max_diff(ref, ours) <= 1e-5
+    train(ref, ref_opt, 2, start=3)  # and training carries on as before
+    train(ours, opt, 2, start=3)
+    assert max_diff(ref, ours) <= 1e-5 and opt.steps == 5
+    # A checkpoint taken there holds the step's weights too.
+    x, y = batch(5, device=DEVICE)
+    loss_fn(ours, x, y).backward()
+    saved = {k: v.detach().clone() for k, v in ours.state_dict().items()}
+    assert opt.steps == 6
+    opt.step()
+    assert opt.steps == 6
+    assert all(torch.equal(saved[k], v) for k, v in ours.state_dict().items())
+
+
 def test_state_dict_round_trip_resumes_the_same_trajectory(daemon_socket):
     torch.manual_seed(1)
     straight = TinyGPT().to(DEVICE)
