@@ -11,7 +11,6 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda_status.h"
-#include "trainstream/status_macros.h"
 #endif
 
 namespace trainstream::client {
@@ -92,11 +91,13 @@ absl::Status CopyPieces(const std::vector<CopyPiece>& pieces, void* stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
   for (size_t i = 0; i < pieces.size(); ++i) {
     const CopyPiece& p = pieces[i];
-    const std::string what =
-        absl::StrFormat("cudaMemcpyAsync of piece %d of %d (%d bytes)", i, pieces.size(), p.bytes);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault,
-                                               static_cast<cudaStream_t>(stream)),
-                               what.c_str()));
+    const cudaError_t rc =
+        cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
+    if (rc != cudaSuccess) {  // the message is built only on failure: this is a hot path
+      const std::string what = absl::StrFormat("cudaMemcpyAsync of piece %d of %d (%d bytes)", i,
+                                               pieces.size(), p.bytes);
+      return CudaStatus(rc, what.c_str());
+    }
   }
   return absl::OkStatus();
 #else

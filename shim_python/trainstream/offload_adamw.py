@@ -174,6 +174,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._waited_modules: set[int] = set()  # modules whose forward waited since step()
         self._updates_landing = False  # a last micro-step's gradient left: updates come back
         self._completed_early = False  # a forward completed this iteration before step()
+        self._finishable = False  # the last backward before step() has ended
+        self._finish_queued = False  # a callback will say so
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -231,6 +233,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 p.grad = slot
             if micro + 1 == self.accumulation_steps:  # the slot holds the sum of the passes
                 self._updates_landing = True
+                self._finish_after_backward()
                 self._host.post(i)
             return
         if micro > 0:
@@ -238,6 +241,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._host.wait_consumed(i)
         if micro + 1 == self.accumulation_steps:
             self._updates_landing = True
+            self._finish_after_backward()
         grad = p.grad
         convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
         nbytes = grad.numel() * self._grad_sizes[i]
@@ -329,10 +333,28 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._host._native.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
             self._targets[i] = p.data_ptr()
 
+    def _finish_after_backward(self) -> None:
+        # The iteration may be completed early only once the backward that produced its last
+        # gradients has ended (not from another thread while it runs): marked by a callback at
+        # its end. A gradient still arriving (an outer backward after a recompute's inner one)
+        # unmarks it until its own end.
+        self._finishable = False
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._finish_queued = True
+
+    def _backward_ended(self) -> None:
+        self._finish_queued = False
+        self._finishable = True
+
     def _settle_updates(self) -> None:
         """Between the last backward and step(), updates are still landing: a forward, or a
-        checkpoint, completes the iteration first and reads the new values, all of them."""
-        if self._updates_landing and not _in_backward() and self._gpu_optimizer is None:
+        checkpoint, completes the iteration first and reads the new values, all of them. Not
+        in a data-parallel job, where completing waits for every rank's gradients and joins
+        the machines' all-reduce, which the other ranks reach only from their step()."""
+        if (self._finishable and not _in_backward() and self._gpu_optimizer is None
+                and self._world_size == 1 and self._machines == 1):
+            self._finishable = False  # once: a failure is raised again by step(), not here
             self._complete_iteration()
             self._completed_early = True
 
@@ -470,9 +492,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise FailedPreconditionError(
                 f"step() after {backwards} backward pass(es); accumulation_steps is "
                 f"{self.accumulation_steps}")
-        if not (self._completed_early and self._grads_this_iteration == 0):
+        if not self._completed_early:
             self._complete_iteration()
-        self._completed_early = False
+        self._completed_early = self._finishable = False
         now = time.perf_counter()
         if self._last_step_end is not None:
             self._step_times.append(now - self._last_step_end)
@@ -739,6 +761,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "iteration": ours["iteration"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._settle_updates()  # the updates landing now would write over what is loaded
         if self._gpu_optimizer is not None:
             if "master" in state_dict:
                 with torch.no_grad():
@@ -784,6 +807,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def save(self, path: str) -> int:
         """Checkpoints the optimizer state by the daemon (atomic rename)."""
+        self._settle_updates()  # between the last backward and step(): the updated state
         if self._gpu_optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
             param_steps = []
@@ -800,6 +824,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._host.save(path)
 
     def load(self, path: str) -> None:
+        self._settle_updates()  # the updates landing now would write over what is loaded
         self._host.load(path)
         self.refresh_weights()
         if self._gpu_optimizer is not None:

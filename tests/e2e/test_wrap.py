@@ -77,7 +77,7 @@ def test_wrap_matches_stock_adamw_over_20_steps(daemon_socket, case):
     trainstream.unwrap(ours)
 
 
-def test_a_forward_between_backward_and_step_sees_every_update(daemon_socket):
+def test_a_forward_between_backward_and_step_sees_every_update(daemon_socket, tmp_path):
     # Updates are applied during backward, as each gradient arrives. A forward before step()
     # (an evaluation, say) waits for all of them rather than reading whichever have landed,
     # and step() then does not update twice.
@@ -116,6 +116,13 @@ def test_a_forward_between_backward_and_step_sees_every_update(daemon_socket):
     opt.step()
     assert opt.steps == 6
     assert all(torch.equal(saved[k], v) for k, v in ours.state_dict().items())
+    # And the optimizer's own checkpoint there: the daemon's file, between steps again.
+    x, y = batch(6, device=DEVICE)
+    loss_fn(ours, x, y).backward()
+    opt.save(str(tmp_path / "mid.ckpt"))
+    assert opt.steps == 7
+    opt.step()
+    assert opt.steps == 7 and (tmp_path / "mid.ckpt").exists()
 
 
 def test_state_dict_round_trip_resumes_the_same_trajectory(daemon_socket):
