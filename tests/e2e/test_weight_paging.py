@@ -74,6 +74,29 @@ def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
         assert torch.equal(a, b)
 
 
+def test_a_forward_between_backward_and_step_reads_the_updated_streamed_weights(daemon_socket):
+    # The slots still hold blocks fetched before the updates: completing the iteration early
+    # (updates land during backward) must make them fetch again, as step() does.
+    resident, r_opt, streamed, s_opt = twins(14, 3, param_offload=True)
+    from tiny_gpt import batch
+
+    train(resident, r_opt, 2)
+    train(streamed, s_opt, 2)
+    x, _ = batch(2, device=DEVICE)
+    outputs = []
+    for model, opt in ((resident, r_opt), (streamed, s_opt)):
+        model(x).float().pow(2).mean().backward()
+        with torch.no_grad():
+            between = model(x)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            after = model(x)
+        assert torch.equal(between, after)
+        outputs.append(after)
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_param_offload_options_are_checked(daemon_socket):
     with pytest.raises(ValueError, match=r"param_offload=\[9\] names blocks outside 0..1"):
         trainstream.wrap(TinyGPT(), device=DEVICE, param_offload=[9])
