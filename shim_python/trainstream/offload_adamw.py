@@ -142,8 +142,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._batch: list[tuple[int, int, torch.Tensor]] = []
         self._batch_stream = 0
         self._batch_bytes = 0
-        self._batch_task = -2  # the backward whose end sends the batch (a graph task id)
-        self._send_batch_timed = self.clock.timed("optimizer.gradient_batch", self._send_batch)
+        self._end_task = -2  # the backward whose end is hooked (a graph task id)
+        self._backward_ended_timed = self.clock.timed("optimizer.gradient_batch",
+                                                      self._backward_ended)
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
@@ -175,7 +176,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._updates_landing = False  # a last micro-step's gradient left: updates come back
         self._completed_early = False  # a forward completed this iteration before step()
         self._finishable = False  # the last backward before step() has ended
-        self._finish_queued = False  # a callback will say so
+        self._finish_pending = False  # a backward running now carries last micro-step gradients
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -267,14 +268,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         pointer = cuda_streams.current_pointer(self._device_index)
         if self._batch and pointer != self._batch_stream:
             self._send_batch()
-        task = _graph_task()
-        if task == -1:  # not inside a backward (no end to wait for): sent now
+        if _graph_task() == -1:  # not inside a backward (no end to wait for): sent now
             self._host.send_gradient(i, micro, grad, pointer)
             return
-        if task != self._batch_task:
-            # Sent at the latest when this backward ends (a recompute's inner backward too).
-            torch.autograd.Variable._execution_engine.queue_callback(self._send_batch_timed)
-            self._batch_task = task
+        self._at_backward_end()  # sent then at the latest (a recompute's inner backward too)
         self._batch.append((i, micro, grad))
         self._batch_stream = pointer
         self._batch_bytes += nbytes
@@ -335,17 +332,26 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _finish_after_backward(self) -> None:
         # The iteration may be completed early only once the backward that produced its last
-        # gradients has ended (not from another thread while it runs): marked by a callback at
-        # its end. A gradient still arriving (an outer backward after a recompute's inner one)
-        # unmarks it until its own end.
+        # gradients has ended (not from another thread while it runs): marked at its end. A
+        # gradient still arriving (an outer backward after a recompute's inner one) unmarks it
+        # until its own end.
         self._finishable = False
-        if not self._finish_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            self._finish_queued = True
+        self._finish_pending = True
+        self._at_backward_end()
+
+    def _at_backward_end(self) -> None:
+        """Has _backward_ended run when the backward running now ends (once per backward; on
+        every call where torch cannot tell one backward from another)."""
+        task = _graph_task()
+        if task != self._end_task or task == -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended_timed)
+            self._end_task = task
 
     def _backward_ended(self) -> None:
-        self._finish_queued = False
-        self._finishable = True
+        self._send_batch()
+        if self._finish_pending:
+            self._finish_pending = False
+            self._finishable = True
 
     def _settle_updates(self) -> None:
         """Between the last backward and step(), updates are still landing: a forward, or a
@@ -357,9 +363,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._finishable = False  # once: a failure is raised again by step(), not here
             self._complete_iteration()
             self._completed_early = True
-
-    def _before_model_forward(self, module: Any, args: Any) -> None:
-        self._settle_updates()
 
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
         self._settle_updates()  # a submodule called on its own, say
@@ -400,7 +403,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             # A forward or a checkpoint between the last backward and step() completes the
             # iteration first, on a CPU too (updates land in place there).
             self._hooked_models.add(id(model))
-            self._hooks.append(model.register_forward_pre_hook(self._before_model_forward))
+            self._hooks.append(model.register_forward_pre_hook(
+                lambda module, args: self._settle_updates()))
             if hasattr(model, "register_state_dict_pre_hook"):
                 self._hooks.append(model.register_state_dict_pre_hook(
                     lambda module, prefix, keep_vars: self._settle_updates()))
@@ -494,7 +498,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{self.accumulation_steps}")
         if not self._completed_early:
             self._complete_iteration()
-        self._completed_early = self._finishable = False
+        self._completed_early = self._finishable = self._finish_pending = False
         now = time.perf_counter()
         if self._last_step_end is not None:
             self._step_times.append(now - self._last_step_end)

@@ -48,6 +48,18 @@ def max_diff(a, b):
                for p, q in zip(a.parameters(), b.parameters()))
 
 
+def stock_and_wrapped(seed, device=DEVICE, layers=2, **options):
+    """One TinyGPT twice: (model, its torch AdamW, the wrapped copy, its OffloadAdamW), both
+    at lr 3e-3, offloaded, with ``options`` passed to wrap()."""
+    torch.manual_seed(seed)
+    ref = TinyGPT(layers=layers).to(device)
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
+                                 offload=True, **options)
+    return ref, ref_opt, ours, opt
+
+
 @pytest.fixture
 def daemon_socket(daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
@@ -81,12 +93,7 @@ def test_a_forward_between_backward_and_step_sees_every_update(daemon_socket, tm
     # Updates are applied during backward, as each gradient arrives. A forward before step()
     # (an evaluation, say) waits for all of them rather than reading whichever have landed,
     # and step() then does not update twice.
-    torch.manual_seed(13)
-    ref = TinyGPT().to(DEVICE)
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 offload=True)
+    ref, ref_opt, ours, opt = stock_and_wrapped(13)
     train(ref, ref_opt, 2)
     train(ours, opt, 2)
     x, y = batch(2, device=DEVICE)
@@ -261,12 +268,7 @@ def test_offload_auto_keeps_offloading_when_the_model_would_not_fit(daemon_socke
 def test_updates_follow_a_parameter_given_new_storage(daemon_socket):
     # The native side copies each update straight into the parameter's device memory; a
     # parameter whose storage is replaced between steps must get its updates at the new address.
-    torch.manual_seed(5)
-    ref = TinyGPT().to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 offload=True)
+    ref, ref_opt, ours, opt = stock_and_wrapped(5, "cuda")
     train(ref, ref_opt, 3)
     train(ours, opt, 3)
     opt.synchronize()
@@ -285,12 +287,7 @@ def test_each_block_waits_for_its_own_updates_once_per_forward(daemon_socket):
     # Updates are copied back to the GPU during backward, and a forward waits for its own
     # parameters' copies. A block waits once for everything inside it, rather than each of its
     # layers on its own (a LoRA block would call seven hooks); training stays exact.
-    torch.manual_seed(11)
-    ref = TinyGPT(layers=3).to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 offload=True)
+    ref, ref_opt, ours, opt = stock_and_wrapped(11, "cuda", layers=3)
 
     def waits():
         hooks = trainstream.memory_report(ours)["hooks"]["per_hook"]
@@ -310,12 +307,7 @@ def test_each_block_waits_for_its_own_updates_once_per_forward(daemon_socket):
 def test_small_gradients_leave_in_batches_by_the_end_of_backward(daemon_socket):
     # TinyGPT's gradients are all under 1 MiB: they leave in batches, and the last batch when
     # backward ends, not at step() (the host optimizer starts on them meanwhile).
-    torch.manual_seed(12)
-    ref = TinyGPT(layers=3).to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 offload=True, accumulation_steps=2)
+    ref, ref_opt, ours, opt = stock_and_wrapped(12, "cuda", layers=3, accumulation_steps=2)
     for step in range(3):
         for micro in range(2):
             x, y = batch(2 * step + micro, device="cuda")
@@ -335,12 +327,8 @@ def test_small_gradients_leave_in_batches_by_the_end_of_backward(daemon_socket):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
-    torch.manual_seed(6)
-    ref = TinyGPT().to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
-                                 offload=True, gradient_dtype="bfloat16", moment_dtype="bfloat16")
+    ref, ref_opt, ours, opt = stock_and_wrapped(6, "cuda", gradient_dtype="bfloat16",
+                                                moment_dtype="bfloat16")
     # The daemon's gradient slots are bf16: half the bytes cross PCIe.
     assert all(opt._host.grad(i).dtype == torch.bfloat16 for i in range(len(opt._params)))
     train(ref, ref_opt, 20)
