@@ -251,12 +251,15 @@ def _plan_summary(model, opt) -> dict:
             "host_job_bytes": sum(int(j.get("used_bytes", 0)) for j in memory.get("plans", [])),
             "host_update_s": round(float(last.get("update_seconds", 0)) / threads, 4),
             "runs_on": stats.get("runs_on"),
+            # Elements whose AdamW state lives in VRAM, updated there (the planner's choice).
+            "gpu_state_elements": stats.get("gpu_state", {}).get("elements", 0),
+            "gpu_state_blocks": (report["plan"] or {}).get("gpu_state_blocks", 0),
             "plan": [e["message"] for e in report["events"]
                      if e["kind"] in ("client.plan.applied", "client.wrap.plan",
                                       "client.plan.settled", "client.plan.measured",
                                       "client.plan.watchdog", "client.plan.settling",
                                       "client.plan.remeasured", "client.plan.limit",
-                                      "client.plan.kept")]}
+                                      "client.plan.kept", "client.plan.gpu_state")]}
 
 
 def main() -> None:
@@ -359,7 +362,9 @@ def _bound(mode: str, wrap: dict, rows: dict, bandwidth: dict) -> None:
     wrap["lower_bound_s"] = round(bound, 4)
     wrap["step_over_bound"] = round(wrap["step_s"] / bound, 3) if bound else None
     print(f"  {mode}: {wrap['paged_blocks']} of {wrap['blocks']} blocks stream weights, "
-          f"{wrap['offloaded_blocks']} page activations, {wrap['recomputed_blocks']} recompute; "
+          f"{wrap['offloaded_blocks']} page activations, {wrap['recomputed_blocks']} recompute, "
+          f"{wrap.get('gpu_state_blocks', 0)} keep their AdamW state in VRAM "
+          f"({wrap.get('gpu_state_elements', 0) / 1e6:.0f}M elements); "
           f"host memory {wrap['host_job_bytes'] / 2**30:.1f} GiB; wrap() took {wrap['wrap_s']} s, "
           f"settled after {wrap['settle_steps']} steps")
     print(f"    PCIe a step: {wrap['h2d_bytes'] / 1e9:.2f} GB to the GPU ({1000 * h2d:.1f} ms), "

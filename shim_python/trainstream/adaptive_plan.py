@@ -47,7 +47,10 @@ class AdaptivePlan:
                  link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
                  others_bytes: int = 0,
                  transfer_bytes: Callable[[], tuple] = lambda: (0, 0),
-                 host_cap: int = 0):
+                 host_cap: int = 0, gpu_state: object = 0,
+                 set_gpu_state: Callable[[list], int] | None = None,
+                 host_pass: Callable[[], tuple] | None = None,
+                 other_trainable: int = 0):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -67,6 +70,17 @@ class AdaptivePlan:
         # The optimizer's PCIe bytes a step (to, from the GPU), as blocks stream now.
         self._transfer_bytes = transfer_bytes
         self._host_cap = int(host_cap)  # host_arena= bytes: paged activations never take more
+        # The optimizer state kept in VRAM: gpu_state is "auto", or a number of leading blocks
+        # (0: none); set_gpu_state(blocks) keeps those blocks' state (and the parameters'
+        # outside the stack) there and returns the elements it holds; host_pass() is the last
+        # step's host optimizer pass (seconds, elements updated on the host).
+        self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
+        self._set_gpu_state = set_gpu_state
+        self._host_pass = host_pass
+        self._other_trainable = int(other_trainable)
+        self.gpu_state_blocks = 0
+        self.gpu_state_elements = 0
+        self._gpu_state_bytes = 12  # per element: fp32 moments and the gradient until step()
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -120,7 +134,9 @@ class AdaptivePlan:
         forward_s = self.pager.forward_seconds(self.probe_block)
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
                             activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"],
-                            trained_share=self._trained_share(b))
+                            trained_share=self._trained_share(b),
+                            trainable=sum(p.numel() for p in self.blocks[b].parameters()
+                                          if p.requires_grad))
                  for b in range(len(self.blocks))]
         return facts, m["saved_bytes"], forward_s
 
@@ -150,7 +166,8 @@ class AdaptivePlan:
                      if b not in offloaded and b not in recomputed)
                  + sum(facts[b].input_bytes for b in recomputed))
         in_flight = facts[0].activation_bytes if offloaded else 0
-        return max(0, peak - resident - slots - saved - in_flight)
+        state = self._gpu_state_bytes * self.gpu_state_elements
+        return max(0, peak - resident - slots - saved - in_flight - state)
 
     # -- after every step -----------------------------------------------------------------------
 
@@ -224,6 +241,7 @@ class AdaptivePlan:
                          "forward_s": forward_s}
         self._working = self._working_from_peak(facts)
         self.measured["working_bytes"] = self._working
+        self._measure_host_pass()
         self._say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
                   f"input is {size(facts[0].input_bytes)}, its forward takes "
                   f"{1e3 * forward_s:.2f} ms; working memory {size(self._working)}",
@@ -257,9 +275,11 @@ class AdaptivePlan:
         if reason == "warm":
             self.measured["forward_s_probe"] = before["forward_s"]
             self.measured["working_bytes_probe"] = before["working_bytes"]
+            host_rate = self._measure_host_pass()
             changed = [what for what, new, old in (
                 ("forward", forward_s, before["forward_s"]),
-                ("working memory", working, before["working_bytes"] + self.extra_working))
+                ("working memory", working, before["working_bytes"] + self.extra_working),
+                ("host optimizer pass", host_rate, before.get("host_s_per_element", 0.0)))
                 if new > 0 and moved(new, old)]
             if not changed:
                 return False
@@ -285,20 +305,36 @@ class AdaptivePlan:
             self._unfixable_peak = 0
         return True
 
+    def _measure_host_pass(self) -> float:
+        """The last step's host optimizer pass, per element it updated (0: not measured)."""
+        if self._host_pass is None:
+            return 0.0
+        seconds, elements = self._host_pass()
+        if seconds <= 0 or elements <= 0:
+            return 0.0
+        rate = seconds / elements
+        self.measured["host_s_per_element"] = rate
+        self.measured["host_pass_s"] = seconds
+        return rate
+
     def _replan(self) -> bool:
         """Plans from the measurements and applies the plan when it differs from the one that
         runs; returns whether it did. The same plan again leaves the settling count as it is:
         a measurement that moves no decision is no reason to watch more steps."""
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
                             activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
-                            trained_share=f.trained_share)
+                            trained_share=f.trained_share, trainable=f.trainable)
                  for b, f in enumerate(self._facts_cache)]
         own = self.host_activation_bytes
         host = max(0, self._host_free()) + own
         if self._host_cap:
             host = min(host, self._host_cap)
+        trainable = self._other_trainable + sum(f.trainable for f in facts)
         inputs = PlanInputs(
-            blocks=tuple(facts), other_weight_bytes=self._other_weights, other_trainable=0,
+            blocks=tuple(facts), other_weight_bytes=self._other_weights,
+            other_trainable=self._other_trainable, host_state_planned=True,
+            host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
+            gpu_state=self._gpu_state_option,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
@@ -311,7 +347,8 @@ class AdaptivePlan:
         plan = plan_memory(inputs)
         if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
                 and plan.activation_policy == self.plan.activation_policy
-                and plan.moment_dtype == self.plan.moment_dtype):
+                and plan.moment_dtype == self.plan.moment_dtype
+                and plan.gpu_state_blocks == self.gpu_state_blocks):
             # The same decisions; the paged activations may have grown (a longer sequence):
             # the daemon is told what the job holds now.
             host_bytes = sum(facts[b].activation_bytes
@@ -337,6 +374,8 @@ class AdaptivePlan:
             self._unstream_weights(removed)
         if added:
             self._stream_weights(added)
+        if plan.gpu_state_blocks != self.gpu_state_blocks:
+            self._apply_gpu_state(plan)
         self._plan_host(host_bytes)
         self.host_activation_bytes = host_bytes
         self.recompute.set(again)
@@ -357,6 +396,24 @@ class AdaptivePlan:
         self.adapting = True
         return True
 
+    def _apply_gpu_state(self, plan: MemoryPlan) -> None:
+        before = self.gpu_state_blocks
+        self.gpu_state_elements = self._set_gpu_state(plan.gpu_state_blocks)
+        self.gpu_state_blocks = plan.gpu_state_blocks
+        held = self._gpu_state_bytes * self.gpu_state_elements
+        if plan.gpu_state_blocks:
+            message = (f"the AdamW state of blocks 0-{plan.gpu_state_blocks - 1} and of the "
+                       f"parameters outside the stack ({self.gpu_state_elements:,} elements) "
+                       f"lives in VRAM ({size(held)} with their gradients): updated there by "
+                       "torch's fused AdamW at step(); the daemon keeps the rest, and a copy of "
+                       "this part as of each checkpoint")
+        else:
+            message = (f"the AdamW state of the {before} leading blocks and the parameters "
+                       "outside the stack is back in trainstreamd")
+        estimate = {f"estimated_{k}_ms": 1e3 * v for k, v in plan.step_s.items()}
+        self._say("plan.gpu_state", message, gpu_state_blocks=plan.gpu_state_blocks,
+                  gpu_state_elements=self.gpu_state_elements, vram_bytes=held, **estimate)
+
     def _say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)
         self._note(kind, message, **numbers)
@@ -368,4 +425,7 @@ class AdaptivePlan:
                 "estimated_vram_bytes": plan.vram_bytes if plan else None,
                 "pcie_bytes_per_step": plan.pcie_bytes_per_step if plan else None,
                 "host_activation_bytes": self.host_activation_bytes,
+                "gpu_state_blocks": self.gpu_state_blocks,
+                "gpu_state_elements": self.gpu_state_elements,
+                "estimated_step_s": dict(plan.step_s) if plan else None,
                 "history": list(self.history)}

@@ -390,6 +390,20 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
         memory = client.memory()
         return int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
 
+    def host_pass() -> tuple:
+        # The last step's pass: the workers' busy time over their count, and what it covered.
+        info = offload._host.info()
+        seconds = float(info.get("last_step", {}).get("update_seconds", 0.0))
+        seconds /= max(1, int(info.get("threads", 1)))
+        return seconds, sum(p.numel() for i, p in enumerate(offload._params)
+                            if i not in offload._device_indices)
+
+    option = session.config["gpu_state_blocks"]
+    refusal = offload.gpu_state_refusal()
+    if refusal is not None:
+        option = 0
+    trainable_outside = sum(p.numel() for p in offload._params if id(p) not in inside)
+
     frozen_at_wrap = session.frozen.bytes
     arena = session.config["host_arena"]
     arena_cap = arena if type(arena) is int else 0  # host_arena= bytes (not "auto" or False)
@@ -409,4 +423,17 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
                         others_bytes=session.config.get("_others_bytes", 0),
                         transfer_bytes=transfers,
-                        host_cap=arena_cap)
+                        host_cap=arena_cap, gpu_state=option,
+                        set_gpu_state=lambda blocks: gpu_state(model, paging.blocks, offload,
+                                                               blocks),
+                        host_pass=host_pass, other_trainable=trainable_outside)
+
+
+def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int) -> int:
+    """Keeps the AdamW state of the first ``count`` blocks, and of the parameters outside the
+    stack with them, in VRAM (none for 0); returns the elements held there."""
+    chosen = {id(p) for b in blocks[:count] for p in b.parameters()}
+    if count:
+        inside = {id(p) for b in blocks for p in b.parameters()}
+        chosen |= {id(p) for p in model.parameters() if id(p) not in inside}
+    return offload.keep_state_on_device(chosen)

@@ -124,6 +124,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
+        self._moment_dtype = MOMENT_DTYPES[moment_dtype]
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._max_grad_norm = float(max_grad_norm or 0.0)
         self._nonfinite = nonfinite
@@ -160,6 +161,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._vram_headroom = float(vram_headroom)
         self._on_decision = on_decision or (lambda kind, message, **numbers: None)
         self._gpu_optimizer: torch.optim.Optimizer | None = None
+        # Parameters whose AdamW state lives in VRAM (keep_state_on_device): their gradients stay
+        # on the GPU and torch's fused AdamW (_device_optimizer) updates them at step(); the
+        # daemon's copy of their state is as of the move or the last checkpoint.
+        self._device_indices: set[int] = set()
+        self._device_optimizer: torch.optim.Optimizer | None = None
+        self._device_groups: list[int] = []  # for each of its groups, ours
         self._steps_at_switch = 0
         self._steps_on_gpu = 0
         self._step_times: list[float] = []
@@ -225,6 +232,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{self.accumulation_steps} (pass accumulation_steps= to wrap)")
         self._backwards[i] = micro + 1
         self._grads_this_iteration += 1
+        if i in self._device_indices:
+            # Updated in VRAM at step(): the gradient stays where it is (micro-steps add up in
+            # it, as torch's do), and a forward after the last backward still completes the
+            # iteration first.
+            if micro + 1 == self.accumulation_steps:
+                self._finish_after_backward()
+            return
         if not self._cuda:
             slot = self._host.grad(i)
             if p.grad.data_ptr() != slot.data_ptr():
@@ -285,7 +299,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stop_returning(self, param_ids: set) -> None:
         """These parameters' updates are no longer copied to the device (their device memory is
-        about to go): waits for copies in flight first."""
+        about to go): waits for copies in flight first. Any of them updated in VRAM go back to
+        the daemon first (their weights will be its host copies)."""
+        if any(id(self._params[i]) in param_ids for i in self._device_indices):
+            self.keep_state_on_device({id(self._params[i]) for i in self._device_indices
+                                       if id(self._params[i]) not in param_ids})
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
         self._waited_modules.clear()
@@ -316,11 +334,163 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pager = pager
         self.stop_returning({id(p) for params in pager.params.values() for p in params})
 
+    # -- state kept in VRAM ---------------------------------------------------------------------
+
+    def _returned(self, i: int) -> bool:
+        """Whether parameter ``i``'s updates come back from the daemon to its device tensor
+        (not a streamed block's, read from the host copy; not one updated in VRAM)."""
+        return i not in self._paged_indices and i not in self._device_indices
+
+    def gpu_state_refusal(self) -> str | None:
+        """Why no parameter's AdamW state may move to VRAM in this job (None: it may)."""
+        if not self._cuda:
+            return "a CPU model's updates land in place in the daemon's shared memory"
+        if self._world_size > 1 or self._machines > 1:
+            return "a data-parallel job keeps one state in trainstreamd for every rank"
+        if self._reports_norm:
+            return ("max_grad_norm and compute_grad_norm need every gradient's norm in one "
+                    "place, the daemon")
+        if self._nonfinite != "ignore":
+            return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
+                    "before any update")
+        if self._moment_dtype != torch.float32:
+            return "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
+        if self._gpu_optimizer is not None:
+            return "the whole optimizer runs on the GPU already (offload='auto')"
+        return None
+
+    def device_state_candidates(self, param_ids: set) -> list[int]:
+        """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
+        master weights are the parameters themselves) whose weights do not stream."""
+        return [i for i, p in enumerate(self._params)
+                if id(p) in param_ids and p.dtype == torch.float32
+                and i not in self._paged_indices]
+
+    def keep_state_on_device(self, param_ids: set) -> int:
+        """Keeps the AdamW state of exactly these parameters (of those that may, see
+        :meth:`device_state_candidates`) in VRAM, updated there by torch's fused AdamW at
+        step(); every other parameter's goes back to the daemon. Their gradients then never
+        cross PCIe and the host's pass shrinks by their share, for 12 bytes of VRAM a parameter
+        (two fp32 moments, and the gradient until step()). Between steps only. Returns the
+        elements now updated in VRAM."""
+        reason = self.gpu_state_refusal()
+        wanted = set(self.device_state_candidates(param_ids))
+        if reason is not None and wanted:
+            raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
+        if any(self._backwards):
+            raise FailedPreconditionError(
+                "optimizer state moves between steps, not between backward and step()")
+        if wanted != self._device_indices:
+            self.synchronize()
+            leaving = sorted(self._device_indices - wanted)
+            arriving = sorted(wanted - self._device_indices)
+            old = self._device_optimizer
+            if leaving:
+                # The GPU's values become the daemon's again: moments, steps, master weights.
+                self._host.set_step(self._host.iteration, self._moments_to_daemon(old, leaving))
+            self._device_optimizer = self._device_optimizer_for(sorted(wanted))
+            if old is not None:  # the staying ones keep their state as it is
+                for i in sorted(wanted & self._device_indices):
+                    p = self._params[i]
+                    if p in old.state:
+                        self._device_optimizer.state[p] = old.state[p]
+            if arriving:
+                self._moments_from_daemon(self._device_optimizer, arriving)
+            for i in leaving:
+                p = self._params[i]
+                if self._device_return:
+                    self._host._native.retarget_device(i, p.data_ptr(),
+                                                       p.numel() * p.element_size())
+                    self._targets[i] = p.data_ptr()
+            for i in arriving:
+                if self._device_return:  # nothing of the daemon's is copied there any more
+                    self._host._native.retarget_device(i, 0, 0)
+                    self._targets[i] = 0
+            self._device_indices = wanted
+            self._module_indices.clear()  # which parameters come back changed
+            self._waited_modules.clear()
+        return self.device_state_elements
+
+    @property
+    def device_state_elements(self) -> int:
+        """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
+        return sum(self._params[i].numel() for i in self._device_indices)
+
+    def _device_optimizer_for(self, indices: list) -> torch.optim.Optimizer | None:
+        self._device_groups = []
+        if not indices:
+            return None
+        chosen = {id(self._params[i]) for i in indices}
+        groups = []
+        for k, g in enumerate(self.param_groups):
+            params = [p for p in g["params"] if id(p) in chosen]
+            if params:
+                groups.append(dict(params=params, **_torch_group(g)))
+                self._device_groups.append(k)
+        cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
+        return cls(groups, fused=True)
+
+    def _step_on_device(self) -> None:
+        """Updates the parameters whose state lives in VRAM (queued on the current stream), with
+        the groups' hyper-parameters as they are now (a scheduler's lr)."""
+        optimizer = self._device_optimizer
+        if optimizer is None:
+            return
+        for g, k in zip(optimizer.param_groups, self._device_groups):
+            g.update(_torch_group(self.param_groups[k]))
+        optimizer.step()
+        for i in self._device_indices:
+            self._params[i].grad = None  # no gradient stays in VRAM past step()
+
+    def _moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
+                             ) -> None:
+        """Loads the daemon's moments and steps of these parameters into a GPU optimizer."""
+        steps = self._host.info().get("param_steps", [0] * len(self._params))
+        for i in indices:
+            p = self._params[i]
+            optimizer.state.pop(p, None)
+            if steps[i] == 0:
+                continue  # never stepped: torch keeps no state for it
+            optimizer.state[p] = {
+                "step": torch.tensor(float(steps[i]), dtype=torch.float32, device=p.device),
+                "exp_avg": self._host.exp_avg(i).to(p.device, torch.float32, copy=True),
+                "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
+            }
+
+    def _moments_to_daemon(self, optimizer: torch.optim.Optimizer | None,
+                           indices: Iterable[int]) -> list[int]:
+        """Copies a GPU optimizer's moments and these parameters' values into the daemon's
+        buffers; returns every parameter's step count with these ones' from the GPU (for
+        ``set_step``)."""
+        steps = list(self._host.info().get("param_steps", [0] * len(self._params)))
+        for i in indices:
+            p = self._params[i]
+            entry = optimizer.state.get(p) if optimizer is not None else None
+            steps[i] = int(entry["step"]) if entry else 0
+            if entry:
+                self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
+                self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
+            self._host.master(i).copy_(p.detach().reshape(p.shape))
+            if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
+                self._host.param(i).copy_(p.detach())
+        return steps
+
+    def _device_state_from_daemon(self) -> None:
+        """The VRAM-held state takes the daemon's (after a load)."""
+        if self._device_indices:
+            self._moments_from_daemon(self._device_optimizer, sorted(self._device_indices))
+
+    def _device_state_to_daemon(self) -> None:
+        """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
+        if self._device_indices:
+            self._host.set_step(self._host.iteration, self._moments_to_daemon(
+                self._device_optimizer, sorted(self._device_indices)))
+
     def _check_targets(self) -> None:
         if not self._device_return:
             return
         moved = [i for i, p in enumerate(self._params)
-                 if i not in self._paged_indices and p.data_ptr() != self._targets[i]]
+                 if self._returned(i) and p.data_ptr() != self._targets[i]]
         if moved:
             # The old storage may be reused already: nothing may still be copying into it.
             self._host._native.synchronize_device_returns()
@@ -380,7 +550,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if indices is None:
             indices = [self._index[id(p)] for p in module.parameters(recurse=key in
                                                                      self._wait_blocks)
-                       if id(p) in self._index and self._index[id(p)] not in self._paged_indices]
+                       if id(p) in self._index and self._returned(self._index[id(p)])]
             self._module_indices[key] = indices
         if not indices:
             return
@@ -446,6 +616,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
         self.synchronize()
+        if self._device_indices and not any(self._backwards):
+            # The daemon holds the whole job's state again (a later process may resume it).
+            self.keep_state_on_device(set())
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
             self._pager, self._paged_indices = None, set()
@@ -522,11 +695,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._send_batch()
             self._host.drain_gradients()
         for i, count in enumerate(self._backwards):
-            if count == 0:  # no gradient this step: left alone, as torch does
+            # No gradient this step: left alone, as torch does; one updated in VRAM: by the
+            # GPU, below.
+            if count == 0 or i in self._device_indices:
                 for micro in range(self._host.accumulation_steps):
                     self._host.post(i, micro, no_grad=True)
         if self._leader:
             self._reduce_across_machines()
+        # Queued on the GPU before waiting for the host's updates: the two overlap.
+        self._step_on_device()
         result = self._host.wait()
         # Every update of this step is on its way back (the router enqueued each copy before
         # passing its notice on): the next forward of each module waits again.
@@ -597,8 +774,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             peak -= self._adaptive.others
             allowed = min(allowed, self._adaptive.budget)
         # Stock AdamW keeps every gradient and both fp32 moments in VRAM: 12 bytes a parameter
-        # more than the offloaded steps measured.
-        need = peak + 12 * numel
+        # more than the offloaded steps measured (those updated in VRAM already counted).
+        need = peak + 12 * (numel - self.device_state_elements)
         numbers = dict(parameters=numel, peak_bytes=peak, need_bytes=need,
                        allowed_bytes=allowed, offloaded_step_ms=step_ms)
         if need > allowed:
@@ -616,6 +793,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _switch_to_gpu(self) -> None:
         self.synchronize()
+        self.keep_state_on_device(set())  # the daemon's state is whole, then all moves
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -633,16 +811,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.param_groups = gpu.param_groups  # one list: groups added later reach both
 
     def _load_gpu_state_from_daemon(self) -> None:
-        steps = self._host.info().get("param_steps", [0] * len(self._params))
         self._gpu_optimizer.state.clear()
-        for i, p in enumerate(self._params):
-            if steps[i] == 0:
-                continue
-            self._gpu_optimizer.state[p] = {
-                "step": torch.tensor(float(steps[i]), dtype=torch.float32, device=p.device),
-                "exp_avg": self._host.exp_avg(i).to(p.device, torch.float32, copy=True),
-                "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
-            }
+        self._moments_from_daemon(self._gpu_optimizer, range(len(self._params)))
 
     @property
     def on_gpu(self) -> bool:
@@ -752,6 +922,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             return self._gpu_optimizer.state_dict()
         self._settle_updates()  # between the last backward and step(): the updated state
         ours = self._host.state_dict()
+        for i in self._device_indices:  # the VRAM-held state, as it is now
+            p = self._params[i]
+            entry = self._device_optimizer.state.get(p)
+            ours["state"].pop(i, None)
+            if entry:
+                ours["state"][i] = {"step": entry["step"].detach().cpu().clone(),
+                                    "exp_avg": entry["exp_avg"].detach().cpu().clone(),
+                                    "exp_avg_sq": entry["exp_avg_sq"].detach().cpu().clone()}
+            ours["master"][i] = p.detach().float().cpu().clone()
         position = {id(p): n for n, p in enumerate(self._all)}
         state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
         groups = []
@@ -793,6 +972,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 g[key] = loaded[key]
         self._pushed = [_group(g) for g in self.param_groups]
         self.refresh_weights()
+        self._device_state_from_daemon()
 
     def refresh_weights(self) -> None:
         """Brings the model's weights to the daemon's (after a load, or when joining a job whose
@@ -814,23 +994,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._settle_updates()  # between the last backward and step(): the updated state
         if self._gpu_optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
-            param_steps = []
-            for i, p in enumerate(self._params):
-                entry = self._gpu_optimizer.state.get(p, {})
-                param_steps.append(int(entry["step"]) if entry else 0)
-                if entry:
-                    self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
-                    self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
-                self._host.master(i).copy_(p.detach().reshape(p.shape))
+            param_steps = self._moments_to_daemon(self._gpu_optimizer, range(len(self._params)))
             self._host.set_groups([_group(g) for g in self.param_groups])
             self._host.set_step(self.steps, param_steps)
             self._steps_at_switch, self._steps_on_gpu = self.steps, 0
+        self._device_state_to_daemon()
         return self._host.save(path)
 
     def load(self, path: str) -> None:
         self._settle_updates()  # the updates landing now would write over what is loaded
         self._host.load(path)
         self.refresh_weights()
+        self._device_state_from_daemon()
         if self._gpu_optimizer is not None:
             # The GPU optimizer continues from the checkpoint's moments and steps.
             self._load_gpu_state_from_daemon()
@@ -846,6 +1021,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The daemon's figures for this job's optimizer (and where the optimizer runs now)."""
         info = self._host.info()
         info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
+        # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
+        info["gpu_state"] = {"tensors": len(self._device_indices),
+                             "elements": self.device_state_elements,
+                             "bytes": 8 * self.device_state_elements}
         info["steps"] = self.steps
         return info
 
@@ -863,6 +1042,12 @@ _current_graph_task = getattr(torch._C, "_current_graph_task_id", None)
 def _in_backward() -> bool:
     """Whether this thread runs an autograd backward now (a recompute inside it, say)."""
     return _graph_task() != -1
+
+
+def _torch_group(g: dict) -> dict:
+    """A group's hyper-parameters as torch's optimizers name them."""
+    return dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                weight_decay=g["weight_decay"])
 
 
 def _group(g: dict) -> dict:

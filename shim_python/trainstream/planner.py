@@ -54,6 +54,15 @@ class PlanInputs:
     paged_already: tuple = ()        # blocks streaming their weights already (kept so)
     step_compute_s: float = 0.0      # a step's GPU compute (0: estimated, see _compute_s)
     transfer_bytes: tuple = (0, 0)   # what crosses PCIe a step besides paging (to, from GPU)
+    # The host optimizer's measured pass over every trainable element (0: not measured). A
+    # full fine-tune's pass can outlast the backward it overlaps: then the AdamW state of the
+    # blocks whose gradients come last, the first ones, and of the parameters outside the stack
+    # is better kept in VRAM and updated there.
+    host_update_s: float = 0.0
+    gpu_state: object = 0            # "auto", or that many leading blocks kept so (0: none)
+    gpu_state_bytes: int = 12        # VRAM per element so kept: fp32 moments, the gradient
+    update_transfer: tuple = (4, 4)  # per element updated on the host: bytes to, from the GPU
+    host_state_planned: bool = False  # the optimizer's host memory is admitted already
 
 
 @dataclass
@@ -64,6 +73,9 @@ class MemoryPlan:
     vram_bytes: int = 0          # the plan's VRAM peak estimate
     host_bytes: int = 0          # optimizer state, paged weights' staging, paged activations
     pcie_bytes_per_step: int = 0
+    gpu_state_blocks: int = 0    # leading blocks (and the rest outside the stack) updated in VRAM
+    gpu_state_elements: int = 0
+    step_s: dict = field(default_factory=dict)  # estimated busy time a step, per resource
     history: list = field(default_factory=list)          # every decision, in words
 
 
@@ -92,9 +104,22 @@ def fetch_bytes(weight_bytes: list, depth: int) -> int:
     return 2 * sum(weight_bytes) - sum(kept)
 
 
+def _trainable(inputs: PlanInputs) -> int:
+    return inputs.other_trainable + sum(b.trainable for b in inputs.blocks)
+
+
 def _host_state(inputs: PlanInputs, moment_bytes: int) -> int:
-    trainable = inputs.other_trainable + sum(b.trainable for b in inputs.blocks)
-    return trainable * (4 + 2 * moment_bytes + inputs.grad_bytes * inputs.ranks)
+    if inputs.host_state_planned:
+        return 0
+    return _trainable(inputs) * (4 + 2 * moment_bytes + inputs.grad_bytes * inputs.ranks)
+
+
+def gpu_state_elements(inputs: PlanInputs, blocks: int) -> int:
+    """Elements updated in VRAM when the first ``blocks`` blocks keep their state there (the
+    parameters outside the stack with them: the embeddings' gradients come last of all)."""
+    if blocks <= 0:
+        return 0
+    return inputs.other_trainable + sum(b.trainable for b in inputs.blocks[:blocks])
 
 
 def _wanted_pages(option: object, n: int) -> set | None:
@@ -118,10 +143,75 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     transfer both ways, a recompute adds one forward. The weights streamed load PCIe too, and
     they are decided after the activations, so with both measured the plan is made twice: the
     second time knowing what the first streamed."""
-    plan = _plan(inputs, frozenset())
+    option = inputs.gpu_state
+    if option != "auto":
+        return _plan_twice(inputs, int(option or 0))
+    # "auto": more blocks' state in VRAM while the host's pass is what the step waits for, and
+    # while VRAM can take it without streaming weights (theirs then live on the host).
+    measured = inputs.host_update_s > 0 and inputs.block_forward_s > 0
+    best = _plan_twice(inputs, 0)
+    if not measured or not _trainable(inputs):
+        return best
+    start = best
+    plan = best
+    for blocks in range(1, len(inputs.blocks) + 1):
+        if plan.step_s["host"] <= max(v for k, v in plan.step_s.items() if k != "host"):
+            break  # the host no longer binds: more state in VRAM would only cost room
+        try:
+            plan = _plan_twice(inputs, blocks)
+        except MemoryPlanError:
+            break
+        if plan.paged_blocks:
+            break
+        if _estimate(plan) < _estimate(best) * 0.99:  # a gain worth the VRAM
+            best = plan
+    if best.gpu_state_blocks:
+        best.history.insert(0, (
+            f"the AdamW state of blocks 0-{best.gpu_state_blocks - 1} and of the parameters "
+            f"outside the stack ({best.gpu_state_elements:,} elements, "
+            f"{size(inputs.gpu_state_bytes * best.gpu_state_elements)} of VRAM) is kept in "
+            f"VRAM and updated there at step(): the host's pass over every parameter "
+            f"({1e3 * inputs.host_update_s:.0f} ms) would make the step about "
+            f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
+            f"({_binding(best)} bound)"))
+    return best
+
+
+def _estimate(plan: MemoryPlan) -> float:
+    return max(plan.step_s.values())
+
+
+def _binding(plan: MemoryPlan) -> str:
+    return max(plan.step_s, key=plan.step_s.get)
+
+
+def _plan_twice(inputs: PlanInputs, gpu_blocks: int) -> MemoryPlan:
+    plan = _plan(inputs, frozenset(), gpu_blocks)
     if inputs.block_forward_s > 0 and inputs.link_bytes_per_s > 0 and plan.paged_blocks:
-        plan = _plan(inputs, frozenset(plan.paged_blocks))
+        plan = _plan(inputs, frozenset(plan.paged_blocks), gpu_blocks)
     return plan
+
+
+def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu: int) -> dict:
+    """Each resource's busy time a step under ``plan`` (0 where not measured). The host's pass
+    starts with the first gradient, after the forward, and ends the step when it is last."""
+    link = inputs.link_bytes_per_s
+    forward = inputs.block_forward_s
+    compute = ((inputs.step_compute_s or _compute_s(inputs))
+               + forward * plan.activation_policy.count("recompute"))
+    paged_activations = sum(inputs.blocks[i].activation_bytes
+                            for i, p in enumerate(plan.activation_policy) if p == "offload")
+    weights_in = fetch_bytes([inputs.blocks[i].weight_bytes for i in plan.paged_blocks],
+                             inputs.prefetch_depth)
+    trainable = _trainable(inputs)
+    host = 0.0
+    if inputs.host_update_s > 0 and trainable:
+        host = (forward * len(inputs.blocks)
+                + inputs.host_update_s * (trainable - on_gpu) / trainable)
+    return {"compute": compute,
+            "h2d": (transfer[0] + weights_in + paged_activations) / link if link else 0.0,
+            "d2h": (transfer[1] + paged_activations) / link if link else 0.0,
+            "host": host}
 
 
 def _compute_s(inputs: PlanInputs) -> float:
@@ -132,10 +222,17 @@ def _compute_s(inputs: PlanInputs) -> float:
                for b in inputs.blocks)
 
 
-def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
+def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) -> MemoryPlan:
     n = len(inputs.blocks)
+    if not 0 <= gpu_blocks <= n:
+        raise ValueError(f"gpu_state blocks {gpu_blocks} is not in [0, {n}]")
     plan = MemoryPlan(activation_policy=["keep"] * n)
     say = plan.history.append
+    on_gpu = gpu_state_elements(inputs, gpu_blocks)
+    plan.gpu_state_blocks, plan.gpu_state_elements = gpu_blocks, on_gpu
+    # What the optimizer moves over PCIe a step, less what the VRAM-held state keeps off it.
+    transfer = (max(0, inputs.transfer_bytes[0] - on_gpu * inputs.update_transfer[0]),
+                max(0, inputs.transfer_bytes[1] - on_gpu * inputs.update_transfer[1]))
 
     # Host side first: the optimizer state must fit, in fp32 moments if it can.
     moment = inputs.moment_dtype
@@ -173,7 +270,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
         # Offloaded activations still pass through VRAM one block at a time.
         in_flight = max((activations[i] for i, p in enumerate(plan.activation_policy)
                          if p != "keep"), default=0)
-        return resident + saved + in_flight + inputs.working_bytes
+        return (resident + saved + in_flight + inputs.working_bytes
+                + inputs.gpu_state_bytes * on_gpu)
 
     wanted = _wanted_pages(inputs.param_offload, n)
     if wanted:
@@ -199,8 +297,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
                                   for i in sorted(streamed_guess | streaming)],
                                  inputs.prefetch_depth)
         load = {"compute": inputs.step_compute_s or _compute_s(inputs),
-                "h2d": (inputs.transfer_bytes[0] + weights_in) / link if link else 0.0,
-                "d2h": inputs.transfer_bytes[1] / link if link else 0.0}
+                "h2d": (transfer[0] + weights_in) / link if link else 0.0,
+                "d2h": transfer[1] / link if link else 0.0}
         for i in order:
             if vram() <= inputs.vram_budget:
                 break
@@ -235,7 +333,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
         for i in spread_order(n):
             if vram() <= inputs.vram_budget:
                 break
-            if i in paged:
+            if i in paged or i < gpu_blocks:  # a block updated in VRAM keeps its weights
                 continue
             if plan.activation_policy[i] == "recompute":
                 # Recomputing a block whose weights stream would fetch them a third time.
@@ -251,10 +349,13 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
 
     need = vram()
     if need > inputs.vram_budget:
+        state = (f" and the AdamW state of {gpu_blocks} blocks in VRAM "
+                 f"({size(inputs.gpu_state_bytes * on_gpu)}; gpu_state_blocks= fewer)"
+                 if gpu_blocks else "")
         raise MemoryPlanError(
             f"this run needs {size(need)} of VRAM even with {len(paged)} of {n} blocks "
             f"streaming their weights and {plan.activation_policy.count('keep')} keeping their "
-            f"activations; {size(inputs.vram_budget)} is usable. Lower the batch size "
+            f"activations{state}; {size(inputs.vram_budget)} is usable. Lower the batch size "
             "or sequence length, or let more blocks stream (param_offload=True, "
             "activation_offload=True)")
     plan.paged_blocks = sorted(paged)
@@ -264,6 +365,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset) -> MemoryPlan:
     plan.host_bytes = state + paged_activations
     plan.pcie_bytes_per_step = (fetch_bytes([inputs.blocks[i].weight_bytes for i in sorted(paged)],
                                             inputs.prefetch_depth) + 2 * paged_activations)
+    plan.step_s = _step_estimate(inputs, plan, transfer, on_gpu)
     if not plan.history:
         say(f"everything stays in VRAM: {size(need)} of {size(inputs.vram_budget)} "
             f"({size(weights)} of weights)")

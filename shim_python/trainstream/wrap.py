@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from . import client as _client
-from .block_memory import (FrozenWeights, adaptive_plan, keep_daemon_weights_on_load,
-                           page_blocks, paging_choice, place_model)
+from .block_memory import (FrozenWeights, adaptive_plan, gpu_state,
+                           keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
@@ -59,6 +59,8 @@ _ACCEPTED = {
     "quantize": (None, False, "none", "auto", "int8", "nf4", "fp8", "nvfp4"),
     "prefer": ("exact", "speed"),
     "quant_block_size": "0 (the format's default) or an even number of values per scale",
+    "gpu_state_blocks": "'auto', or an integer >= 0: the first N blocks, and the parameters "
+                        "outside the stack, keep their AdamW state in VRAM (0: none)",
 }
 
 
@@ -130,6 +132,10 @@ def _check_options(options: dict) -> None:
             and block % 2 == 0):
         raise ValueError(f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
                          "number of values")
+    state = options.get("gpu_state_blocks", "auto")
+    if not (state == "auto" or (isinstance(state, int) and state >= 0)):
+        raise ValueError(f"trainstream.wrap: gpu_state_blocks={state!r} must be 'auto' or an "
+                         "integer >= 0")
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
@@ -228,7 +234,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
-              "quantize": None, "quant_block_size": 0, "prefer": "exact"}
+              "quantize": None, "quant_block_size": 0, "prefer": "exact",
+              "gpu_state_blocks": "auto"}
     config.update(options)
     events: list = []
 
@@ -445,10 +452,20 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     for module in model.modules():  # an fp8 base's layers say how they multiply
         if isinstance(module, BaseLinear):
             module.note = session.note
+    _check_gpu_state(model, offload, config, paging, session)
     if paging is not None and paging.adaptive and pager is not None:
         session.plan = adaptive_plan(model, paging, pager, offload, client, session,
                                       planned if config["check_memory"] else None)
         offload._adaptive = session.plan
+    elif config["gpu_state_blocks"] not in ("auto", 0):
+        # No run-time plan to decide it: the blocks asked for keep their state in VRAM now.
+        blocks = (paging.blocks if paging is not None else list(config["blocks"])
+                  if config["blocks"] is not None else find_blocks(model))
+        held = gpu_state(model, blocks, offload, config["gpu_state_blocks"])
+        session.note("plan.gpu_state", f"the AdamW state of blocks 0-"
+                     f"{config['gpu_state_blocks'] - 1} and of the parameters outside the stack "
+                     f"({held:,} elements) lives in VRAM, as asked (gpu_state_blocks)",
+                     gpu_state_elements=held)
     if getattr(offload, "_resumed", False):
         session.note("wrap.resumed", f"re-attached to job {job_id}'s optimizer state after "
                      f"{offload.steps} completed steps; the model's weights are the daemon's",
@@ -464,6 +481,32 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         offload._switch_when_fits = True
     model._trainstream_session = session
     return model, offload
+
+
+def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict, paging: Any,
+                     session: TrainStreamSession) -> None:
+    """gpu_state_blocks=N asks for what this job can have, or wrap() says why not; "auto" on a
+    GPU says once why the plan will not consider it."""
+    asked = config["gpu_state_blocks"]
+    refusal = offload.gpu_state_refusal()
+    if asked == "auto":
+        if refusal is not None and offload._cuda:
+            session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
+        return
+    if asked == 0:
+        return
+    if refusal is not None:
+        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked}: {refusal}")
+    blocks = (paging.blocks if paging is not None else list(config["blocks"])
+              if config["blocks"] is not None else find_blocks(model))
+    if asked > len(blocks):
+        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but the model has "
+                         f"{len(blocks)} blocks")
+    streamed = sorted(set(paging.paged) & set(range(asked))) if paging is not None else []
+    if streamed:
+        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but blocks {streamed} "
+                         "stream their weights (param_offload): a block updated in VRAM keeps "
+                         "its weights there")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -112,6 +112,61 @@ def test_a_frozen_base_leaves_more_compute_free_for_recomputing():
         "recompute")
 
 
+def _host_bound(**kw):
+    # A full fine-tune of 2.125 Gi elements whose host pass takes 1 s, against 8 blocks of
+    # 20 ms forwards (480 ms of compute a step): the host is what the step waits for.
+    return inputs(block_forward_s=0.020, link_bytes_per_s=50e9, host_update_s=1.0,
+                  transfer_bytes=(8.5 * GiB, 8.5 * GiB), **kw)
+
+
+def test_a_host_bound_step_keeps_the_first_blocks_optimizer_state_in_vram():
+    everything_on_host = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB))
+    plan = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state="auto"))
+    assert everything_on_host.gpu_state_blocks == 0
+    # The host's pass starts after the forward (160 ms) and covers every element: 1.16 s.
+    assert everything_on_host.step_s["host"] == pytest.approx(1.16)
+    assert plan.gpu_state_blocks >= 3 and plan.paged_blocks == []
+    # The outside parameters (0.125 Gi elements) and the blocks' (0.25 Gi each) go with them.
+    assert plan.gpu_state_elements == GiB // 8 + plan.gpu_state_blocks * GiB // 4
+    assert plan.vram_bytes <= 40 * GiB
+    assert max(plan.step_s.values()) < 0.75 * max(everything_on_host.step_s.values())
+    # Their gradients (4 bytes an element) no longer cross PCIe; paged activations still do.
+    paged = 2 * GiB * plan.activation_policy.count("offload")
+    assert plan.step_s["d2h"] == pytest.approx(
+        (8.5 * GiB - 4 * plan.gpu_state_elements + paged) / 50e9)
+    assert "kept in VRAM and updated there at step()" in plan.history[0]
+
+
+def test_optimizer_state_stays_on_the_host_when_the_host_keeps_up_or_was_not_measured():
+    quick = plan_memory(inputs(vram=40 * GiB, host=200 * GiB, block_forward_s=0.020,
+                               link_bytes_per_s=50e9, host_update_s=0.1, gpu_state="auto"))
+    unmeasured = plan_memory(inputs(vram=40 * GiB, host=200 * GiB, block_forward_s=0.020,
+                                    link_bytes_per_s=50e9, gpu_state="auto"))
+    assert quick.gpu_state_blocks == 0 and unmeasured.gpu_state_blocks == 0
+    assert not any("VRAM and updated there" in line for line in quick.history)
+
+
+def test_vram_bounds_the_optimizer_state_it_takes_and_weights_never_stream_for_it():
+    # 20 GiB usable: the weights (8.5 GiB), the working set (1), the last block's activations
+    # and one block's in flight (2 + 2) leave 6.5 GiB: the outside parameters' state (1.5 GiB)
+    # and one block's (3 GiB) fit, a second block's would not, and no weights stream for it.
+    roomy = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state="auto"))
+    tight = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state="auto"))
+    assert tight.gpu_state_blocks == 1 < roomy.gpu_state_blocks
+    assert tight.paged_blocks == [] and tight.vram_bytes <= 20 * GiB
+
+
+def test_asked_gpu_state_is_kept_or_refused_with_the_numbers():
+    two = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=2))
+    assert two.gpu_state_blocks == 2
+    assert two.gpu_state_elements == GiB // 8 + 2 * GiB // 4
+    none = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=0))
+    # 12 bytes an element of VRAM: 7.5 GiB more for 0.625 Gi elements.
+    assert two.vram_bytes - none.vram_bytes >= 12 * two.gpu_state_elements - 8 * GiB
+    with pytest.raises(MemoryPlanError, match=r"AdamW state of 8 blocks in VRAM \(25\.50 GiB"):
+        plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=8))
+
+
 def test_find_blocks_returns_the_repeated_stack():
     model = TinyGPT(layers=3)
     assert trainstream.find_blocks(model) == list(model.blocks)

@@ -395,3 +395,99 @@ def test_after_the_switch_clipping_steps_and_checkpoints_carry_on(daemon_socket,
     assert opt.steps == 5
     train(ours, opt, 2, start=5, device="cpu")
     assert max((a - p.detach()).abs().max().item() for a, p in zip(after, ours.parameters())) == 0
+
+
+def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
+    torch.manual_seed(11)
+    model = TinyGPT()
+    with pytest.raises(ValueError, match="gpu_state_blocks=1: a CPU model's updates land in "
+                                         "place"):
+        trainstream.wrap(model, device="cpu", gpu_state_blocks=1)
+    with pytest.raises(ValueError, match="gpu_state_blocks=-1 must be 'auto' or an integer"):
+        trainstream.wrap(model, device="cpu", gpu_state_blocks=-1)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="max_grad_norm and compute_grad_norm need every"):
+            trainstream.wrap(model, max_grad_norm=1.0, gpu_state_blocks=1)
+        with pytest.raises(ValueError, match="gpu_state_blocks=3 but the model has 2 blocks"):
+            trainstream.wrap(model, gpu_state_blocks=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_optimizer_state_kept_in_vram_follows_stock_adamw(daemon_socket, accumulation):
+    # The first block's and the embeddings' AdamW state move to VRAM after the probe step and
+    # are updated there by torch's fused AdamW; the other block's stays in the daemon. The
+    # trajectory is stock AdamW's, with two groups and a scheduler.
+    torch.manual_seed(12)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(groups_of(ref))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
+                                 gpu_state_blocks=1, accumulation_steps=accumulation)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    train(ref, ref_opt, 1, accumulation, scheduler=ref_sched)
+    train(ours, opt, 1, accumulation, scheduler=sched)
+    held = opt.stats()["gpu_state"]
+    inside = {id(p) for p in ours.blocks[0].parameters()}
+    outside = [p for p in ours.parameters() if id(p) not in
+               {id(q) for b in ours.blocks for q in b.parameters()}]
+    assert held["tensors"] == len(inside) + len(outside)
+    assert held["elements"] == sum(p.numel() for p in ours.blocks[0].parameters()) + sum(
+        p.numel() for p in outside)
+    sent = opt.bytes_to_host
+    train(ref, ref_opt, 9, accumulation, scheduler=ref_sched, start=1)
+    train(ours, opt, 9, accumulation, scheduler=sched, start=1)
+    assert max_diff(ref, ours) <= 1e-5
+    # Only the second block's gradients left the GPU since.
+    assert opt.bytes_to_host - sent == 9 * accumulation * 4 * sum(
+        p.numel() for p in ours.blocks[1].parameters())
+    assert all(p.grad is None for p in ours.parameters())
+    events = [e for e in trainstream.memory_report(ours)["events"]
+              if e["kind"] == "client.plan.gpu_state"]
+    assert len(events) == 1 and "blocks 0-0" in events[0]["message"]
+    assert events[0]["numbers"]["gpu_state_elements"] == held["elements"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_optimizer_state_in_vram_checkpoints_and_moves_back(daemon_socket, tmp_path):
+    ref, ref_opt, ours, opt = stock_and_wrapped(14, device="cuda", gpu_state_blocks=1)
+    train(ref, ref_opt, 4)
+    train(ours, opt, 4)
+    assert opt.stats()["gpu_state"]["tensors"] > 0
+    # Its state_dict holds the VRAM part as it is now (steps 2-4 ran there).
+    state = opt.state_dict()
+    ref_state = ref_opt.state_dict()
+    assert len(state["state"]) == len(ref_state["state"])
+    for key, entry in ref_state["state"].items():
+        assert state["state"][key]["step"].item() == entry["step"].item() == 4
+        assert (state["state"][key]["exp_avg"].to("cuda") - entry["exp_avg"]).abs().max() < 1e-6
+    # The daemon's file holds it too: a run restored from it, without state in VRAM, carries
+    # on as stock AdamW does.
+    opt.save(str(tmp_path / "opt.ckpt"))
+    weights = copy.deepcopy(ours.state_dict())
+    torch.manual_seed(0)
+    restored = TinyGPT().to("cuda")
+    restored.load_state_dict(weights)
+    restored, r_opt = trainstream.wrap(restored, torch.optim.AdamW(restored.parameters(),
+                                                                   lr=3e-3),
+                                       offload=True, gpu_state_blocks=0)
+    r_opt.load(str(tmp_path / "opt.ckpt"))
+    assert r_opt.stats()["gpu_state"]["tensors"] == 0
+    train(ref, ref_opt, 3, start=4)
+    train(restored, r_opt, 3, start=4)
+    assert max_diff(ref, restored) <= 1e-5
+    # The state moves back to the daemon between steps, and training goes on there.
+    opt.keep_state_on_device(set())
+    assert opt.stats()["gpu_state"]["tensors"] == 0
+    train(ours, opt, 3, start=4)
+    assert max_diff(ref, ours) <= 1e-5
+    # Loading a checkpoint into a run that keeps state in VRAM puts it there.
+    blocks_0 = {id(p) for p in ours.blocks[0].parameters()}
+    assert opt.keep_state_on_device(blocks_0) == sum(p.numel() for p in ours.blocks[0].parameters())
+    opt.load(str(tmp_path / "opt.ckpt"))
+    ours.load_state_dict(weights)
+    train(ours, opt, 3, start=4)
+    assert max_diff(ref, ours) <= 1e-5
