@@ -203,15 +203,26 @@ def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu
                             for i, p in enumerate(plan.activation_policy) if p == "offload")
     weights_in = fetch_bytes([inputs.blocks[i].weight_bytes for i in plan.paged_blocks],
                              inputs.prefetch_depth)
+    forward_s = _forward_s(inputs, plan.paged_blocks)
+    forward_d2h = paged_activations / link if link else 0.0
+    compute += max(0.0, forward_d2h - forward_s)  # the forward stalls on its copies
     trainable = _trainable(inputs)
     host = 0.0
     if inputs.host_update_s > 0 and trainable:
-        host = (forward * len(inputs.blocks)
+        host = (max(forward_s, forward_d2h)
                 + inputs.host_update_s * (trainable - on_gpu) / trainable)
     return {"compute": compute,
             "h2d": (transfer[0] + weights_in + paged_activations) / link if link else 0.0,
             "d2h": (transfer[1] + paged_activations) / link if link else 0.0,
             "host": host}
+
+
+def _forward_s(inputs: PlanInputs, streamed: list) -> float:
+    """The forward's length: its blocks' compute, or the streamed weights' fetches (each once
+    in it) where those take longer."""
+    link = inputs.link_bytes_per_s
+    fetched = sum(inputs.blocks[i].weight_bytes for i in streamed)
+    return max(inputs.block_forward_s * len(inputs.blocks), fetched / link if link else 0.0)
 
 
 def _compute_s(inputs: PlanInputs) -> float:
@@ -298,13 +309,24 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) ->
                                  inputs.prefetch_depth)
         load = {"compute": inputs.step_compute_s or _compute_s(inputs),
                 "h2d": (transfer[0] + weights_in) / link if link else 0.0,
-                "d2h": transfer[1] / link if link else 0.0}
-        for i in order:
+                "d2h": transfer[1] / link if link else 0.0, "forward_d2h": 0.0}
+        forward_s = _forward_s(inputs, sorted(streamed_guess | streaming))
+
+        def step(extra: dict) -> float:
+            busy = {k: v + extra.get(k, 0.0) for k, v in load.items()}
+            # Activations paged in the forward leave while it runs: more than it lasts stalls
+            # it (the pager waits for copies in flight), and the step with it.
+            stall = max(0.0, busy["forward_d2h"] - forward_s)
+            return max(busy["compute"] + stall, busy["h2d"], busy["d2h"])
+
+        # Spread over the stack, as streamed weights are: each block paged in the forward has
+        # the compute of the blocks after it to hide its copy.
+        for i in [b for b in spread_order(n) if b != n - 1]:
             if vram() <= inputs.vram_budget:
                 break
             transfer_s = activations[i] / link if link else 0.0
-            paging = max(load["compute"], load["h2d"] + transfer_s, load["d2h"] + transfer_s)
-            again = max(load["compute"] + forward, load["h2d"], load["d2h"])
+            paging = step({"h2d": transfer_s, "d2h": transfer_s, "forward_d2h": transfer_s})
+            again = step({"compute": forward})
             if measured and again < paging and i not in streaming:
                 plan.activation_policy[i] = "recompute"
                 load["compute"] += forward
@@ -312,10 +334,13 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) ->
                     f"({1e3 * forward:.1f} ms) costs the step less than its "
                     f"{size(activations[i])} of activations over PCIe both ways "
                     f"({1e3 * transfer_s:.1f} ms each, the link already busy "
-                    f"{1e3 * max(load['h2d'], load['d2h']):.0f} ms a step)")
+                    f"{1e3 * max(load['h2d'], load['d2h']):.0f} ms a step, "
+                    f"{1e3 * load['forward_d2h']:.0f} of the forward's "
+                    f"{1e3 * forward_s:.0f} ms)")
             elif activations[i] <= host_left:
                 load["h2d"] += transfer_s
                 load["d2h"] += transfer_s
+                load["forward_d2h"] += transfer_s
                 plan.activation_policy[i] = "offload"
                 host_left -= activations[i]
                 say(f"block {i} pages its activations ({size(activations[i])}) to host "

@@ -83,10 +83,15 @@ def test_user_choices_are_kept():
 def test_page_or_recompute_follows_what_the_step_is_waiting_for():
     # 2 GiB of activations a block: 40 ms over a 50 GB/s link, against a 20 ms forward.
     link = dict(block_forward_s=0.020, link_bytes_per_s=50e9)
-    # An idle link: the copies hide under compute (8 blocks x 3 forwards = 480 ms), so paging
-    # is free and recomputing is not.
+    # An idle link: the copies hide under compute, as many as the forward (8 blocks x 20 ms)
+    # can hide: four of 43 ms stall it by 12 ms, less than a recompute's 20; a fifth would
+    # stall it by 55 ms, and the rest recompute.
     idle = plan_memory(inputs(vram=16 * GiB, host=200 * GiB, **link))
-    assert "recompute" not in idle.activation_policy and "offload" in idle.activation_policy
+    assert idle.activation_policy.count("offload") == 4
+    assert idle.activation_policy[-1] == "keep" and "recompute" in idle.activation_policy
+    assert any("172 of the forward's 160 ms" in line for line in idle.history)
+    # The pages are spread over the stack, each with later blocks' compute to hide it.
+    assert [i for i, p in enumerate(idle.activation_policy) if p == "offload"] == [0, 2, 4, 6]
     # A link busy for 1.2 s with the optimizer's traffic: each page would lengthen the step,
     # a recompute hides under the transfers.
     busy = plan_memory(inputs(vram=16 * GiB, host=200 * GiB, transfer_bytes=(60e9, 60e9),
