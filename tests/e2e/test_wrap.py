@@ -491,3 +491,34 @@ def test_optimizer_state_in_vram_checkpoints_and_moves_back(daemon_socket, tmp_p
     ours.load_state_dict(weights)
     train(ours, opt, 3, start=4)
     assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_host_bound_run_moves_optimizer_state_to_vram_by_itself(start_daemon, monkeypatch):
+    # One optimizer thread and wide blocks under a tiny batch: the host's AdamW pass over 13M
+    # parameters takes longer than the step's compute, and VRAM has room, so the plan made
+    # after the probe step keeps state in VRAM on its own, says so, and the trajectory stays
+    # stock AdamW's.
+    daemon = start_daemon("--memory_budget=2G", "--threads=1", "--lease_ms=1500")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    torch.manual_seed(15)
+    ref = TinyGPT(dim=512, heads=8, layers=4).to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
+                                 offload=True)
+    train(ref, ref_opt, 4)
+    train(ours, opt, 4)
+    report = trainstream.memory_report(ours)
+    plan = report["plan"]
+    assert plan["measured"]["host_pass_s"] > 0
+    assert plan["gpu_state_blocks"] >= 1
+    assert report["optimizer"]["gpu_state"]["elements"] == plan["gpu_state_elements"] > 0
+    moves = [e for e in report["events"] if e["kind"] == "client.plan.gpu_state"]
+    assert moves and "lives in VRAM" in moves[-1]["message"]
+    assert any("kept in VRAM and updated there at step()" in line
+               for line in plan["history"])
+    train(ref, ref_opt, 4, start=4)
+    train(ours, opt, 4, start=4)
+    assert max_diff(ref, ours) <= 1e-5
