@@ -50,7 +50,7 @@ class AdaptivePlan:
                  host_cap: int = 0, gpu_state: object = 0,
                  set_gpu_state: Callable[[list], int] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
-                 other_trainable: int = 0):
+                 other_trainable: int = 0, update_transfer: tuple = (4, 4)):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -77,10 +77,12 @@ class AdaptivePlan:
         self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
         self._set_gpu_state = set_gpu_state
         self._host_pass = host_pass
+        # Elements outside the stack whose state may move (fp32 trained ones), and what each
+        # updated on the host moves over PCIe a step (the updated weight in, its gradient out).
         self._other_trainable = int(other_trainable)
+        self._update_transfer = tuple(update_transfer)
         self.gpu_state_blocks = 0
         self.gpu_state_elements = 0
-        self._gpu_state_bytes = 12  # per element: fp32 moments and the gradient until step()
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -135,8 +137,9 @@ class AdaptivePlan:
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
                             activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"],
                             trained_share=self._trained_share(b),
+                            # What may keep its state in VRAM: fp32 trained weights.
                             trainable=sum(p.numel() for p in self.blocks[b].parameters()
-                                          if p.requires_grad))
+                                          if p.requires_grad and p.dtype == torch.float32))
                  for b in range(len(self.blocks))]
         return facts, m["saved_bytes"], forward_s
 
@@ -166,7 +169,9 @@ class AdaptivePlan:
                      if b not in offloaded and b not in recomputed)
                  + sum(facts[b].input_bytes for b in recomputed))
         in_flight = facts[0].activation_bytes if offloaded else 0
-        state = self._gpu_state_bytes * self.gpu_state_elements
+        # The moments held in VRAM; their gradients, which appear only as backward ends, may or
+        # may not be in the peak and stay in the working memory read here.
+        state = 8 * self.gpu_state_elements
         return max(0, peak - resident - slots - saved - in_flight - state)
 
     # -- after every step -----------------------------------------------------------------------
@@ -306,8 +311,9 @@ class AdaptivePlan:
         return True
 
     def _measure_host_pass(self) -> float:
-        """The last step's host optimizer pass, per element it updated (0: not measured)."""
-        if self._host_pass is None:
+        """The last step's host optimizer pass, per element it updated (0: not measured, or
+        no state may move, when it decides nothing)."""
+        if self._host_pass is None or self._gpu_state_option == 0:
             return 0.0
         seconds, elements = self._host_pass()
         if seconds <= 0 or elements <= 0:
@@ -334,7 +340,7 @@ class AdaptivePlan:
             blocks=tuple(facts), other_weight_bytes=self._other_weights,
             other_trainable=self._other_trainable, host_state_planned=True,
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
-            gpu_state=self._gpu_state_option,
+            gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
@@ -374,13 +380,14 @@ class AdaptivePlan:
             self._unstream_weights(removed)
         if added:
             self._stream_weights(added)
-        if plan.gpu_state_blocks != self.gpu_state_blocks:
-            self._apply_gpu_state(plan)
         self._plan_host(host_bytes)
         self.host_activation_bytes = host_bytes
         self.recompute.set(again)
         self.pager.set_activation_blocks(offload)
         self.plan = plan
+        if plan.gpu_state_blocks != self.gpu_state_blocks:
+            # Last: a move that fails leaves the rest of the plan applied (after_step says why).
+            self._apply_gpu_state(plan)
         for line in plan.history:
             self._say("plan.decision", line)
         keep = plan.activation_policy.count("keep")
@@ -396,11 +403,17 @@ class AdaptivePlan:
         self.adapting = True
         return True
 
+    def state_left_vram(self) -> None:
+        """The optimizer moved whole to the GPU (offload='auto'): no state moves any more, and
+        none is held here to take off the peaks."""
+        self._gpu_state_option = 0
+        self.gpu_state_blocks = self.gpu_state_elements = 0
+
     def _apply_gpu_state(self, plan: MemoryPlan) -> None:
         before = self.gpu_state_blocks
         self.gpu_state_elements = self._set_gpu_state(plan.gpu_state_blocks)
         self.gpu_state_blocks = plan.gpu_state_blocks
-        held = self._gpu_state_bytes * self.gpu_state_elements
+        held = 12 * self.gpu_state_elements  # fp32 moments, and the gradient until step()
         if plan.gpu_state_blocks:
             message = (f"the AdamW state of blocks 0-{plan.gpu_state_blocks - 1} and of the "
                        f"parameters outside the stack ({self.gpu_state_elements:,} elements) "

@@ -402,7 +402,11 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
         option = 0
-    trainable_outside = sum(p.numel() for p in offload._params if id(p) not in inside)
+    # Only fp32 weights may keep their state in VRAM (the master weights of others are the
+    # daemon's); each updated on the host moves its gradient out and itself back a step.
+    trainable_outside = sum(p.numel() for p in offload._params
+                            if id(p) not in inside and p.dtype == torch.float32)
+    update_transfer = (4, offload._gradient_dtype.itemsize if offload._gradient_dtype else 4)
 
     frozen_at_wrap = session.frozen.bytes
     arena = session.config["host_arena"]
@@ -426,7 +430,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         host_cap=arena_cap, gpu_state=option,
                         set_gpu_state=lambda blocks: gpu_state(model, paging.blocks, offload,
                                                                blocks),
-                        host_pass=host_pass, other_trainable=trainable_outside)
+                        host_pass=host_pass, other_trainable=trainable_outside,
+                        update_transfer=update_transfer)
 
 
 def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int) -> int:

@@ -12,7 +12,10 @@ parameters' copies.
 
 from __future__ import annotations
 
+import atexit
 import time
+import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -124,6 +127,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
+            info = self._host.info()
+            # Tensors whose state is older than the job's step: kept in VRAM by a process that
+            # ended without unwrap() or a checkpoint since (or without gradients since).
+            self.behind_on_resume = [i for i, steps in enumerate(info.get("param_steps", []))
+                                     if 0 < steps < info["step"]]
         self._moment_dtype = MOMENT_DTYPES[moment_dtype]
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._max_grad_norm = float(max_grad_norm or 0.0)
@@ -357,6 +365,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             return "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
         if self._gpu_optimizer is not None:
             return "the whole optimizer runs on the GPU already (offload='auto')"
+        if not any(p.dtype == torch.float32 for p in self._params):
+            return ("no parameter is fp32: the fp32 master weights of the others are the "
+                    "daemon's")
         return None
 
     def device_state_candidates(self, param_ids: set) -> list[int]:
@@ -409,6 +420,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._device_indices = wanted
             self._module_indices.clear()  # which parameters come back changed
             self._waited_modules.clear()
+            if wanted:
+                _register_exit_return(self)
+            else:
+                _unregister_exit_return(self)
         return self.device_state_elements
 
     @property
@@ -438,7 +453,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         for g, k in zip(optimizer.param_groups, self._device_groups):
             g.update(_torch_group(self.param_groups[k]))
-        optimizer.step()
+        # A forward under inference_mode may complete the iteration (_settle_updates): the
+        # moments torch creates on a first update must still be ordinary tensors.
+        with torch.inference_mode(False):
+            optimizer.step()
         for i in self._device_indices:
             self._params[i].grad = None  # no gradient stays in VRAM past step()
 
@@ -483,6 +501,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _device_state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
         if self._device_indices:
+            if any(self._backwards):  # a step in progress, or one that failed
+                raise FailedPreconditionError(
+                    "a step is in progress; checkpoint between steps (after step())")
             self._host.set_step(self._host.iteration, self._moments_to_daemon(
                 self._device_optimizer, sorted(self._device_indices)))
 
@@ -616,9 +637,15 @@ class OffloadAdamW(torch.optim.Optimizer):
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
         self.synchronize()
-        if self._device_indices and not any(self._backwards):
-            # The daemon holds the whole job's state again (a later process may resume it).
-            self.keep_state_on_device(set())
+        if self._device_indices:
+            if any(self._backwards):
+                warnings.warn("trainstream: unwrapped between backward and step(): the AdamW "
+                              "state held in VRAM stays as of its last move or checkpoint in "
+                              "trainstreamd", stacklevel=3)
+            else:
+                # The daemon holds the whole job's state again (a later process may resume it).
+                self.keep_state_on_device(set())
+        _unregister_exit_return(self)
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
             self._pager, self._paged_indices = None, set()
@@ -794,6 +821,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _switch_to_gpu(self) -> None:
         self.synchronize()
         self.keep_state_on_device(set())  # the daemon's state is whole, then all moves
+        if self._adaptive is not None:
+            self._adaptive.state_left_vram()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -945,6 +974,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._settle_updates()  # the updates landing now would write over what is loaded
+        if "master" not in state_dict:
+            # The weights stay as they are: the daemon's master of the VRAM-held ones first
+            # catches up, since the load copies every master back to the model.
+            self._device_state_to_daemon()
         if self._gpu_optimizer is not None:
             if "master" in state_dict:
                 with torch.no_grad():
@@ -1024,7 +1057,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
         info["gpu_state"] = {"tensors": len(self._device_indices),
                              "elements": self.device_state_elements,
-                             "bytes": 8 * self.device_state_elements}
+                             "moment_bytes": 8 * self.device_state_elements}
         info["steps"] = self.steps
         return info
 
@@ -1042,6 +1075,35 @@ _current_graph_task = getattr(torch._C, "_current_graph_task_id", None)
 def _in_backward() -> bool:
     """Whether this thread runs an autograd backward now (a recompute inside it, say)."""
     return _graph_task() != -1
+
+
+# Optimizers holding AdamW state in VRAM: at interpreter exit their state goes back to the
+# daemon, so a process that ends without unwrap() leaves the job whole for a restart.
+_exit_returns: "weakref.WeakSet[OffloadAdamW]" = weakref.WeakSet()
+
+
+_exit_hook: list = []  # registered once
+
+
+def _register_exit_return(optimizer: OffloadAdamW) -> None:
+    if not _exit_hook:
+        _exit_hook.append(atexit.register(_return_state_at_exit))
+    _exit_returns.add(optimizer)
+
+
+def _unregister_exit_return(optimizer: OffloadAdamW) -> None:
+    _exit_returns.discard(optimizer)
+
+
+def _return_state_at_exit() -> None:
+    for optimizer in list(_exit_returns):
+        try:
+            if not any(optimizer._backwards):
+                optimizer.keep_state_on_device(set())
+        except Exception as e:  # noqa: BLE001 - the daemon may be gone; exiting goes on
+            warnings.warn(f"trainstream: the AdamW state held in VRAM could not go back to "
+                          f"trainstreamd at exit: {e}")
+    _exit_returns.clear()
 
 
 def _torch_group(g: dict) -> dict:

@@ -133,7 +133,8 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
                          "number of values")
     state = options.get("gpu_state_blocks", "auto")
-    if not (state == "auto" or (isinstance(state, int) and state >= 0)):
+    if not (state == "auto" or (isinstance(state, int) and not isinstance(state, bool)
+                                and state >= 0)):
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={state!r} must be 'auto' or an "
                          "integer >= 0")
     budget = options.get("vram_budget")
@@ -420,6 +421,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         raise ValueError(
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
+    try:
+        _check_gpu_state(model, offload, config, paging)
+    except ValueError:
+        if offload is not optimizer:
+            offload.detach()  # the model keeps no hook of an optimizer wrap() made
+        raise
     if world > 1 or topology.machines > 1:
         # Every rank starts from the weights the first rank wrote into the shared master, as
         # DistributedDataParallel starts from rank 0's; across machines, from machine 0's.
@@ -452,7 +459,10 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     for module in model.modules():  # an fp8 base's layers say how they multiply
         if isinstance(module, BaseLinear):
             module.note = session.note
-    _check_gpu_state(model, offload, config, paging, session)
+    if config["gpu_state_blocks"] == "auto" and offload._cuda:
+        refusal = offload.gpu_state_refusal()
+        if refusal is not None:
+            session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
     if paging is not None and paging.adaptive and pager is not None:
         session.plan = adaptive_plan(model, paging, pager, offload, client, session,
                                       planned if config["check_memory"] else None)
@@ -467,9 +477,16 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                      f"({held:,} elements) lives in VRAM, as asked (gpu_state_blocks)",
                      gpu_state_elements=held)
     if getattr(offload, "_resumed", False):
+        behind = getattr(offload, "behind_on_resume", [])
+        lagging = (f"; {len(behind)} tensors' state is older than that (kept in VRAM by a "
+                   "process that ended without unwrap() or a checkpoint since, or without "
+                   "gradients since): they resume from their last step in trainstreamd"
+                   if behind else "")
         session.note("wrap.resumed", f"re-attached to job {job_id}'s optimizer state after "
-                     f"{offload.steps} completed steps; the model's weights are the daemon's",
-                     steps=offload.steps)
+                     f"{offload.steps} completed steps; the model's weights are the daemon's"
+                     f"{lagging}", steps=offload.steps, behind_tensors=len(behind))
+        if behind:
+            warnings.warn(f"trainstream.wrap: {lagging[2:]}", stacklevel=2)
     session.note("wrap.optimizer",
                  f"{'CUDA' if offload._cuda else 'CPU'} model, {len(offload._params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
@@ -483,18 +500,14 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     return model, offload
 
 
-def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict, paging: Any,
-                     session: TrainStreamSession) -> None:
-    """gpu_state_blocks=N asks for what this job can have, or wrap() says why not; "auto" on a
-    GPU says once why the plan will not consider it."""
+def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
+                     paging: Any) -> None:
+    """gpu_state_blocks=N asks for what this job can have, or wrap() says why not (before any
+    hook of wrap()'s own is on the model)."""
     asked = config["gpu_state_blocks"]
+    if asked in ("auto", 0):
+        return
     refusal = offload.gpu_state_refusal()
-    if asked == "auto":
-        if refusal is not None and offload._cuda:
-            session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
-        return
-    if asked == 0:
-        return
     if refusal is not None:
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked}: {refusal}")
     blocks = (paging.blocks if paging is not None else list(config["blocks"])
@@ -502,7 +515,10 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
     if asked > len(blocks):
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but the model has "
                          f"{len(blocks)} blocks")
-    streamed = sorted(set(paging.paged) & set(range(asked))) if paging is not None else []
+    # Blocks streamed because param_offload asked (those the plan streamed at wrap() for the
+    # probe come back when the state moves: it never streams blocks whose state is in VRAM).
+    streamed = sorted(set(paging.paged) & set(range(asked))) if (
+        paging is not None and not paging.weights_auto) else []
     if streamed:
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but blocks {streamed} "
                          "stream their weights (param_offload): a block updated in VRAM keeps "

@@ -166,8 +166,10 @@ def test_asked_gpu_state_is_kept_or_refused_with_the_numbers():
     assert two.gpu_state_blocks == 2
     assert two.gpu_state_elements == GiB // 8 + 2 * GiB // 4
     none = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=0))
-    # 12 bytes an element of VRAM: 7.5 GiB more for 0.625 Gi elements.
-    assert two.vram_bytes - none.vram_bytes >= 12 * two.gpu_state_elements - 8 * GiB
+    # Both keep every block's activations; the state takes 12 bytes an element of VRAM more:
+    # 7.5 GiB for 0.625 Gi elements.
+    assert set(two.activation_policy) == set(none.activation_policy) == {"keep"}
+    assert two.vram_bytes - none.vram_bytes == 12 * two.gpu_state_elements == 7.5 * GiB
     with pytest.raises(MemoryPlanError, match=r"AdamW state of 8 blocks in VRAM \(25\.50 GiB"):
         plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=8))
 

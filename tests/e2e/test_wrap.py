@@ -400,11 +400,23 @@ def test_after_the_switch_clipping_steps_and_checkpoints_carry_on(daemon_socket,
 def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
     torch.manual_seed(11)
     model = TinyGPT()
+    ref = copy.deepcopy(model)
     with pytest.raises(ValueError, match="gpu_state_blocks=1: a CPU model's updates land in "
                                          "place"):
-        trainstream.wrap(model, device="cpu", gpu_state_blocks=1)
-    with pytest.raises(ValueError, match="gpu_state_blocks=-1 must be 'auto' or an integer"):
-        trainstream.wrap(model, device="cpu", gpu_state_blocks=-1)
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu",
+                         gpu_state_blocks=1)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match=f"gpu_state_blocks={bad} must be 'auto' or an"):
+            trainstream.wrap(model, device="cpu", gpu_state_blocks=bad)
+    # The refused wrap left nothing on the model: wrapped again, it trains as stock does.
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                  device="cpu", offload=True)
+    train(ref, ref_opt, 3, device="cpu")
+    train(model, opt, 3, device="cpu")
+    assert max_diff(ref, model) <= 1e-5
+    trainstream.unwrap(model)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="max_grad_norm and compute_grad_norm need every"):
             trainstream.wrap(model, max_grad_norm=1.0, gpu_state_blocks=1)
@@ -463,7 +475,10 @@ def test_optimizer_state_in_vram_checkpoints_and_moves_back(daemon_socket, tmp_p
     assert len(state["state"]) == len(ref_state["state"])
     for key, entry in ref_state["state"].items():
         assert state["state"][key]["step"].item() == entry["step"].item() == 4
-        assert (state["state"][key]["exp_avg"].to("cuda") - entry["exp_avg"]).abs().max() < 1e-6
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert (state["state"][key][name].to("cuda") - entry[name]).abs().max() < 1e-6
+    assert all(torch.equal(master.to("cuda").reshape(p.shape), p.detach())
+               for master, p in zip(state["master"], ours.parameters()))
     # The daemon's file holds it too: a run restored from it, without state in VRAM, carries
     # on as stock AdamW does.
     opt.save(str(tmp_path / "opt.ckpt"))
@@ -484,12 +499,20 @@ def test_optimizer_state_in_vram_checkpoints_and_moves_back(daemon_socket, tmp_p
     assert opt.stats()["gpu_state"]["tensors"] == 0
     train(ours, opt, 3, start=4)
     assert max_diff(ref, ours) <= 1e-5
-    # Loading a checkpoint into a run that keeps state in VRAM puts it there.
+    # Loading a checkpoint into a run that keeps state in VRAM puts it there, weights and all.
     blocks_0 = {id(p) for p in ours.blocks[0].parameters()}
     assert opt.keep_state_on_device(blocks_0) == sum(p.numel() for p in ours.blocks[0].parameters())
     opt.load(str(tmp_path / "opt.ckpt"))
-    ours.load_state_dict(weights)
+    assert all(torch.equal(p, weights[name]) for name, p in ours.named_parameters())
     train(ours, opt, 3, start=4)
+    assert max_diff(ref, ours) <= 1e-5
+    # A stock AdamW state_dict (no master weights) loads moments and steps and leaves every
+    # weight as it is, those updated in VRAM included.
+    before = [p.detach().clone() for p in ours.parameters()]
+    opt.load_state_dict(ref_opt.state_dict())
+    assert all(torch.equal(a, p) for a, p in zip(before, ours.parameters()))
+    train(ref, ref_opt, 2, start=7)
+    train(ours, opt, 2, start=7)
     assert max_diff(ref, ours) <= 1e-5
 
 

@@ -65,3 +65,66 @@ def test_restarted_process_continues_the_trajectory(daemon, tmp_path):
     assert out.split() == ["done", "10"]
     a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+VRAM_STATE_SCRIPT = textwrap.dedent("""
+    import sys, time, torch, trainstream
+    sys.path.insert(0, sys.argv[1])
+    from tiny_gpt import TinyGPT, batch, loss_fn
+    job, first, last, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    torch.manual_seed(0)
+    model = TinyGPT().cuda()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                  job_id=job, offload=True, gpu_state_blocks=1)
+    assert opt.steps == first, (opt.steps, first)
+    print("behind", len(getattr(opt, "behind_on_resume", [])), flush=True)
+    for step in range(first, last):
+        x, y = batch(step, device="cuda")
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    print("done", opt.steps, opt.stats()["gpu_state"]["tensors"] > 0, flush=True)
+    if out == "-":
+        time.sleep(600)  # killed here, mid-run
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    # Ends without unwrap(): the state held in VRAM goes back to the daemon at exit.
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_state_held_in_vram_goes_back_at_exit_and_a_kill_is_reported(daemon, tmp_path):
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
+    script = tmp_path / "train.py"
+    script.write_text(VRAM_STATE_SCRIPT)
+
+    def run(*args):
+        return subprocess.Popen([sys.executable, str(script), MODELS, *map(str, args)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    straight = run("straight", 0, 10, tmp_path / "straight.pt")
+    out, err = straight.communicate(timeout=300)
+    assert straight.returncode == 0, err
+    assert out.split()[-3:] == ["done", "10", "True"]
+    # A process that ends without unwrap(): the next one resumes every tensor from step 5.
+    first = run("exits", 0, 5, tmp_path / "first.pt")
+    assert first.wait(300) == 0, first.stderr.read()
+    resumed = run("exits", 5, 10, tmp_path / "resumed.pt")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert out.split()[:2] == ["behind", "0"] and out.split()[-2:] == ["10", "True"]
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-5
+    # A killed one keeps that part as of its move: the restart says so, in a warning and an
+    # event, instead of resuming it silently.
+    victim = run("killed", 0, 5, "-")
+    assert victim.stdout.readline().split()[:2] == ["behind", "0"]
+    assert victim.stdout.readline().split()[:2] == ["done", "5"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    with trainstream.connect(daemon.socket, job_id="observer") as c:
+        assert wait_until(lambda: all(s["pid"] != victim.pid for s in c.sessions()), 5)
+    after = run("killed", 5, 6, tmp_path / "after.pt")
+    out, err = after.communicate(timeout=300)
+    assert after.returncode == 0, err
+    assert int(out.split()[1]) > 0 and "tensors' state is older than that" in err
