@@ -416,7 +416,6 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             offload.load_state_dict(old_state)
             events.append(("wrap.state", f"migrated {len(old_state['state'])} parameters' "
                                          f"{type(optimizer).__name__} state to the daemon"))
-        optimizer.state.clear()  # the moments now live in the daemon only
     else:
         raise ValueError(
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
@@ -427,6 +426,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         if offload is not optimizer:
             offload.detach()  # the model keeps no hook of an optimizer wrap() made
         raise
+    if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
+        optimizer.state.clear()  # the moments now live in the daemon only
     if world > 1 or topology.machines > 1:
         # Every rank starts from the weights the first rank wrote into the shared master, as
         # DistributedDataParallel starts from rank 0's; across machines, from machine 0's.

@@ -401,10 +401,15 @@ def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
     torch.manual_seed(11)
     model = TinyGPT()
     ref = copy.deepcopy(model)
+    # A torch AdamW with moments already (lr 0: the weights stay as they are).
+    user_opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    loss_fn(model, *batch(0)).backward()
+    user_opt.step()
+    user_opt.zero_grad()
     with pytest.raises(ValueError, match="gpu_state_blocks=1: a CPU model's updates land in "
                                          "place"):
-        trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu",
-                         gpu_state_blocks=1)
+        trainstream.wrap(model, user_opt, device="cpu", gpu_state_blocks=1)
+    assert len(user_opt.state) == len(list(model.parameters()))  # its moments stayed
     for bad in (-1, True):
         with pytest.raises(ValueError, match=f"gpu_state_blocks={bad} must be 'auto' or an"):
             trainstream.wrap(model, device="cpu", gpu_state_blocks=bad)
