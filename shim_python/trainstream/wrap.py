@@ -446,9 +446,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"{dist.get_rank() // world} of {topology.machines} "
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
-    offload.attach_forward_waits(model, paging.blocks if paging is not None else
-                                 list(config["blocks"]) if config["blocks"] is not None else
-                                 find_blocks(model))
+    offload.attach_forward_waits(model, _block_stack(model, config, paging))
     frozen = FrozenWeights(client)
     pager = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
@@ -470,9 +468,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         offload._adaptive = session.plan
     elif config["gpu_state_blocks"] not in ("auto", 0):
         # No run-time plan to decide it: the blocks asked for keep their state in VRAM now.
-        blocks = (paging.blocks if paging is not None else list(config["blocks"])
-                  if config["blocks"] is not None else find_blocks(model))
-        held = gpu_state(model, blocks, offload, config["gpu_state_blocks"])
+        held = gpu_state(model, _block_stack(model, config, paging), offload,
+                         config["gpu_state_blocks"])
         session.note("plan.gpu_state", f"the AdamW state of blocks 0-"
                      f"{config['gpu_state_blocks'] - 1} and of the parameters outside the stack "
                      f"({held:,} elements) lives in VRAM, as asked (gpu_state_blocks)",
@@ -501,6 +498,13 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     return model, offload
 
 
+def _block_stack(model: torch.nn.Module, config: dict, paging: Any) -> list:
+    """The repeated blocks: the memory plan's, else blocks=, else those find_blocks finds."""
+    if paging is not None:
+        return paging.blocks
+    return list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+
+
 def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
                      paging: Any) -> None:
     """gpu_state_blocks=N asks for what this job can have, or wrap() says why not (before any
@@ -511,8 +515,7 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked}: {refusal}")
-    blocks = (paging.blocks if paging is not None else list(config["blocks"])
-              if config["blocks"] is not None else find_blocks(model))
+    blocks = _block_stack(model, config, paging)
     if asked > len(blocks):
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but the model has "
                          f"{len(blocks)} blocks")

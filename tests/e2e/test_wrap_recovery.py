@@ -18,6 +18,26 @@ from conftest import wait_until
 torch = pytest.importorskip("torch")
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
 
+
+def runner(daemon, script_path, text: str):
+    """run(*args): starts ``text`` as a training script against ``daemon``."""
+    script_path.write_text(text)
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
+
+    def run(*args):
+        return subprocess.Popen([sys.executable, str(script_path), MODELS, *map(str, args)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    return run
+
+
+def kill_and_wait_gone(daemon, victim) -> None:
+    """SIGKILL, then wait until the daemon has let go of the process's sessions."""
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    with trainstream.connect(daemon.socket, job_id="observer") as c:
+        assert wait_until(lambda: all(s["pid"] != victim.pid for s in c.sessions()), 5)
+
 SCRIPT = textwrap.dedent("""
     import sys, time, torch, trainstream
     sys.path.insert(0, sys.argv[1])
@@ -41,23 +61,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_restarted_process_continues_the_trajectory(daemon, tmp_path):
-    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-
-    def run(*args, **kw):
-        return subprocess.Popen([sys.executable, str(script), MODELS, *map(str, args)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
+    run = runner(daemon, tmp_path / "train.py", SCRIPT)
     straight = run("straight", 0, 10, tmp_path / "straight.pt")
     assert straight.wait(300) == 0, straight.stderr.read()
 
     victim = run("recover", 0, 5, "-")
     assert victim.stdout.readline().split() == ["done", "5"]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    with trainstream.connect(daemon.socket, job_id="observer") as c:
-        assert wait_until(lambda: all(s["pid"] != victim.pid for s in c.sessions()), 5)
+    kill_and_wait_gone(daemon, victim)
 
     resumed = run("recover", 5, 10, tmp_path / "resumed.pt")
     out, err = resumed.communicate(timeout=300)
@@ -94,14 +104,7 @@ VRAM_STATE_SCRIPT = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_state_held_in_vram_goes_back_at_exit_and_a_kill_is_reported(daemon, tmp_path):
-    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket)
-    script = tmp_path / "train.py"
-    script.write_text(VRAM_STATE_SCRIPT)
-
-    def run(*args):
-        return subprocess.Popen([sys.executable, str(script), MODELS, *map(str, args)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
+    run = runner(daemon, tmp_path / "train.py", VRAM_STATE_SCRIPT)
     straight = run("straight", 0, 10, tmp_path / "straight.pt")
     out, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err
@@ -120,10 +123,7 @@ def test_state_held_in_vram_goes_back_at_exit_and_a_kill_is_reported(daemon, tmp
     victim = run("killed", 0, 5, "-")
     assert victim.stdout.readline().split()[:2] == ["behind", "0"]
     assert victim.stdout.readline().split()[:2] == ["done", "5"]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    with trainstream.connect(daemon.socket, job_id="observer") as c:
-        assert wait_until(lambda: all(s["pid"] != victim.pid for s in c.sessions()), 5)
+    kill_and_wait_gone(daemon, victim)
     after = run("killed", 5, 6, tmp_path / "after.pt")
     out, err = after.communicate(timeout=300)
     assert after.returncode == 0, err
