@@ -254,6 +254,9 @@ def _plan_summary(model, opt) -> dict:
             # Elements whose AdamW state lives in VRAM, updated there (the planner's choice).
             "gpu_state_elements": stats.get("gpu_state", {}).get("elements", 0),
             "gpu_state_blocks": (report["plan"] or {}).get("gpu_state_blocks", 0),
+            # Elements updated on the GPU from moments staged out of the daemon.
+            "staged_elements": stats.get("staged_state", {}).get("elements", 0),
+            "staged_blocks": (report["plan"] or {}).get("staged_blocks", 0),
             "plan": [e["message"] for e in report["events"]
                      if e["kind"] in ("client.plan.applied", "client.wrap.plan",
                                       "client.plan.settled", "client.plan.measured",
@@ -364,7 +367,9 @@ def _bound(mode: str, wrap: dict, rows: dict, bandwidth: dict) -> None:
     print(f"  {mode}: {wrap['paged_blocks']} of {wrap['blocks']} blocks stream weights, "
           f"{wrap['offloaded_blocks']} page activations, {wrap['recomputed_blocks']} recompute, "
           f"{wrap.get('gpu_state_blocks', 0)} keep their AdamW state in VRAM "
-          f"({wrap.get('gpu_state_elements', 0) / 1e6:.0f}M elements); "
+          f"({wrap.get('gpu_state_elements', 0) / 1e6:.0f}M elements), "
+          f"{wrap.get('staged_blocks', 0)} stage theirs through the GPU "
+          f"({wrap.get('staged_elements', 0) / 1e6:.0f}M elements); "
           f"host memory {wrap['host_job_bytes'] / 2**30:.1f} GiB; wrap() took {wrap['wrap_s']} s, "
           f"settled after {wrap['settle_steps']} steps")
     print(f"    PCIe a step: {wrap['h2d_bytes'] / 1e9:.2f} GB to the GPU ({1000 * h2d:.1f} ms), "

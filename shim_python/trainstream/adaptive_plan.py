@@ -48,9 +48,10 @@ class AdaptivePlan:
                  others_bytes: int = 0,
                  transfer_bytes: Callable[[], tuple] = lambda: (0, 0),
                  host_cap: int = 0, gpu_state: object = 0,
-                 set_gpu_state: Callable[[list], int] | None = None,
+                 set_gpu_state: Callable[[int, int], tuple] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
-                 other_trainable: int = 0, update_transfer: tuple = (4, 4)):
+                 other_trainable: int = 0, update_transfer: tuple = (4, 4),
+                 staged_vram: int = 256 << 20):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -71,9 +72,11 @@ class AdaptivePlan:
         self._transfer_bytes = transfer_bytes
         self._host_cap = int(host_cap)  # host_arena= bytes: paged activations never take more
         # The optimizer state kept in VRAM: gpu_state is "auto", or a number of leading blocks
-        # (0: none); set_gpu_state(blocks) keeps those blocks' state (and the parameters'
-        # outside the stack) there and returns the elements it holds; host_pass() is the last
-        # step's host optimizer pass (seconds, elements updated on the host).
+        # (0: none); set_gpu_state(blocks, staged) keeps those blocks' state (and the
+        # parameters' outside the stack) there, updates the next ``staged`` blocks on the GPU
+        # from moments staged out of the daemon (only under "auto"), and returns the elements
+        # of each; host_pass() is the last step's host optimizer pass (seconds, elements
+        # updated on the host).
         self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
         self._set_gpu_state = set_gpu_state
         self._host_pass = host_pass
@@ -83,6 +86,9 @@ class AdaptivePlan:
         self._update_transfer = tuple(update_transfer)
         self.gpu_state_blocks = 0
         self.gpu_state_elements = 0
+        self.staged_blocks = 0
+        self.staged_elements = 0
+        self._staged_vram = int(staged_vram)
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -171,7 +177,7 @@ class AdaptivePlan:
         in_flight = facts[0].activation_bytes if offloaded else 0
         # The moments held in VRAM; their gradients, which appear only as backward ends, may or
         # may not be in the peak and stay in the working memory read here.
-        state = 8 * self.gpu_state_elements
+        state = 8 * self.gpu_state_elements + (self._staged_vram if self.staged_elements else 0)
         return max(0, peak - resident - slots - saved - in_flight - state)
 
     # -- after every step -----------------------------------------------------------------------
@@ -341,6 +347,8 @@ class AdaptivePlan:
             other_trainable=self._other_trainable, host_state_planned=True,
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
             gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
+            staged_state="auto" if self._gpu_state_option == "auto" else 0,
+            staged_vram=self._staged_vram,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
@@ -354,7 +362,8 @@ class AdaptivePlan:
         if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
                 and plan.activation_policy == self.plan.activation_policy
                 and plan.moment_dtype == self.plan.moment_dtype
-                and plan.gpu_state_blocks == self.gpu_state_blocks):
+                and plan.gpu_state_blocks == self.gpu_state_blocks
+                and plan.staged_blocks == self.staged_blocks):
             # The same decisions; the paged activations may have grown (a longer sequence):
             # the daemon is told what the job holds now.
             host_bytes = sum(facts[b].activation_bytes
@@ -385,7 +394,8 @@ class AdaptivePlan:
         self.recompute.set(again)
         self.pager.set_activation_blocks(offload)
         self.plan = plan
-        if plan.gpu_state_blocks != self.gpu_state_blocks:
+        if (plan.gpu_state_blocks, plan.staged_blocks) != (self.gpu_state_blocks,
+                                                            self.staged_blocks):
             # Last: a move that fails leaves the rest of the plan applied (after_step says why).
             self._apply_gpu_state(plan)
         for line in plan.history:
@@ -408,11 +418,13 @@ class AdaptivePlan:
         none is held here to take off the peaks."""
         self._gpu_state_option = 0
         self.gpu_state_blocks = self.gpu_state_elements = 0
+        self.staged_blocks = self.staged_elements = 0
 
     def _apply_gpu_state(self, plan: MemoryPlan) -> None:
-        before = self.gpu_state_blocks
-        self.gpu_state_elements = self._set_gpu_state(plan.gpu_state_blocks)
-        self.gpu_state_blocks = plan.gpu_state_blocks
+        before, staged_before = self.gpu_state_blocks, self.staged_blocks
+        self.gpu_state_elements, self.staged_elements = self._set_gpu_state(
+            plan.gpu_state_blocks, plan.staged_blocks)
+        self.gpu_state_blocks, self.staged_blocks = plan.gpu_state_blocks, plan.staged_blocks
         held = 12 * self.gpu_state_elements  # fp32 moments, and the gradient until step()
         if plan.gpu_state_blocks:
             message = (f"the AdamW state of blocks 0-{plan.gpu_state_blocks - 1} and of the "
@@ -420,12 +432,24 @@ class AdaptivePlan:
                        f"lives in VRAM ({size(held)} with their gradients): updated there by "
                        "torch's fused AdamW at step(); the daemon keeps the rest, and a copy of "
                        "this part as of each checkpoint")
-        else:
+        elif before:
             message = (f"the AdamW state of the {before} leading blocks and the parameters "
                        "outside the stack is back in trainstreamd")
+        else:
+            message = "no optimizer state is held in VRAM"
+        if plan.staged_blocks:
+            first = plan.gpu_state_blocks
+            message += (f"; blocks {first}-{first + plan.staged_blocks - 1} "
+                        f"({self.staged_elements:,} elements) are updated on the GPU with "
+                        "their moments staged from trainstreamd's memory as backward finishes "
+                        "them")
+        elif staged_before:
+            message += "; no block's moments are staged through the GPU any more"
         estimate = {f"estimated_{k}_ms": 1e3 * v for k, v in plan.step_s.items()}
         self._say("plan.gpu_state", message, gpu_state_blocks=plan.gpu_state_blocks,
-                  gpu_state_elements=self.gpu_state_elements, vram_bytes=held, **estimate)
+                  gpu_state_elements=self.gpu_state_elements, vram_bytes=held,
+                  staged_blocks=plan.staged_blocks, staged_elements=self.staged_elements,
+                  **estimate)
 
     def _say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)
@@ -440,5 +464,7 @@ class AdaptivePlan:
                 "host_activation_bytes": self.host_activation_bytes,
                 "gpu_state_blocks": self.gpu_state_blocks,
                 "gpu_state_elements": self.gpu_state_elements,
+                "staged_blocks": self.staged_blocks,
+                "staged_elements": self.staged_elements,
                 "estimated_step_s": dict(plan.step_s) if plan else None,
                 "history": list(self.history)}

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .offload_adamw import OffloadAdamW
+from .staged_adamw import slots_bytes
 
 
 @dataclass
@@ -428,17 +429,21 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         others_bytes=session.config.get("_others_bytes", 0),
                         transfer_bytes=transfers,
                         host_cap=arena_cap, gpu_state=option,
-                        set_gpu_state=lambda blocks: gpu_state(model, paging.blocks, offload,
-                                                               blocks),
+                        set_gpu_state=lambda blocks, staged: gpu_state(
+                            model, paging.blocks, offload, blocks, staged),
                         host_pass=host_pass, other_trainable=trainable_outside,
-                        update_transfer=update_transfer)
+                        update_transfer=update_transfer, staged_vram=slots_bytes())
 
 
-def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int) -> int:
+def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int,
+              staged: int = 0) -> tuple:
     """Keeps the AdamW state of the first ``count`` blocks, and of the parameters outside the
-    stack with them, in VRAM (none for 0); returns the elements held there."""
+    stack with them, in VRAM (none for 0), and updates the next ``staged`` blocks on the GPU
+    from moments staged out of the daemon; returns the elements of each."""
     chosen = {id(p) for b in blocks[:count] for p in b.parameters()}
     if count:
         inside = {id(p) for b in blocks for p in b.parameters()}
         chosen |= {id(p) for p in model.parameters() if id(p) not in inside}
-    return offload.keep_state_on_device(chosen)
+    stage = {id(p) for b in blocks[count:count + staged] for p in b.parameters()}
+    held = offload.keep_state_on_device(chosen, stage)
+    return held, offload.staged_state_elements

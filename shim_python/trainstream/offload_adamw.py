@@ -25,6 +25,8 @@ from . import cuda_streams
 from .blocks import has_forward
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hook_clock import HookClock
+from .staged_adamw import StagedAdamW
+from .weak_hooks import weak_hook
 from .host_optimizer import HostOptimizer, ParameterSpec
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -175,12 +177,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._device_indices: set[int] = set()
         self._device_optimizer: torch.optim.Optimizer | None = None
         self._device_groups: list[int] = []  # for each of its groups, ours
+        # Of those, the ones whose moments stay in the daemon, staged through VRAM for each
+        # update as backward finishes their gradients (staged_adamw.py).
+        self._staged_indices: set[int] = set()
+        self._staged: StagedAdamW | None = None
+        self._staged_groups: dict[int, int] = {}
         self._steps_at_switch = 0
         self._steps_on_gpu = 0
         self._step_times: list[float] = []
         self._last_step_end: float | None = None
-        if getattr(self, "_resumed", False):
-            self.refresh_weights()
         # CUDA: each updated parameter is copied back by the native side the moment the daemon
         # announces it (during backward and the rest of the update), not after the whole step.
         self._device_return = self._cuda and all(p.is_contiguous() for p in self._params
@@ -207,6 +212,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._model: Any = None
         for i, p in enumerate(self._params):
             self._take_over(i, p)
+        if getattr(self, "_resumed", False):
+            # After the device-return and paging set-up: refresh_weights() reads both.
+            self.refresh_weights()
 
     def _take_over(self, i: int, p: torch.Tensor) -> None:
         """Routes parameter ``i``'s gradients to the daemon (and, on a CPU, its storage)."""
@@ -215,7 +223,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             p.data = self._host.param(i)
             p.grad = self._host.grad(i)
             p.grad.zero_()
-        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_gradient_timed))
+        self._hooks.append(p.register_post_accumulate_grad_hook(
+            weak_hook(self, "_on_gradient_timed")))
 
     # -- gradients out, weights back ----------------------------------------------------------
 
@@ -246,6 +255,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             # iteration first.
             if micro + 1 == self.accumulation_steps:
                 self._finish_after_backward()
+                if i in self._staged_indices:
+                    # Final: its update starts now, beside the rest of backward.
+                    self._staged.add(i, p, p.grad, self._host.exp_avg(i),
+                                     self._host.exp_avg_sq(i), self._hyper(i),
+                                     cuda_streams.current(self._device_index))
+                    self.bytes_to_host += 8 * p.numel()
+                    self.bytes_to_device += 8 * p.numel()
+                    p.grad = None  # its chunk holds it until the update has read it
             return
         if not self._cuda:
             slot = self._host.grad(i)
@@ -310,8 +327,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         about to go): waits for copies in flight first. Any of them updated in VRAM go back to
         the daemon first (their weights will be its host copies)."""
         if any(id(self._params[i]) in param_ids for i in self._device_indices):
-            self.keep_state_on_device({id(self._params[i]) for i in self._device_indices
-                                       if id(self._params[i]) not in param_ids})
+            def kept(indices: set) -> set:
+                return {id(self._params[i]) for i in indices
+                        if id(self._params[i]) not in param_ids}
+            self.keep_state_on_device(kept(self._device_indices - self._staged_indices),
+                                      kept(self._staged_indices))
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
         self._waited_modules.clear()
@@ -377,59 +397,105 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if id(p) in param_ids and p.dtype == torch.float32
                 and i not in self._paged_indices]
 
-    def keep_state_on_device(self, param_ids: set) -> int:
+    def keep_state_on_device(self, param_ids: set, staged_ids: set = frozenset()) -> int:
         """Keeps the AdamW state of exactly these parameters (of those that may, see
         :meth:`device_state_candidates`) in VRAM, updated there by torch's fused AdamW at
         step(); every other parameter's goes back to the daemon. Their gradients then never
         cross PCIe and the host's pass shrinks by their share, for 12 bytes of VRAM a parameter
-        (two fp32 moments, and the gradient until step()). Between steps only. Returns the
-        elements now updated in VRAM."""
+        (two fp32 moments, and the gradient until step()).
+
+        ``staged_ids`` are updated on the GPU too, their moments staying in the daemon's
+        pinned memory and staged through VRAM as backward finishes each gradient
+        (staged_adamw.py): no host pass and no VRAM for them, for twice their moments' bytes
+        over PCIe each way. Between steps only. Returns the elements whose state is in VRAM."""
         reason = self.gpu_state_refusal()
-        wanted = set(self.device_state_candidates(param_ids))
+        staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
+                  if self._params[i].is_contiguous()}  # updated through flat views
+        wanted = set(self.device_state_candidates(param_ids)) | staged
         if reason is not None and wanted:
             raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
         if any(self._backwards):
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
-        if wanted != self._device_indices:
-            self.synchronize()
-            leaving = sorted(self._device_indices - wanted)
-            arriving = sorted(wanted - self._device_indices)
-            old = self._device_optimizer
-            if leaving:
-                # The GPU's values become the daemon's again: moments, steps, master weights.
-                self._host.set_step(self._host.iteration, self._moments_to_daemon(old, leaving))
-            self._device_optimizer = self._device_optimizer_for(sorted(wanted))
-            if old is not None:  # the staying ones keep their state as it is
-                for i in sorted(wanted & self._device_indices):
-                    p = self._params[i]
-                    if p in old.state:
-                        self._device_optimizer.state[p] = old.state[p]
-            if arriving:
-                self._moments_from_daemon(self._device_optimizer, arriving)
-            for i in leaving:
+        held, new_held = self._device_indices - self._staged_indices, wanted - staged
+        if held == new_held and staged == self._staged_indices:
+            return self.device_state_elements
+        self.synchronize()
+        # Every parameter whose place changes goes through the daemon: its state is made whole
+        # there (moments, steps, master weights), then taken from there.
+        steps = list(self._host.info().get("param_steps", [0] * len(self._params)))
+        old = self._device_optimizer
+        leaving_held = sorted(held - new_held)
+        leaving_staged = sorted(self._staged_indices - staged)
+        if leaving_held:
+            steps = self._moments_to_daemon(old, leaving_held)
+        for i in leaving_staged:
+            steps[i] = self._staged_to_daemon(i)
+        if leaving_held or leaving_staged:
+            self._host.set_step(self._host.iteration, steps)
+        self._device_optimizer = self._device_optimizer_for(sorted(new_held))
+        if old is not None:  # the staying ones keep their state as it is
+            for i in sorted(new_held & held):
                 p = self._params[i]
-                if self._device_return:
-                    self._host._native.retarget_device(i, p.data_ptr(),
-                                                       p.numel() * p.element_size())
-                    self._targets[i] = p.data_ptr()
-            for i in arriving:
-                if self._device_return:  # nothing of the daemon's is copied there any more
-                    self._host._native.retarget_device(i, 0, 0)
-                    self._targets[i] = 0
-            self._device_indices = wanted
-            self._module_indices.clear()  # which parameters come back changed
-            self._waited_modules.clear()
-            if wanted:
-                _register_exit_return(self)
-            else:
-                _unregister_exit_return(self)
+                if p in old.state:
+                    self._device_optimizer.state[p] = old.state[p]
+        arriving_held = sorted(new_held - held)
+        if arriving_held:
+            self._moments_from_daemon(self._device_optimizer, arriving_held)
+        if staged and self._staged is None:
+            self._staged = StagedAdamW(self._params[0].device, self._kind)
+        for i in sorted(staged - self._staged_indices):
+            self._staged.set_steps(i, self._params[i].numel(), steps[i])
+        group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        self._staged_groups = {i: group_of[id(self._params[i])] for i in staged}
+        if not staged:
+            self._staged = None  # its slots' VRAM goes back
+        for i in sorted(self._device_indices - wanted):
+            p = self._params[i]
+            if self._device_return:
+                self._host._native.retarget_device(i, p.data_ptr(),
+                                                   p.numel() * p.element_size())
+                self._targets[i] = p.data_ptr()
+        for i in sorted(wanted - self._device_indices):
+            if self._device_return:  # nothing of the daemon's is copied there any more
+                self._host._native.retarget_device(i, 0, 0)
+                self._targets[i] = 0
+        self._device_indices, self._staged_indices = wanted, staged
+        self._module_indices.clear()  # which parameters come back changed
+        self._waited_modules.clear()
+        if wanted:
+            _register_exit_return(self)
+        else:
+            _unregister_exit_return(self)
         return self.device_state_elements
 
     @property
     def device_state_elements(self) -> int:
         """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
-        return sum(self._params[i].numel() for i in self._device_indices)
+        return sum(self._params[i].numel() for i in self._device_indices - self._staged_indices)
+
+    @property
+    def staged_state_elements(self) -> int:
+        """Elements updated on the GPU with their moments staged from the daemon."""
+        return sum(self._params[i].numel() for i in self._staged_indices)
+
+    def _hyper(self, i: int) -> tuple:
+        """Staged parameter ``i``'s group's hyper-parameters as they are now (a scheduler's)."""
+        g = self.param_groups[self._staged_groups[i]]
+        return (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                float(g["weight_decay"]))
+
+    def _staged_to_daemon(self, i: int, forget: bool = True) -> int:
+        """Staged parameter ``i``'s weights into the daemon's master (its moments are there
+        already); returns its steps. After synchronize()."""
+        p = self._params[i]
+        self._host.master(i).copy_(p.detach().reshape(p.shape))
+        if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
+            self._host.param(i).copy_(p.detach())
+        steps = self._staged.steps_of(i)
+        if forget:
+            self._staged.forget(i)
+        return steps
 
     def _device_optimizer_for(self, indices: list) -> torch.optim.Optimizer | None:
         self._device_groups = []
@@ -448,6 +514,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _step_on_device(self) -> None:
         """Updates the parameters whose state lives in VRAM (queued on the current stream), with
         the groups' hyper-parameters as they are now (a scheduler's lr)."""
+        if self._staged is not None:
+            current = cuda_streams.current(self._device_index)
+            self._staged.flush(current)
+            self._staged.join(current)  # the next forward reads their new weights
         optimizer = self._device_optimizer
         if optimizer is None:
             return
@@ -495,8 +565,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _device_state_from_daemon(self) -> None:
         """The VRAM-held state takes the daemon's (after a load)."""
-        if self._device_indices:
-            self._moments_from_daemon(self._device_optimizer, sorted(self._device_indices))
+        held = sorted(self._device_indices - self._staged_indices)
+        if held:
+            self._moments_from_daemon(self._device_optimizer, held)
+        if self._staged_indices:  # their moments are the daemon's; their steps too now
+            self._staged.synchronize()
+            steps = self._host.info().get("param_steps", [0] * len(self._params))
+            for i in self._staged_indices:
+                self._staged.set_steps(i, self._params[i].numel(), steps[i])
 
     def _device_state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
@@ -504,8 +580,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             if any(self._backwards):  # a step in progress, or one that failed
                 raise FailedPreconditionError(
                     "a step is in progress; checkpoint between steps (after step())")
-            self._host.set_step(self._host.iteration, self._moments_to_daemon(
-                self._device_optimizer, sorted(self._device_indices)))
+            held = sorted(self._device_indices - self._staged_indices)
+            steps = self._moments_to_daemon(self._device_optimizer, held)
+            if self._staged_indices:
+                self._staged.synchronize()
+                for i in self._staged_indices:
+                    steps[i] = self._staged_to_daemon(i, forget=False)
+            self._host.set_step(self._host.iteration, steps)
 
     def _check_targets(self) -> None:
         if not self._device_return:
@@ -540,6 +621,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _backward_ended(self) -> None:
         self._send_batch()
+        if self._staged is not None:
+            self._staged.flush(cuda_streams.current(self._device_index))
         if self._finish_pending:
             self._finish_pending = False
             self._finishable = True
@@ -633,6 +716,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._ready.clear()
         if self._device_return:
             self._host._native.synchronize_device_returns()
+        if self._staged is not None:
+            self._staged.synchronize()
 
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
@@ -950,10 +1035,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._gpu_optimizer is not None:
             return self._gpu_optimizer.state_dict()
         self._settle_updates()  # between the last backward and step(): the updated state
+        if self._staged is not None:
+            self._staged.synchronize()  # the daemon's moments of staged ones are current
         ours = self._host.state_dict()
         for i in self._device_indices:  # the VRAM-held state, as it is now
             p = self._params[i]
-            entry = self._device_optimizer.state.get(p)
+            if i in self._staged_indices:
+                entry = None
+                steps = self._staged.steps_of(i)
+                if steps:
+                    entry = {"step": torch.tensor(float(steps)),
+                             "exp_avg": self._host.exp_avg(i).clone(),
+                             "exp_avg_sq": self._host.exp_avg_sq(i).clone()}
+            else:
+                entry = self._device_optimizer.state.get(p)
             ours["state"].pop(i, None)
             if entry:
                 ours["state"][i] = {"step": entry["step"].detach().cpu().clone(),
@@ -1055,9 +1150,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         info = self._host.info()
         info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
         # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
-        info["gpu_state"] = {"tensors": len(self._device_indices),
+        info["gpu_state"] = {"tensors": len(self._device_indices - self._staged_indices),
                              "elements": self.device_state_elements,
                              "moment_bytes": 8 * self.device_state_elements}
+        # Updated on the GPU from moments staged out of the daemon (keep_state_on_device).
+        staged = self._staged
+        info["staged_state"] = {"tensors": len(self._staged_indices),
+                                "elements": self.staged_state_elements,
+                                "chunks": staged.chunks if staged else 0,
+                                "bytes_each_way": staged.bytes_each_way if staged else 0}
         info["steps"] = self.steps
         return info
 

@@ -38,6 +38,7 @@ import torch
 
 from . import _trainstream, cuda_streams
 from .hook_clock import HookClock
+from .weak_hooks import weak_hook
 
 # Forwards timed when a measured block is replayed (after one warm-up).
 _REPLAYS = 2
@@ -172,6 +173,8 @@ class BlockPager:
         self.clock = HookClock()  # the CPU time its hooks take (memory_report)
         self._pack_timed = self.clock.timed("paging.pack", self._pack)
         self._unpack_timed = self.clock.timed("paging.unpack", self._unpack)
+        self._gradient_landed_timed = self.clock.timed("paging.gradient_landed",
+                                                       self._gradient_landed)
         # Every block is hooked once; which ones page weights, page activations or are measured
         # may change between steps (the plan adapts).
         for b, module in enumerate(self.blocks):
@@ -230,7 +233,7 @@ class BlockPager:
                 if p.requires_grad:
                     self._grad_hooks.setdefault(b, []).append(
                         p.register_post_accumulate_grad_hook(
-                            self.clock.timed("paging.gradient_landed", self._grad_landed(b))))
+                            weak_hook(self, "_gradient_landed_timed", b)))
         self.slots = []
         self.slots = [_Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
         return added
@@ -682,15 +685,13 @@ class BlockPager:
             slot.unpacked[packed] = view
         return view
 
-    def _grad_landed(self, b: int):
-        def hook(p):
-            if b not in self.position:
-                return
-            left = self.pending_grads.get(b, 0) - 1
-            self.pending_grads[b] = left
-            if left == 0:
-                self._unbind(b)
-        return hook
+    def _gradient_landed(self, b: int, p: torch.Tensor) -> None:
+        if b not in self.position:
+            return
+        left = self.pending_grads.get(b, 0) - 1
+        self.pending_grads[b] = left
+        if left == 0:
+            self._unbind(b)
 
     # -- the rest -------------------------------------------------------------------------------
 

@@ -63,6 +63,13 @@ class PlanInputs:
     gpu_state_bytes: int = 12        # VRAM per element so kept: fp32 moments, the gradient
     update_transfer: tuple = (4, 4)  # per element updated on the host: bytes to, from the GPU
     host_state_planned: bool = False  # the optimizer's host memory is admitted already
+    # The blocks after those (weights in VRAM) may instead be updated on the GPU with their
+    # moments staged from host memory as backward finishes them: no host pass for them, no
+    # VRAM but the staging slots, their moments over PCIe both ways instead of gradient and
+    # weight. "auto", or that many blocks (0: none).
+    staged_state: object = 0
+    staged_transfer: tuple = (8, 8)  # per element staged: bytes to, from the GPU
+    staged_vram: int = 256 << 20     # the staging slots
 
 
 @dataclass
@@ -75,6 +82,8 @@ class MemoryPlan:
     pcie_bytes_per_step: int = 0
     gpu_state_blocks: int = 0    # leading blocks (and the rest outside the stack) updated in VRAM
     gpu_state_elements: int = 0
+    staged_blocks: int = 0       # the blocks after those, updated on the GPU from host moments
+    staged_elements: int = 0
     step_s: dict = field(default_factory=dict)  # estimated busy time a step, per resource
     history: list = field(default_factory=list)          # every decision, in words
 
@@ -122,6 +131,11 @@ def gpu_state_elements(inputs: PlanInputs, blocks: int) -> int:
     return inputs.other_trainable + sum(b.trainable for b in inputs.blocks[:blocks])
 
 
+def staged_elements(inputs: PlanInputs, first: int, blocks: int) -> int:
+    """Elements of blocks ``first`` .. ``first + blocks - 1`` (staged: see PlanInputs)."""
+    return sum(b.trainable for b in inputs.blocks[first:first + blocks])
+
+
 def _wanted_pages(option: object, n: int) -> set | None:
     """Blocks the user asked to page (None: the planner decides)."""
     if option == "auto":
@@ -143,15 +157,65 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     transfer both ways, a recompute adds one forward. The weights streamed load PCIe too, and
     they are decided after the activations, so with both measured the plan is made twice: the
     second time knowing what the first streamed."""
+    best, note = _plan_vram_state(inputs)
+    option = inputs.staged_state
+    if option and option != "auto":
+        best = _plan_twice(inputs, best.gpu_state_blocks, int(option))
+    elif option == "auto" and (inputs.host_update_s > 0 and inputs.block_forward_s > 0
+                               and _trainable(inputs)) and _binding(best) == "host":
+        start = best
+        # The staging slots take VRAM the state of a block or two may be holding: give those
+        # back when that lets more blocks stage.
+        for k in range(best.gpu_state_blocks, max(-1, best.gpu_state_blocks - 3), -1):
+            candidate = _staged_search(inputs, k, start)
+            if candidate is not None and _estimate(candidate) < _estimate(best):
+                best = candidate
+        if best.staged_blocks:
+            first, last = best.gpu_state_blocks, best.gpu_state_blocks + best.staged_blocks - 1
+            best.history.insert(0, (
+                f"blocks {first}-{last} ({best.staged_elements:,} elements) are updated on "
+                f"the GPU with their moments staged from host memory as backward finishes "
+                f"them: the host's pass would make the step about "
+                f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
+                f"({_binding(best)} bound; {inputs.staged_transfer[0]} bytes a parameter "
+                "over PCIe each way instead of "
+                f"{inputs.update_transfer[0]})"))
+    if note and best.gpu_state_blocks:
+        best.history.insert(0, note(best))
+    return best
+
+
+def _staged_search(inputs: PlanInputs, k: int, start: MemoryPlan) -> MemoryPlan | None:
+    """With ``k`` blocks' state in VRAM, the plan staging the most blocks after them that
+    still shortens the step (None: none does)."""
+    best = None
+    for blocks in range(1, len(inputs.blocks) - k + 1):
+        try:
+            plan = _plan_twice(inputs, k, blocks)
+        except MemoryPlanError:
+            break
+        if plan.paged_blocks != start.paged_blocks:
+            break  # its slots would push weights out of VRAM
+        if best is not None and _estimate(plan) >= _estimate(best):
+            break
+        best = plan
+        if _binding(plan) != "host":
+            break
+    return best
+
+
+def _plan_vram_state(inputs: PlanInputs) -> tuple:
+    """The plan with the leading blocks' AdamW state in VRAM as ``gpu_state`` says, and for
+    "auto" a note of why (given the final plan)."""
     option = inputs.gpu_state
     if option != "auto":
-        return _plan_twice(inputs, int(option or 0))
+        return _plan_twice(inputs, int(option or 0)), None
     # "auto": more blocks' state in VRAM while the host's pass is what the step waits for, and
     # while VRAM can take it without streaming weights (theirs then live on the host).
     measured = inputs.host_update_s > 0 and inputs.block_forward_s > 0
     best = _plan_twice(inputs, 0)
     if not measured or not _trainable(inputs):
-        return best
+        return best, None
     start = best
     plan = best
     for blocks in range(1, len(inputs.blocks) + 1):
@@ -165,16 +229,15 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
             break
         if _estimate(plan) < _estimate(best) * 0.99:  # a gain worth the VRAM
             best = plan
-    if best.gpu_state_blocks:
-        best.history.insert(0, (
-            f"the AdamW state of blocks 0-{best.gpu_state_blocks - 1} and of the parameters "
-            f"outside the stack ({best.gpu_state_elements:,} elements, "
-            f"{size(inputs.gpu_state_bytes * best.gpu_state_elements)} of VRAM) is kept in "
-            f"VRAM and updated there at step(): the host's pass over every parameter "
-            f"({1e3 * inputs.host_update_s:.0f} ms) would make the step about "
-            f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
-            f"({_binding(best)} bound)"))
-    return best
+    def note(chosen: MemoryPlan) -> str:
+        return (f"the AdamW state of blocks 0-{chosen.gpu_state_blocks - 1} and of the "
+                f"parameters outside the stack ({chosen.gpu_state_elements:,} elements, "
+                f"{size(inputs.gpu_state_bytes * chosen.gpu_state_elements)} of VRAM) is kept "
+                f"in VRAM and updated there at step(): the host's pass over every parameter "
+                f"({1e3 * inputs.host_update_s:.0f} ms) would make the step about "
+                f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
+                f"({_binding(best)} bound)")
+    return best, (note if best.gpu_state_blocks else None)
 
 
 def _estimate(plan: MemoryPlan) -> float:
@@ -185,10 +248,10 @@ def _binding(plan: MemoryPlan) -> str:
     return max(plan.step_s, key=plan.step_s.get)
 
 
-def _plan_twice(inputs: PlanInputs, gpu_blocks: int) -> MemoryPlan:
-    plan = _plan(inputs, frozenset(), gpu_blocks)
+def _plan_twice(inputs: PlanInputs, gpu_blocks: int, staged: int = 0) -> MemoryPlan:
+    plan = _plan(inputs, frozenset(), gpu_blocks, staged)
     if inputs.block_forward_s > 0 and inputs.link_bytes_per_s > 0 and plan.paged_blocks:
-        plan = _plan(inputs, frozenset(plan.paged_blocks), gpu_blocks)
+        plan = _plan(inputs, frozenset(plan.paged_blocks), gpu_blocks, staged)
     return plan
 
 
@@ -233,17 +296,23 @@ def _compute_s(inputs: PlanInputs) -> float:
                for b in inputs.blocks)
 
 
-def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) -> MemoryPlan:
+def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
+          staged_blocks: int = 0) -> MemoryPlan:
     n = len(inputs.blocks)
     if not 0 <= gpu_blocks <= n:
         raise ValueError(f"gpu_state blocks {gpu_blocks} is not in [0, {n}]")
+    if not 0 <= staged_blocks <= n - gpu_blocks:
+        raise ValueError(f"staged blocks {staged_blocks} is not in [0, {n - gpu_blocks}]")
     plan = MemoryPlan(activation_policy=["keep"] * n)
     say = plan.history.append
     on_gpu = gpu_state_elements(inputs, gpu_blocks)
+    staged = staged_elements(inputs, gpu_blocks, staged_blocks)
     plan.gpu_state_blocks, plan.gpu_state_elements = gpu_blocks, on_gpu
-    # What the optimizer moves over PCIe a step, less what the VRAM-held state keeps off it.
-    transfer = (max(0, inputs.transfer_bytes[0] - on_gpu * inputs.update_transfer[0]),
-                max(0, inputs.transfer_bytes[1] - on_gpu * inputs.update_transfer[1]))
+    plan.staged_blocks, plan.staged_elements = staged_blocks, staged
+    # What the optimizer moves over PCIe a step: less what the VRAM-held state keeps off it,
+    # the staged moments instead of the staged parameters' gradients and weights.
+    transfer = tuple(max(0, inputs.transfer_bytes[d] - (on_gpu + staged) * inputs.update_transfer[d]
+                         + staged * inputs.staged_transfer[d]) for d in (0, 1))
 
     # Host side first: the optimizer state must fit, in fp32 moments if it can.
     moment = inputs.moment_dtype
@@ -282,7 +351,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) ->
         in_flight = max((activations[i] for i, p in enumerate(plan.activation_policy)
                          if p != "keep"), default=0)
         return (resident + saved + in_flight + inputs.working_bytes
-                + inputs.gpu_state_bytes * on_gpu)
+                + inputs.gpu_state_bytes * on_gpu + (inputs.staged_vram if staged else 0))
 
     wanted = _wanted_pages(inputs.param_offload, n)
     if wanted:
@@ -358,7 +427,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) ->
         for i in spread_order(n):
             if vram() <= inputs.vram_budget:
                 break
-            if i in paged or i < gpu_blocks:  # a block updated in VRAM keeps its weights
+            if i in paged or i < gpu_blocks + staged_blocks:  # updated in VRAM: kept there
                 continue
             if plan.activation_policy[i] == "recompute":
                 # Recomputing a block whose weights stream would fetch them a third time.
@@ -390,7 +459,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0) ->
     plan.host_bytes = state + paged_activations
     plan.pcie_bytes_per_step = (fetch_bytes([inputs.blocks[i].weight_bytes for i in sorted(paged)],
                                             inputs.prefetch_depth) + 2 * paged_activations)
-    plan.step_s = _step_estimate(inputs, plan, transfer, on_gpu)
+    plan.step_s = _step_estimate(inputs, plan, transfer, on_gpu + staged)
     if not plan.history:
         say(f"everything stays in VRAM: {size(need)} of {size(inputs.vram_budget)} "
             f"({size(weights)} of weights)")

@@ -468,8 +468,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         offload._adaptive = session.plan
     elif config["gpu_state_blocks"] not in ("auto", 0):
         # No run-time plan to decide it: the blocks asked for keep their state in VRAM now.
-        held = gpu_state(model, _block_stack(model, config, paging), offload,
-                         config["gpu_state_blocks"])
+        held, _ = gpu_state(model, _block_stack(model, config, paging), offload,
+                            config["gpu_state_blocks"])
         session.note("plan.gpu_state", f"the AdamW state of blocks 0-"
                      f"{config['gpu_state_blocks'] - 1} and of the parameters outside the stack "
                      f"({held:,} elements) lives in VRAM, as asked (gpu_state_blocks)",

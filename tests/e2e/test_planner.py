@@ -174,6 +174,58 @@ def test_asked_gpu_state_is_kept_or_refused_with_the_numbers():
         plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=8))
 
 
+def test_state_vram_cannot_hold_is_staged_through_the_gpu_while_the_host_binds():
+    # 20 GiB holds the state of one block (see above); the host's pass over the rest still
+    # binds the step, so the blocks after it are updated on the GPU with their moments staged
+    # from host memory: 8 bytes an element over PCIe each way instead of 4, no host pass.
+    held = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state="auto"))
+    plan = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state="auto",
+                                   staged_state="auto"))
+    assert held.staged_blocks == 0 and held.step_s["host"] == max(held.step_s.values())
+    assert plan.staged_blocks >= 1 and plan.paged_blocks == []
+    k, staged = plan.gpu_state_blocks, plan.staged_blocks
+    assert plan.staged_elements == staged * GiB // 4
+    assert max(plan.step_s.values()) < 0.8 * max(held.step_s.values())
+    paged = 2 * GiB * plan.activation_policy.count("offload")
+    assert plan.step_s["h2d"] == pytest.approx(
+        (8.5 * GiB - 4 * (plan.gpu_state_elements + plan.staged_elements)
+         + 8 * plan.staged_elements + paged) / 50e9)
+    # The host's pass covers only what neither takes: after the forward (160 ms, or its
+    # paged activations' copies where longer), its share of the 1 s pass.
+    rest = 1 - (plan.gpu_state_elements + plan.staged_elements) / (2.125 * GiB)
+    assert plan.step_s["host"] == pytest.approx(max(0.16, paged / 50e9) + rest)
+    # It stops where staging one more block would no longer shorten the step.
+    if k + staged < 8:
+        more = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=k,
+                                       staged_state=staged + 1))
+        assert max(more.step_s.values()) >= max(plan.step_s.values())
+    assert f"blocks {k}-{k + staged - 1}" in plan.history[0]
+    assert "moments staged from host memory" in plan.history[0]
+    # The staging slots may take the room one block's VRAM-held state had (k 1 or 0).
+    assert k <= held.gpu_state_blocks
+    assert (k > 0) == any("kept in VRAM and updated there" in line for line in plan.history)
+
+
+def test_nothing_is_staged_when_the_host_keeps_up_or_was_not_measured():
+    quick = plan_memory(inputs(vram=20 * GiB, host=200 * GiB, block_forward_s=0.020,
+                               link_bytes_per_s=50e9, host_update_s=0.1, gpu_state="auto",
+                               staged_state="auto"))
+    unmeasured = plan_memory(inputs(vram=20 * GiB, host=200 * GiB, block_forward_s=0.020,
+                                    link_bytes_per_s=50e9, gpu_state="auto",
+                                    staged_state="auto"))
+    assert quick.staged_blocks == 0 and unmeasured.staged_blocks == 0
+
+
+def test_asked_staging_takes_its_slots_and_the_blocks_after_the_vram_held_ones():
+    two = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=1, staged_state=2))
+    none = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=1))
+    assert (two.gpu_state_blocks, two.staged_blocks) == (1, 2)
+    assert two.staged_elements == 2 * GiB // 4
+    assert two.vram_bytes - none.vram_bytes == 256 << 20  # the staging slots only
+    assert two.step_s["d2h"] - none.step_s["d2h"] == pytest.approx(
+        4 * two.staged_elements / 50e9)
+
+
 def test_find_blocks_returns_the_repeated_stack():
     model = TinyGPT(layers=3)
     assert trainstream.find_blocks(model) == list(model.blocks)

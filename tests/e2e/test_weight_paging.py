@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 
 import pytest
 
@@ -381,3 +382,29 @@ def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
     assert uncapped == 0 and capped > 0, trainstream.memory_report(paged)["activations"]
     for a, b in zip(weights(resident), weights(paged)):
         assert torch.equal(a, b)
+
+
+def test_a_dropped_wrap_is_freed_with_its_daemon_session(daemon_socket):
+    """Hooks on parameters reach the optimizer and the pager weakly: dropping the model and the
+    optimizer frees them (and their buffers) at once, and the daemon ends the job's session."""
+    import gc
+    import weakref
+
+    torch.manual_seed(9)
+    model = TinyGPT(layers=4).to(DEVICE)
+    model, opt = trainstream.wrap(model, offload=True, device=DEVICE, lr=3e-3, param_offload=[1, 2])
+    train(model, opt, 2)
+    pager = model._trainstream_session.pager
+    assert pager is not None and pager.paged == [1, 2]
+    dropped = [weakref.ref(opt), weakref.ref(pager)]
+    with trainstream.connect(daemon_socket, job_id="observer") as observer:
+        def others():
+            return [s for s in observer.sessions() if s["session_id"] != observer.session_id]
+        assert len(others()) == 1
+        del model, opt, pager
+        gc.collect()
+        assert [ref() for ref in dropped] == [None, None]
+        deadline = time.monotonic() + 10
+        while others() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert others() == []

@@ -410,6 +410,12 @@ def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
                                          "place"):
         trainstream.wrap(model, user_opt, device="cpu", gpu_state_blocks=1)
     assert len(user_opt.state) == len(list(model.parameters()))  # its moments stayed
+    cpu_model, cpu_opt = trainstream.wrap(TinyGPT(), device="cpu", offload=True)
+    with pytest.raises(trainstream.FailedPreconditionError,
+                       match="cannot move to VRAM: a CPU model's updates land in place"):
+        cpu_opt.keep_state_on_device(set(), {id(p) for p in cpu_model.blocks[1].parameters()})
+    assert cpu_opt.stats()["staged_state"]["tensors"] == 0
+    trainstream.unwrap(cpu_model)
     for bad in (-1, True):
         with pytest.raises(ValueError, match=f"gpu_state_blocks={bad} must be 'auto' or an"):
             trainstream.wrap(model, device="cpu", gpu_state_blocks=bad)
@@ -465,6 +471,74 @@ def test_optimizer_state_kept_in_vram_follows_stock_adamw(daemon_socket, accumul
               if e["kind"] == "client.plan.gpu_state"]
     assert len(events) == 1 and "blocks 0-0" in events[0]["message"]
     assert events[0]["numbers"]["gpu_state_elements"] == held["elements"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_optimizer_state_staged_through_the_gpu_follows_stock_adamw(daemon_socket, tmp_path,
+                                                                     accumulation):
+    # Block 1's moments stay in the daemon and go through VRAM for each of its updates, made
+    # by torch's fused AdamW as backward finishes its gradients; block 0's live in VRAM. With
+    # two groups and a scheduler the trajectory is stock AdamW's, a checkpoint holds it, and
+    # it moves back to the daemon between steps.
+    torch.manual_seed(16)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(groups_of(ref))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
+                                 gpu_state_blocks=0, accumulation_steps=accumulation)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    train(ref, ref_opt, 1, accumulation, scheduler=ref_sched)
+    train(ours, opt, 1, accumulation, scheduler=sched)
+    held = {id(p) for p in ours.blocks[0].parameters()}
+    staged = {id(p) for p in ours.blocks[1].parameters()}
+    elements = sum(p.numel() for p in ours.blocks[1].parameters())
+    assert opt.keep_state_on_device(held, staged) == sum(
+        p.numel() for p in ours.blocks[0].parameters())
+    assert opt.stats()["staged_state"]["tensors"] == len(staged)
+    assert opt.stats()["staged_state"]["elements"] == elements
+    sent = opt.bytes_to_host
+    train(ref, ref_opt, 5, accumulation, scheduler=ref_sched, start=1)
+    train(ours, opt, 5, accumulation, scheduler=sched, start=1)
+    assert max_diff(ref, ours) <= 1e-5
+    # Their moments went up and down once a step, 8 bytes an element each way; no other
+    # gradient left the GPU (the embeddings' are the daemon's: 4 bytes each micro-step).
+    outside = sum(p.numel() for p in ours.parameters()) - elements - sum(
+        p.numel() for p in ours.blocks[0].parameters())
+    assert opt.stats()["staged_state"]["bytes_each_way"] == 5 * 8 * elements
+    assert opt.bytes_to_host - sent == 5 * 8 * elements + 5 * accumulation * 4 * outside
+    assert all(p.grad is None for p in ours.parameters())
+    # Its state_dict holds every moment and step as they are now.
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    for key, entry in ref_state["state"].items():
+        assert state["state"][key]["step"].item() == entry["step"].item() == 6
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert (state["state"][key][name].to("cuda") - entry[name]).abs().max() < 1e-6
+    # The daemon's checkpoint too: restored without staging, the run carries on as stock.
+    opt.save(str(tmp_path / "opt.ckpt"))
+    torch.manual_seed(0)
+    restored = TinyGPT().to("cuda")
+    restored.load_state_dict(ours.state_dict())
+    restored, r_opt = trainstream.wrap(restored, torch.optim.AdamW(groups_of(restored)),
+                                       offload=True, gpu_state_blocks=0,
+                                       accumulation_steps=accumulation)
+    r_opt.load(str(tmp_path / "opt.ckpt"))
+    after = copy.deepcopy(ref)
+    after_opt = torch.optim.AdamW(groups_of(after))
+    after_opt.load_state_dict(ref_opt.state_dict())
+    for g, scheduled in zip(r_opt.param_groups, after_opt.param_groups):
+        g["lr"] = scheduled["lr"]  # the scheduler's lr at step 6 (the file has the daemon's)
+    train(after, after_opt, 2, accumulation, start=6)
+    train(restored, r_opt, 2, accumulation, start=6)
+    assert max_diff(after, restored) <= 1e-5
+    # Back in the daemon between steps, training goes on there.
+    opt.keep_state_on_device(set())
+    assert opt.stats()["staged_state"]["tensors"] == 0
+    train(ref, ref_opt, 2, accumulation, scheduler=ref_sched, start=6)
+    train(ours, opt, 2, accumulation, scheduler=sched, start=6)
+    assert max_diff(ref, ours) <= 1e-5
 
 
 @pytest.mark.gpu
