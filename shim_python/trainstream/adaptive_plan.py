@@ -51,7 +51,7 @@ class AdaptivePlan:
                  set_gpu_state: Callable[[int, int], tuple] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
                  other_trainable: int = 0, update_transfer: tuple = (4, 4),
-                 staged_vram: int = 256 << 20):
+                 staged_vram: int = 384 << 20):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -439,7 +439,7 @@ class AdaptivePlan:
             message = "no optimizer state is held in VRAM"
         if plan.staged_blocks:
             first = plan.gpu_state_blocks
-            message += (f"; blocks {first}-{first + plan.staged_blocks - 1} "
+            message += (f"; {plan.staged_blocks} of blocks {first}-{len(self.blocks) - 1} "
                         f"({self.staged_elements:,} elements) are updated on the GPU with "
                         "their moments staged from trainstreamd's memory as backward finishes "
                         "them")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .offload_adamw import OffloadAdamW
+from .planner import staged_block_indices
 from .staged_adamw import slots_bytes
 
 
@@ -438,12 +439,14 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
 def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int,
               staged: int = 0) -> tuple:
     """Keeps the AdamW state of the first ``count`` blocks, and of the parameters outside the
-    stack with them, in VRAM (none for 0), and updates the next ``staged`` blocks on the GPU
-    from moments staged out of the daemon; returns the elements of each."""
+    stack with them, in VRAM (none for 0), and updates ``staged`` of the blocks after them on
+    the GPU from moments staged out of the daemon (planner.staged_block_indices); returns the
+    elements of each."""
     chosen = {id(p) for b in blocks[:count] for p in b.parameters()}
     if count:
         inside = {id(p) for b in blocks for p in b.parameters()}
         chosen |= {id(p) for p in model.parameters() if id(p) not in inside}
-    stage = {id(p) for b in blocks[count:count + staged] for p in b.parameters()}
+    stage = {id(p) for i in staged_block_indices(len(blocks), count, staged)
+             for p in blocks[i].parameters()}
     held = offload.keep_state_on_device(chosen, stage)
     return held, offload.staged_state_elements

@@ -63,13 +63,13 @@ class PlanInputs:
     gpu_state_bytes: int = 12        # VRAM per element so kept: fp32 moments, the gradient
     update_transfer: tuple = (4, 4)  # per element updated on the host: bytes to, from the GPU
     host_state_planned: bool = False  # the optimizer's host memory is admitted already
-    # The blocks after those (weights in VRAM) may instead be updated on the GPU with their
-    # moments staged from host memory as backward finishes them: no host pass for them, no
+    # Of the blocks after those (weights in VRAM), some may instead be updated on the GPU with
+    # their moments staged from host memory as backward finishes them (staged_block_indices): no host pass for them, no
     # VRAM but the staging slots, their moments over PCIe both ways instead of gradient and
     # weight. "auto", or that many blocks (0: none).
     staged_state: object = 0
     staged_transfer: tuple = (8, 8)  # per element staged: bytes to, from the GPU
-    staged_vram: int = 256 << 20     # the staging slots
+    staged_vram: int = 384 << 20     # the staging slots (staged_adamw.slots_bytes())
 
 
 @dataclass
@@ -131,9 +131,18 @@ def gpu_state_elements(inputs: PlanInputs, blocks: int) -> int:
     return inputs.other_trainable + sum(b.trainable for b in inputs.blocks[:blocks])
 
 
+def staged_block_indices(n: int, first: int, count: int) -> list[int]:
+    """The ``count`` blocks of ``first`` .. ``n - 1`` whose moments are staged through the GPU:
+    spread evenly, the last one included. Backward reaches them from its start on, so their
+    copies start with it, and the host's pass has blocks from the start on too."""
+    span = n - first
+    return [first + (j + 1) * span // count - 1 for j in range(count)] if count else []
+
+
 def staged_elements(inputs: PlanInputs, first: int, blocks: int) -> int:
-    """Elements of blocks ``first`` .. ``first + blocks - 1`` (staged: see PlanInputs)."""
-    return sum(b.trainable for b in inputs.blocks[first:first + blocks])
+    """Elements of the ``blocks`` blocks staged after ``first`` (see PlanInputs)."""
+    return sum(inputs.blocks[i].trainable
+               for i in staged_block_indices(len(inputs.blocks), first, blocks))
 
 
 def _wanted_pages(option: object, n: int) -> set | None:
@@ -171,9 +180,10 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
             if candidate is not None and _estimate(candidate) < _estimate(best):
                 best = candidate
         if best.staged_blocks:
-            first, last = best.gpu_state_blocks, best.gpu_state_blocks + best.staged_blocks - 1
+            first, n = best.gpu_state_blocks, len(inputs.blocks)
             best.history.insert(0, (
-                f"blocks {first}-{last} ({best.staged_elements:,} elements) are updated on "
+                f"{best.staged_blocks} of blocks {first}-{n - 1} "
+                f"({best.staged_elements:,} elements, spread over them) are updated on "
                 f"the GPU with their moments staged from host memory as backward finishes "
                 f"them: the host's pass would make the step about "
                 f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
@@ -307,6 +317,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     say = plan.history.append
     on_gpu = gpu_state_elements(inputs, gpu_blocks)
     staged = staged_elements(inputs, gpu_blocks, staged_blocks)
+    staged_set = set(staged_block_indices(n, gpu_blocks, staged_blocks))
     plan.gpu_state_blocks, plan.gpu_state_elements = gpu_blocks, on_gpu
     plan.staged_blocks, plan.staged_elements = staged_blocks, staged
     # What the optimizer moves over PCIe a step: less what the VRAM-held state keeps off it,
@@ -427,7 +438,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
         for i in spread_order(n):
             if vram() <= inputs.vram_budget:
                 break
-            if i in paged or i < gpu_blocks + staged_blocks:  # updated in VRAM: kept there
+            if i in paged or i < gpu_blocks or i in staged_set:  # updated on the GPU: kept
                 continue
             if plan.activation_policy[i] == "recompute":
                 # Recomputing a block whose weights stream would fetch them a third time.

@@ -9,9 +9,11 @@ pinned buffers into a staging slot, torch's fused AdamW updates weight and momen
 the moments are copied back. Each element crosses PCIe twice each way (8 bytes up, 8 down,
 fp32 moments) and costs the host nothing; its weight and gradient never leave VRAM.
 
-Two streams, each with its own slot, take chunks in turn: one chunk's moments go up while the
-other's come down. A chunk starts once its gradients are final (its stream waits for the
-stream that made them); the optimizer's step() makes the compute stream wait for both."""
+A chunk's gradients are copied into its slot on the stream that made them, so they are free at
+once and VRAM holds only the slots; that stream waits (on the GPU, never the CPU) for a slot
+to come free, which paces backward to PCIe when the link is what binds. Two copy streams take
+the slots in turn: one chunk's moments go up while another's come down. The optimizer's
+step() makes the compute stream wait for both."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-# Elements per chunk: a slot holds both moments of that many, 2 x 4 bytes each.
-SLOT_ELEMENTS = 16 << 20
+# Elements per chunk, and chunks in flight: a slot holds a chunk's gradient and both moments.
+SLOT_ELEMENTS = 8 << 20
+SLOTS = 4
 
 
-def slots_bytes(slot_elements: int = SLOT_ELEMENTS) -> int:
-    """VRAM the pipeline's two slots take: both fp32 moments of a chunk, twice."""
-    return 2 * 2 * 4 * slot_elements
+def slots_bytes(slot_elements: int = SLOT_ELEMENTS, slots: int = SLOTS) -> int:
+    """VRAM the pipeline's slots take: fp32 gradient and moments of a chunk, each."""
+    return slots * 3 * 4 * slot_elements
 
 
 @dataclass
@@ -42,12 +45,14 @@ class StagedAdamW:
     """The pipeline for one optimizer's staged parameters (see the module's text)."""
 
     def __init__(self, device: torch.device, kind: str = "adamw",
-                 slot_elements: int = SLOT_ELEMENTS):
+                 slot_elements: int = SLOT_ELEMENTS, slots: int = SLOTS):
         self._update = torch._fused_adamw_ if kind == "adamw" else torch._fused_adam_
         self._device = device
         self._slot_elements = int(slot_elements)
         self._streams = [torch.cuda.Stream(device) for _ in range(2)]
+        self._slot_count = int(slots)
         self._slots: list[torch.Tensor] = []  # made at the first chunk
+        self._free: list = [None] * self._slot_count  # each slot's last use, as an event
         self._turn = 0
         self._pending: list[_Piece] = []
         self._pending_elements = 0
@@ -74,7 +79,8 @@ class StagedAdamW:
     def add(self, index: int, weight: torch.Tensor, grad: torch.Tensor,
             exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: tuple,
             producer: torch.cuda.Stream) -> None:
-        """Queues parameter ``index``'s update, whose final gradient ``producer`` made."""
+        """Queues parameter ``index``'s update, whose final gradient ``producer`` made (and
+        whose gradient the caller may drop once this returns)."""
         flat_weight, flat_grad = weight.detach().view(-1), grad.detach().view(-1)
         flat_avg, flat_avg_sq = exp_avg.view(-1), exp_avg_sq.view(-1)
         n = flat_weight.numel()
@@ -87,7 +93,7 @@ class StagedAdamW:
                                         flat_avg_sq[first:last], hyper))
             self._pending_elements += last - first
         if self._pending_elements >= self._slot_elements // 2:
-            self.flush(producer)
+            self.flush(producer)  # the gradients wait in the caller's memory until then
 
     def flush(self, producer: torch.cuda.Stream) -> None:
         """Starts the pending chunk, after the work ``producer`` has queued so far."""
@@ -95,36 +101,45 @@ class StagedAdamW:
         if not pieces:
             return
         if not self._slots:
-            self._slots = [torch.empty(2 * self._slot_elements, dtype=torch.float32,
-                                       device=self._device) for _ in self._streams]
-        stream, slot = self._streams[self._turn], self._slots[self._turn]
-        self._turn ^= 1
-        stream.wait_stream(producer)
-        with torch.cuda.stream(stream):
-            avgs, avg_sqs, offset = [], [], 0
+            self._slots = [torch.empty(3 * self._slot_elements, dtype=torch.float32,
+                                       device=self._device) for _ in range(self._slot_count)]
+        k = self._turn
+        self._turn = (k + 1) % self._slot_count
+        slot, stream = self._slots[k], self._streams[k % 2]
+        size = self._slot_elements
+        if self._free[k] is not None:
+            producer.wait_event(self._free[k])  # the slot's last chunk has gone back
+        grads, avgs, avg_sqs, offset = [], [], [], 0
+        with torch.cuda.stream(producer):
             for piece in pieces:
                 n = piece.weight.numel()
-                avg = slot[offset:offset + n]
-                avg_sq = slot[self._slot_elements + offset:self._slot_elements + offset + n]
+                grad = slot[2 * size + offset:2 * size + offset + n]
+                grad.copy_(piece.grad)
+                grads.append(grad)
+                avgs.append(slot[offset:offset + n])
+                avg_sqs.append(slot[size + offset:size + offset + n])
+                offset += n
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream):
+            for piece, avg, avg_sq in zip(pieces, avgs, avg_sqs):
                 avg.copy_(piece.exp_avg, non_blocking=True)
                 avg_sq.copy_(piece.exp_avg_sq, non_blocking=True)
-                piece.grad.record_stream(stream)  # the caller drops its gradient at once
-                avgs.append(avg)
-                avg_sqs.append(avg_sq)
-                offset += n
             by_hyper: dict[tuple, list[int]] = {}
-            for k, piece in enumerate(pieces):
-                by_hyper.setdefault(piece.hyper, []).append(k)
-            for (lr, beta1, beta2, eps, weight_decay), ks in by_hyper.items():
-                steps = [self._steps[pieces[k].key] for k in ks]
+            for j, piece in enumerate(pieces):
+                by_hyper.setdefault(piece.hyper, []).append(j)
+            for (lr, beta1, beta2, eps, weight_decay), js in by_hyper.items():
+                steps = [self._steps[pieces[j].key] for j in js]
                 torch._foreach_add_(steps, 1.0)
-                self._update([pieces[k].weight for k in ks], [pieces[k].grad for k in ks],
-                             [avgs[k] for k in ks], [avg_sqs[k] for k in ks], [], steps,
+                self._update([pieces[j].weight for j in js], [grads[j] for j in js],
+                             [avgs[j] for j in js], [avg_sqs[j] for j in js], [], steps,
                              lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                              eps=eps, amsgrad=False, maximize=False)
             for piece, avg, avg_sq in zip(pieces, avgs, avg_sqs):
                 piece.exp_avg.copy_(avg, non_blocking=True)
                 piece.exp_avg_sq.copy_(avg_sq, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._free[k] = done
         self.chunks += 1
         self.bytes_each_way += 8 * offset
 

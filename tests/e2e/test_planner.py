@@ -10,7 +10,7 @@ import pytest
 
 import trainstream
 from trainstream import BlockFacts, MemoryPlanError, PlanInputs, plan_memory
-from trainstream.planner import spread_order
+from trainstream.planner import staged_block_indices, spread_order
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -199,11 +199,20 @@ def test_state_vram_cannot_hold_is_staged_through_the_gpu_while_the_host_binds()
         more = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=k,
                                        staged_state=staged + 1))
         assert max(more.step_s.values()) >= max(plan.step_s.values())
-    assert f"blocks {k}-{k + staged - 1}" in plan.history[0]
+    assert f"{staged} of blocks {k}-7" in plan.history[0]
     assert "moments staged from host memory" in plan.history[0]
     # The staging slots may take the room one block's VRAM-held state had (k 1 or 0).
     assert k <= held.gpu_state_blocks
     assert (k > 0) == any("kept in VRAM and updated there" in line for line in plan.history)
+
+
+def test_staged_blocks_are_spread_over_the_rest_of_the_stack_last_one_first():
+    assert staged_block_indices(44, 4, 1) == [43]  # backward reaches it first
+    assert staged_block_indices(44, 4, 4) == [13, 23, 33, 43]
+    assert staged_block_indices(8, 2, 6) == [2, 3, 4, 5, 6, 7]
+    assert staged_block_indices(8, 2, 0) == []
+    spread = staged_block_indices(44, 4, 24)
+    assert len(set(spread)) == 24 and min(spread) >= 4 and max(spread) == 43
 
 
 def test_nothing_is_staged_when_the_host_keeps_up_or_was_not_measured():
@@ -221,7 +230,7 @@ def test_asked_staging_takes_its_slots_and_the_blocks_after_the_vram_held_ones()
     none = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=1))
     assert (two.gpu_state_blocks, two.staged_blocks) == (1, 2)
     assert two.staged_elements == 2 * GiB // 4
-    assert two.vram_bytes - none.vram_bytes == 256 << 20  # the staging slots only
+    assert two.vram_bytes - none.vram_bytes == 384 << 20  # the staging slots only
     assert two.step_s["d2h"] - none.step_s["d2h"] == pytest.approx(
         4 * two.staged_elements / 50e9)
 
