@@ -30,7 +30,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(const SessionOptions& o
 
 const std::string& Session::id() const { return impl_->id(); }
 const std::string& Session::socket_path() const { return impl_->socket_path(); }
-absl::Status Session::Close() { return impl_->Close(); }
+absl::Status Session::Close(bool end_job) { return impl_->Close(end_job); }
 absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Allocate(const std::string& name,
                                                               uint64_t bytes,
                                                               const AllocateOptions& options) {

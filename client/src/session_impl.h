@@ -73,7 +73,7 @@ class Session::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status Close() {
+  absl::Status Close(bool end_job = false) {
     {
       absl::MutexLock lock(&mu_);
       if (closed_) return absl::OkStatus();
@@ -86,6 +86,7 @@ class Session::Impl {
     if (!id_.empty()) {
       v1::CloseSessionRequest request;
       request.set_session_id(id_);
+      request.set_end_job(end_job);
       v1::CloseSessionReply reply;
       status = channel_.Call(
           [&](grpc::ClientContext* c) { return channel_.stub().CloseSession(c, request, &reply); });

@@ -69,6 +69,18 @@ void OptimizerRegistry::OnSessionEnded(const Session& session, bool clean) {
   optimizer->OnSessionEnded(session.id, clean);
 }
 
+bool OptimizerRegistry::EndIfIdle(const JobKey& job) {
+  std::shared_ptr<JobOptimizer> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end() || it->second->has_sessions()) return false;
+    ended = std::move(it->second);
+    jobs_.erase(it);
+  }
+  return true;  // destroyed here, outside the lock
+}
+
 void OptimizerRegistry::ExpireIdle(absl::Time now) {
   std::vector<std::shared_ptr<JobOptimizer>> expired;
   {

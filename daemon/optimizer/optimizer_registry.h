@@ -40,6 +40,9 @@ class OptimizerRegistry {
   void OnSessionEnded(const Session& session, bool clean);
   // Frees optimizers whose job has had no session for longer than the retention.
   void ExpireIdle(absl::Time now);
+  // Frees the job's optimizer now if none of its sessions is open (a client that made the job
+  // and was refused asks for this: nothing is left to re-attach to). Returns whether it did.
+  bool EndIfIdle(const JobKey& job);
   // Optimizers the viewer may see (its own uid's; all for an admin).
   std::vector<OptimizerReport> List(const PeerCredentials& viewer) const;
   size_t threads() const { return pool_.size(); }

@@ -113,7 +113,21 @@ grpc::Status TrainStreamService::CloseSession(grpc::ServerContext* context,
   if (!valid.ok()) return ToGrpcStatus(valid);
   absl::StatusOr<PeerCredentials> caller = Caller(context);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  return ToGrpcStatus(sessions_->Close(*caller, request->session_id()));
+  // The caller's own session only: its job is what end_job ends.
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      request->end_job() ? CallersSession(context, request->session_id())
+                         : absl::StatusOr<std::shared_ptr<const Session>>(nullptr);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  absl::Status closed = sessions_->Close(*caller, request->session_id());
+  if (closed.ok() && *session != nullptr && optimizers_->EndIfIdle((*session)->job)) {
+    const Session& s = **session;
+    events_->Emit("optimizer.ended",
+                  absl::StrFormat("job '%s' ended with its last session: its optimizer state "
+                                  "is freed, not kept for a restart",
+                                  s.job.job_id),
+                  {}, s.id, s.owner.uid);
+  }
+  return ToGrpcStatus(closed);
 }
 
 grpc::Status TrainStreamService::AllocateBuffer(grpc::ServerContext* context,

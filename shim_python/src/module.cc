@@ -204,7 +204,10 @@ PYBIND11_MODULE(_trainstream, m) {
            py::arg("world_size"), py::arg("rpc_timeout_s"), py::arg("register_with_cuda"))
       .def_property_readonly("id", &Session::id)
       .def_property_readonly("socket_path", &Session::socket_path)
-      .def("close", [](Session& s) { Released([&] { return s.Close(); }); })
+      .def(
+          "close",
+          [](Session& s, bool end_job) { Released([&] { return s.Close(end_job); }); },
+          py::arg("end_job") = false)
       .def("allocate",
            [](Session& s, const std::string& name, uint64_t nbytes, const std::string& tag,
               uint64_t alignment, bool sealable) {

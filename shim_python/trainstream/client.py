@@ -187,10 +187,12 @@ class Client:
         return self._native.report_event(kind, message,
                                          [(k, float(v)) for k, v in sorted(numbers.items())])
 
-    def close(self) -> None:
-        """Closes the session; the daemon frees what it owned."""
+    def close(self, end_job: bool = False) -> None:
+        """Closes the session; the daemon frees what it owned. ``end_job``: the job's
+        optimizer state goes too when no other session of the job is open (otherwise it is
+        kept a while, for a restarted process to re-attach)."""
         if self._native is not None:
-            self._native.close()
+            self._native.close(end_job)
 
     def __enter__(self) -> "Client":
         return self

@@ -123,6 +123,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Streamed weights wrap() left on the CPU: their values come from ``initial`` (the
         # parameters hold device placeholders), and no update is ever copied to them.
         initial = initial or {}
+        # Whether this process made the job's state (wrap() ends such a job if it is refused).
+        self.client.made_job = bool(self._host.initialize)
         if self._host.initialize:
             self._host.load_weights([initial.get(id(p), p).detach().float().cpu()
                                      for p in self._params])

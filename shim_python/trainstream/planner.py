@@ -70,6 +70,12 @@ class PlanInputs:
     staged_state: object = 0
     staged_transfer: tuple = (8, 8)  # per element staged: bytes to, from the GPU
     staged_vram: int = 384 << 20     # the staging slots (staged_adamw.slots_bytes())
+    # Host memory traffic per element, in units of the host pass's own (which reads weight,
+    # gradient and both moments and writes three back: 28 bytes in fp32), beside that pass:
+    # one updated on the host also has its gradient written and its weight read by the copy
+    # engines (8 bytes), one staged has only its moments read and written by them (16). The
+    # pass is bound by host memory bandwidth, so these share it with the pass.
+    host_traffic: tuple = (36 / 28, 16 / 28)
 
 
 @dataclass
@@ -171,7 +177,7 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     if option and option != "auto":
         best = _plan_twice(inputs, best.gpu_state_blocks, int(option))
     elif option == "auto" and (inputs.host_update_s > 0 and inputs.block_forward_s > 0
-                               and _trainable(inputs)) and _binding(best) == "host":
+                               and _trainable(inputs)) and _binding(best) in _HOST:
         start = best
         # The staging slots take VRAM the state of a block or two may be holding: give those
         # back when that lets more blocks stage.
@@ -209,7 +215,7 @@ def _staged_search(inputs: PlanInputs, k: int, start: MemoryPlan) -> MemoryPlan 
         if best is not None and _estimate(plan) >= _estimate(best):
             break
         best = plan
-        if _binding(plan) != "host":
+        if _binding(plan) not in _HOST:
             break
     return best
 
@@ -229,7 +235,8 @@ def _plan_vram_state(inputs: PlanInputs) -> tuple:
     start = best
     plan = best
     for blocks in range(1, len(inputs.blocks) + 1):
-        if plan.step_s["host"] <= max(v for k, v in plan.step_s.items() if k != "host"):
+        if max(plan.step_s[k] for k in _HOST) <= max(
+                v for k, v in plan.step_s.items() if k not in _HOST):
             break  # the host no longer binds: more state in VRAM would only cost room
         try:
             plan = _plan_twice(inputs, blocks)
@@ -250,6 +257,11 @@ def _plan_vram_state(inputs: PlanInputs) -> tuple:
     return best, (note if best.gpu_state_blocks else None)
 
 
+# The host's resources: its optimizer pass (after the forward), and its memory bandwidth, which
+# the pass shares with the copy engines' reads and writes of what crosses PCIe for it.
+_HOST = ("host", "host_memory")
+
+
 def _estimate(plan: MemoryPlan) -> float:
     return max(plan.step_s.values())
 
@@ -265,9 +277,12 @@ def _plan_twice(inputs: PlanInputs, gpu_blocks: int, staged: int = 0) -> MemoryP
     return plan
 
 
-def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu: int) -> dict:
+def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu: int,
+                   staged: int = 0) -> dict:
     """Each resource's busy time a step under ``plan`` (0 where not measured). The host's pass
-    starts with the first gradient, after the forward, and ends the step when it is last."""
+    starts with the first gradient, after the forward, and ends the step when it is last; the
+    host's memory serves that pass and the staged moments' copies (``staged`` of the
+    ``on_gpu`` elements) all step long."""
     link = inputs.link_bytes_per_s
     forward = inputs.block_forward_s
     compute = ((inputs.step_compute_s or _compute_s(inputs))
@@ -280,14 +295,16 @@ def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu
     forward_d2h = paged_activations / link if link else 0.0
     compute += max(0.0, forward_d2h - forward_s)  # the forward stalls on its copies
     trainable = _trainable(inputs)
-    host = 0.0
+    host = memory = 0.0
     if inputs.host_update_s > 0 and trainable:
-        host = (max(forward_s, forward_d2h)
-                + inputs.host_update_s * (trainable - on_gpu) / trainable)
+        per_element = inputs.host_update_s / trainable
+        host = max(forward_s, forward_d2h) + per_element * (trainable - on_gpu)
+        memory = per_element * ((trainable - on_gpu) * inputs.host_traffic[0]
+                                + staged * inputs.host_traffic[1])
     return {"compute": compute,
             "h2d": (transfer[0] + weights_in + paged_activations) / link if link else 0.0,
             "d2h": (transfer[1] + paged_activations) / link if link else 0.0,
-            "host": host}
+            "host": host, "host_memory": memory}
 
 
 def _forward_s(inputs: PlanInputs, streamed: list) -> float:
@@ -470,7 +487,7 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     plan.host_bytes = state + paged_activations
     plan.pcie_bytes_per_step = (fetch_bytes([inputs.blocks[i].weight_bytes for i in sorted(paged)],
                                             inputs.prefetch_depth) + 2 * paged_activations)
-    plan.step_s = _step_estimate(inputs, plan, transfer, on_gpu + staged)
+    plan.step_s = _step_estimate(inputs, plan, transfer, on_gpu + staged, staged)
     if not plan.history:
         say(f"everything stays in VRAM: {size(need)} of {size(inputs.vram_budget)} "
             f"({size(weights)} of weights)")

@@ -284,7 +284,9 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                                  events, initial)
     except BaseException:
         if client is not None:
-            client.close()  # a refused or failed wrap leaves nothing behind in the daemon
+            # A refused or failed wrap leaves nothing behind in the daemon: not even a job to
+            # re-attach to, when it made that job (one it resumed stays).
+            client.close(end_job=getattr(client, "made_job", False))
         # ...and the model keeps its weights: streamed blocks get their values back.
         for p in model.parameters():
             if id(p) in initial:

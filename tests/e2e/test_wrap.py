@@ -410,6 +410,11 @@ def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
                                          "place"):
         trainstream.wrap(model, user_opt, device="cpu", gpu_state_blocks=1)
     assert len(user_opt.state) == len(list(model.parameters()))  # its moments stayed
+    # ...and the job it made is gone from the daemon, not kept for a restart to re-attach.
+    with trainstream.connect(daemon_socket, job_id="observer") as observer:
+        assert observer.memory()["plans"] == [] and observer.memory()["reserved_bytes"] == 0
+        assert [e["kind"] for e in observer.events() if e["kind"] == "optimizer.ended"] == [
+            "optimizer.ended"]
     for bad in (-1, True):
         with pytest.raises(ValueError, match=f"gpu_state_blocks={bad} must be 'auto' or an"):
             trainstream.wrap(model, device="cpu", gpu_state_blocks=bad)

@@ -117,8 +117,10 @@ class Session {
 
   const std::string& id() const;
   const std::string& socket_path() const;
-  // Closes the session; the daemon frees every buffer it owns. Idempotent.
-  absl::Status Close();
+  // Closes the session; the daemon frees every buffer it owns. Idempotent. With `end_job`, the
+  // job's optimizer state goes too when no other session of the job is open (otherwise it is
+  // kept a while for a restarted process to re-attach).
+  absl::Status Close(bool end_job = false);
 
   absl::StatusOr<std::shared_ptr<HostBuffer>> Allocate(const std::string& name, uint64_t bytes,
                                                        const AllocateOptions& options = {});
