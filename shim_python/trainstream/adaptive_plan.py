@@ -51,7 +51,7 @@ class AdaptivePlan:
                  set_gpu_state: Callable[[int, int], tuple] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
                  other_trainable: int = 0, update_transfer: tuple = (4, 4),
-                 staged_vram: int = 384 << 20):
+                 staged_state: object = 0, staged_vram: int = 384 << 20):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -89,6 +89,9 @@ class AdaptivePlan:
         self.staged_blocks = 0
         self.staged_elements = 0
         self._staged_vram = int(staged_vram)
+        # "auto", or a number of blocks staged through the GPU (planner.PlanInputs); only
+        # where state may move at all.
+        self._staged_option = staged_state if set_gpu_state is not None else 0
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -319,7 +322,7 @@ class AdaptivePlan:
     def _measure_host_pass(self) -> float:
         """The last step's host optimizer pass, per element it updated (0: not measured, or
         no state may move, when it decides nothing)."""
-        if self._host_pass is None or self._gpu_state_option == 0:
+        if self._host_pass is None or self._gpu_state_option == self._staged_option == 0:
             return 0.0
         seconds, elements = self._host_pass()
         if seconds <= 0 or elements <= 0:
@@ -347,7 +350,7 @@ class AdaptivePlan:
             other_trainable=self._other_trainable, host_state_planned=True,
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
             gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
-            staged_state="auto" if self._gpu_state_option == "auto" else 0,
+            staged_state=self._staged_option,
             staged_vram=self._staged_vram,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
@@ -416,7 +419,7 @@ class AdaptivePlan:
     def state_left_vram(self) -> None:
         """The optimizer moved whole to the GPU (offload='auto'): no state moves any more, and
         none is held here to take off the peaks."""
-        self._gpu_state_option = 0
+        self._gpu_state_option = self._staged_option = 0
         self.gpu_state_blocks = self.gpu_state_elements = 0
         self.staged_blocks = self.staged_elements = 0
 

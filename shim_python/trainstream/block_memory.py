@@ -401,9 +401,10 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                             if i not in offload._device_indices)
 
     option = session.config["gpu_state_blocks"]
+    staged_option = session.config["staged_state_blocks"]
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
-        option = 0
+        option = staged_option = 0
     # Only fp32 weights may keep their state in VRAM (the master weights of others are the
     # daemon's); each updated on the host moves its gradient out and itself back a step.
     trainable_outside = sum(p.numel() for p in offload._params
@@ -433,7 +434,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         set_gpu_state=lambda blocks, staged: gpu_state(
                             model, paging.blocks, offload, blocks, staged),
                         host_pass=host_pass, other_trainable=trainable_outside,
-                        update_transfer=update_transfer, staged_vram=slots_bytes())
+                        update_transfer=update_transfer, staged_state=staged_option,
+                        staged_vram=slots_bytes())
 
 
 def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int,

@@ -61,6 +61,9 @@ _ACCEPTED = {
     "quant_block_size": "0 (the format's default) or an even number of values per scale",
     "gpu_state_blocks": "'auto', or an integer >= 0: the first N blocks, and the parameters "
                         "outside the stack, keep their AdamW state in VRAM (0: none)",
+    "staged_state_blocks": "0, 'auto', or an integer >= 0: that many of the blocks after those "
+                           "are updated on the GPU with their moments staged from the "
+                           "daemon's memory",
 }
 
 
@@ -137,6 +140,11 @@ def _check_options(options: dict) -> None:
                                 and state >= 0)):
         raise ValueError(f"trainstream.wrap: gpu_state_blocks={state!r} must be 'auto' or an "
                          "integer >= 0")
+    staged = options.get("staged_state_blocks", 0)
+    if not (staged == "auto" or (isinstance(staged, int) and not isinstance(staged, bool)
+                                 and staged >= 0)):
+        raise ValueError(f"trainstream.wrap: staged_state_blocks={staged!r} must be 'auto' or "
+                         "an integer >= 0")
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
@@ -236,7 +244,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
-              "gpu_state_blocks": "auto"}
+              "gpu_state_blocks": "auto", "staged_state_blocks": 0}
     config.update(options)
     events: list = []
 
@@ -468,14 +476,19 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         session.plan = adaptive_plan(model, paging, pager, offload, client, session,
                                       planned if config["check_memory"] else None)
         offload._adaptive = session.plan
-    elif config["gpu_state_blocks"] not in ("auto", 0):
-        # No run-time plan to decide it: the blocks asked for keep their state in VRAM now.
-        held, _ = gpu_state(model, _block_stack(model, config, paging), offload,
-                            config["gpu_state_blocks"])
-        session.note("plan.gpu_state", f"the AdamW state of blocks 0-"
-                     f"{config['gpu_state_blocks'] - 1} and of the parameters outside the stack "
-                     f"({held:,} elements) lives in VRAM, as asked (gpu_state_blocks)",
-                     gpu_state_elements=held)
+    else:
+        # No run-time plan to decide them: the blocks asked for move now.
+        asked = [config[k] if config[k] != "auto" else 0
+                 for k in ("gpu_state_blocks", "staged_state_blocks")]
+        if any(asked):
+            held, staged = gpu_state(model, _block_stack(model, config, paging), offload,
+                                     *asked)
+            session.note("plan.gpu_state", f"the AdamW state of {asked[0]} leading blocks and "
+                         f"of the parameters outside the stack with them ({held:,} elements) "
+                         f"lives in VRAM, and {asked[1]} blocks after them ({staged:,} "
+                         "elements) are updated on the GPU from moments staged out of "
+                         "trainstreamd, as asked (gpu_state_blocks, staged_state_blocks)",
+                         gpu_state_elements=held, staged_elements=staged)
     if getattr(offload, "_resumed", False):
         behind = getattr(offload, "behind_on_resume", [])
         lagging = (f"; {len(behind)} tensors' state is older than that (kept in VRAM by a "
@@ -511,6 +524,16 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
                      paging: Any) -> None:
     """gpu_state_blocks=N asks for what this job can have, or wrap() says why not (before any
     hook of wrap()'s own is on the model)."""
+    staged = config["staged_state_blocks"]
+    if staged not in ("auto", 0):
+        refusal = offload.gpu_state_refusal()
+        if refusal is not None:
+            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged}: {refusal}")
+        room = len(_block_stack(model, config, paging)) - (
+            config["gpu_state_blocks"] if config["gpu_state_blocks"] != "auto" else 0)
+        if staged > room:
+            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but {room} blocks "
+                             "are left after those whose state is in VRAM (gpu_state_blocks)")
     asked = config["gpu_state_blocks"]
     if asked in ("auto", 0):
         return

@@ -195,11 +195,11 @@ def test_state_vram_cannot_hold_is_staged_through_the_gpu_while_the_host_binds()
     # paged activations' copies where longer), its share of the 1 s pass.
     rest = 1 - (plan.gpu_state_elements + plan.staged_elements) / (2.125 * GiB)
     assert plan.step_s["host"] == pytest.approx(max(0.16, paged / 50e9) + rest)
-    # The host's memory serves that pass (and the copies of what it updates: 36 bytes an
-    # element against the pass's 28) and the staged moments' copies (16 bytes each).
+    # The host's memory serves that pass and the staged moments' copies (16 bytes an element
+    # against the pass's 28).
     per_element = 1.0 / (2.125 * GiB)
     assert plan.step_s["host_memory"] == pytest.approx(per_element * (
-        rest * 2.125 * GiB * 36 / 28 + plan.staged_elements * 16 / 28))
+        rest * 2.125 * GiB + plan.staged_elements * 16 / 28))
     # It stops where staging one more block would no longer shorten the step.
     if k + staged < 8:
         more = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=k,

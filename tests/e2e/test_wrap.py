@@ -435,6 +435,11 @@ def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
 
 
 def test_staging_moments_through_a_cpu_model_is_refused(daemon_socket):
+    for bad in (-1, True, "all"):
+        with pytest.raises(ValueError, match=f"staged_state_blocks={bad!r} must be 'auto' or"):
+            trainstream.wrap(TinyGPT(), device="cpu", staged_state_blocks=bad)
+    with pytest.raises(ValueError, match="staged_state_blocks=1: a CPU model's updates land"):
+        trainstream.wrap(TinyGPT(), device="cpu", staged_state_blocks=1)
     model, opt = trainstream.wrap(TinyGPT(), device="cpu", offload=True)
     with pytest.raises(trainstream.FailedPreconditionError,
                        match="cannot move to VRAM: a CPU model's updates land in place"):
@@ -547,6 +552,22 @@ def test_optimizer_state_staged_through_the_gpu_follows_stock_adamw(daemon_socke
     train(ref, ref_opt, 2, accumulation, scheduler=ref_sched, start=6)
     train(ours, opt, 2, accumulation, scheduler=sched, start=6)
     assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_wrap_stages_the_blocks_asked_for_and_follows_stock_adamw(daemon_socket):
+    ref, ref_opt, ours, opt = stock_and_wrapped(17, device="cuda", gpu_state_blocks=1,
+                                                staged_state_blocks=1)
+    train(ref, ref_opt, 4)
+    train(ours, opt, 4)
+    staged = opt.stats()["staged_state"]
+    assert staged["tensors"] == len(list(ours.blocks[1].parameters()))
+    assert staged["chunks"] >= 3 and staged["bytes_each_way"] > 0
+    assert max_diff(ref, ours) <= 1e-5
+    said = [e["message"] for e in trainstream.memory_report(ours)["events"]
+            if e["kind"] == "client.plan.gpu_state"]
+    assert said and "moments staged" in said[-1]
 
 
 @pytest.mark.gpu
