@@ -17,6 +17,8 @@ from conftest import wait_until
 
 torch = pytest.importorskip("torch")
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
+sys.path.insert(0, MODELS)
+from tiny_gpt import TinyGPT  # noqa: E402
 
 
 def runner(daemon, script_path, text: str):
@@ -128,3 +130,21 @@ def test_state_held_in_vram_goes_back_at_exit_and_a_kill_is_reported(daemon, tmp
     out, err = after.communicate(timeout=300)
     assert after.returncode == 0, err
     assert int(out.split()[1]) > 0 and "tensors' state is older than that" in err
+
+
+def test_a_refused_wrap_ends_only_a_job_it_made(daemon, tmp_path):
+    # A process ran 3 steps of job "kept" and ended. Re-attaching with an option the model
+    # cannot have is refused, and leaves that job's state where it was: the next process
+    # resumes it at step 3. A refused wrap of a job of its own leaves nothing (test_wrap.py).
+    run = runner(daemon, tmp_path / "train.py", SCRIPT)
+    first = run("kept", 0, 3, tmp_path / "first.pt")
+    assert first.wait(300) == 0, first.stderr.read()
+    with pytest.raises(ValueError, match="gpu_state_blocks=1: a CPU model's updates"):
+        trainstream.wrap(TinyGPT(), job_id="kept", device="cpu", gpu_state_blocks=1,
+                         socket=daemon.socket)
+    resumed = run("kept", 3, 5, tmp_path / "resumed.pt")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert out.split() == ["done", "5"]
+    with trainstream.connect(daemon.socket, job_id="observer") as observer:
+        assert not any(e["kind"] == "optimizer.ended" for e in observer.events())
