@@ -60,6 +60,23 @@ def stock_and_wrapped(seed, device=DEVICE, layers=2, **options):
     return ref, ref_opt, ours, opt
 
 
+def scheduled_twins(seed, accumulation, **options):
+    """One TinyGPT on CUDA twice, each with two parameter groups and a decaying lr schedule,
+    after one step: (model, its torch AdamW, its scheduler, the wrapped copy, its optimizer,
+    its scheduler); ``options`` go to wrap()."""
+    torch.manual_seed(seed)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(groups_of(ref))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
+                                 accumulation_steps=accumulation, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    train(ref, ref_opt, 1, accumulation, scheduler=ref_sched)
+    train(ours, opt, 1, accumulation, scheduler=sched)
+    return ref, ref_opt, ref_sched, ours, opt, sched
+
+
 @pytest.fixture
 def daemon_socket(daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
@@ -455,16 +472,8 @@ def test_optimizer_state_kept_in_vram_follows_stock_adamw(daemon_socket, accumul
     # The first block's and the embeddings' AdamW state move to VRAM after the probe step and
     # are updated there by torch's fused AdamW; the other block's stays in the daemon. The
     # trajectory is stock AdamW's, with two groups and a scheduler.
-    torch.manual_seed(12)
-    ref = TinyGPT().to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(groups_of(ref))
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
-                                 gpu_state_blocks=1, accumulation_steps=accumulation)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
-    train(ref, ref_opt, 1, accumulation, scheduler=ref_sched)
-    train(ours, opt, 1, accumulation, scheduler=sched)
+    ref, ref_opt, ref_sched, ours, opt, sched = scheduled_twins(12, accumulation,
+                                                                gpu_state_blocks=1)
     held = opt.stats()["gpu_state"]
     inside = {id(p) for p in ours.blocks[0].parameters()}
     outside = [p for p in ours.parameters() if id(p) not in
@@ -495,16 +504,8 @@ def test_optimizer_state_staged_through_the_gpu_follows_stock_adamw(daemon_socke
     # by torch's fused AdamW as backward finishes its gradients; block 0's live in VRAM. With
     # two groups and a scheduler the trajectory is stock AdamW's, a checkpoint holds it, and
     # it moves back to the daemon between steps.
-    torch.manual_seed(16)
-    ref = TinyGPT().to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(groups_of(ref))
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.9 ** s)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
-                                 gpu_state_blocks=0, accumulation_steps=accumulation)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
-    train(ref, ref_opt, 1, accumulation, scheduler=ref_sched)
-    train(ours, opt, 1, accumulation, scheduler=sched)
+    ref, ref_opt, ref_sched, ours, opt, sched = scheduled_twins(16, accumulation,
+                                                                gpu_state_blocks=0)
     held = {id(p) for p in ours.blocks[0].parameters()}
     staged = {id(p) for p in ours.blocks[1].parameters()}
     elements = sum(p.numel() for p in ours.blocks[1].parameters())
