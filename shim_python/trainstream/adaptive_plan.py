@@ -51,7 +51,8 @@ class AdaptivePlan:
                  set_gpu_state: Callable[[int, int], tuple] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
                  other_trainable: int = 0, update_transfer: tuple = (4, 4),
-                 staged_state: object = 0, staged_vram: int = 384 << 20):
+                 staged_state: object = 0, staged_vram: int = 384 << 20,
+                 staged_grad_bytes: int = 0):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -89,6 +90,7 @@ class AdaptivePlan:
         self.staged_blocks = 0
         self.staged_elements = 0
         self._staged_vram = int(staged_vram)
+        self._staged_grad_bytes = int(staged_grad_bytes)  # see PlanInputs
         # "auto", or a number of blocks staged through the GPU (planner.PlanInputs); only
         # where state may move at all.
         self._staged_option = staged_state if set_gpu_state is not None else 0
@@ -351,7 +353,7 @@ class AdaptivePlan:
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
             gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
             staged_state=self._staged_option,
-            staged_vram=self._staged_vram,
+            staged_vram=self._staged_vram, staged_grad_bytes=self._staged_grad_bytes,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",

@@ -435,7 +435,9 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                             model, paging.blocks, offload, blocks, staged),
                         host_pass=host_pass, other_trainable=trainable_outside,
                         update_transfer=update_transfer, staged_state=staged_option,
-                        staged_vram=slots_bytes())
+                        staged_vram=slots_bytes(),
+                        # Micro-steps add up in a staged parameter's own gradient.
+                        staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0)
 
 
 def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int,

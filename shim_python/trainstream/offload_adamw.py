@@ -408,8 +408,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         ``staged_ids`` are updated on the GPU too, their moments staying in the daemon's
         pinned memory and staged through VRAM as backward finishes each gradient
-        (staged_adamw.py): no host pass and no VRAM for them, for twice their moments' bytes
-        over PCIe each way. Between steps only. Returns the elements whose state is in VRAM."""
+        (staged_adamw.py): no host pass and no VRAM but the slots (and, with accumulation, the
+        gradient until the last micro-step), for 8 bytes a parameter over PCIe each way
+        instead of 4. Between steps only. Returns the elements whose state is in VRAM."""
         reason = self.gpu_state_refusal()
         staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
                   if self._params[i].is_contiguous()}  # updated through flat views
@@ -1071,6 +1072,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._settle_updates()  # the updates landing now would write over what is loaded
+        self.synchronize()  # and so would copies still in flight (staged moments, weights)
         if "master" not in state_dict:
             # The weights stay as they are: the daemon's master of the VRAM-held ones first
             # catches up, since the load copies every master back to the model.
@@ -1133,6 +1135,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load(self, path: str) -> None:
         self._settle_updates()  # the updates landing now would write over what is loaded
+        self.synchronize()  # and so would copies still in flight (staged moments, weights)
         self._host.load(path)
         self.refresh_weights()
         self._device_state_from_daemon()

@@ -64,12 +64,14 @@ class PlanInputs:
     update_transfer: tuple = (4, 4)  # per element updated on the host: bytes to, from the GPU
     host_state_planned: bool = False  # the optimizer's host memory is admitted already
     # Of the blocks after those (weights in VRAM), some may instead be updated on the GPU with
-    # their moments staged from host memory as backward finishes them (staged_block_indices): no host pass for them, no
-    # VRAM but the staging slots, their moments over PCIe both ways instead of gradient and
-    # weight. "auto", or that many blocks (0: none).
+    # their moments staged from host memory as backward finishes them (staged_block_indices):
+    # no host pass for them, no VRAM but the staging slots, their moments over PCIe both ways
+    # instead of gradient and weight. "auto", or that many blocks (0: none).
     staged_state: object = 0
     staged_transfer: tuple = (8, 8)  # per element staged: bytes to, from the GPU
     staged_vram: int = 384 << 20     # the staging slots (staged_adamw.slots_bytes())
+    staged_grad_bytes: int = 0       # VRAM per element staged: its gradient until the last
+                                     # micro-step (4 with gradient accumulation, else 0)
     # Host memory traffic per element, in units of the host pass's own (which reads weight,
     # gradient and both moments and writes three back: 28 bytes in fp32): one updated on the
     # host (its gradient's and weight's copies overlap the measured pass already), one staged
@@ -175,13 +177,14 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     best, note = _plan_vram_state(inputs)
     option = inputs.staged_state
     if option and option != "auto":
-        best = _plan_twice(inputs, best.gpu_state_blocks, int(option))
+        best = _plan_staged(inputs, best, int(option))
     elif option == "auto" and (inputs.host_update_s > 0 and inputs.block_forward_s > 0
                                and _trainable(inputs)) and _binding(best) in _HOST:
         start = best
         # The staging slots take VRAM the state of a block or two may be holding: give those
-        # back when that lets more blocks stage.
-        for k in range(best.gpu_state_blocks, max(-1, best.gpu_state_blocks - 3), -1):
+        # back when that lets more blocks stage (unless gpu_state_blocks was asked for).
+        held = best.gpu_state_blocks
+        for k in (range(held, max(-1, held - 3), -1) if inputs.gpu_state == "auto" else [held]):
             candidate = _staged_search(inputs, k, start)
             if candidate is not None and _estimate(candidate) < _estimate(best):
                 best = candidate
@@ -199,6 +202,22 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     if note and best.gpu_state_blocks:
         best.history.insert(0, note(best))
     return best
+
+
+def _plan_staged(inputs: PlanInputs, best: MemoryPlan, staged: int) -> MemoryPlan:
+    """The plan staging ``staged`` blocks (asked for) after the VRAM-held ones: with fewer of
+    those where "auto" chose more than leave room for them or their slots."""
+    n, held = len(inputs.blocks), best.gpu_state_blocks
+    if staged + (0 if inputs.gpu_state == "auto" else held) > n:
+        raise MemoryPlanError(f"staged_state_blocks={staged} with gpu_state_blocks={held}: the "
+                              f"model has {n} blocks")
+    error = None
+    for k in (range(min(held, n - staged), -1, -1) if inputs.gpu_state == "auto" else [held]):
+        try:
+            return _plan_twice(inputs, k, staged)
+        except MemoryPlanError as e:
+            error = e
+    raise error
 
 
 def _staged_search(inputs: PlanInputs, k: int, start: MemoryPlan) -> MemoryPlan | None:
@@ -252,8 +271,11 @@ def _plan_vram_state(inputs: PlanInputs) -> tuple:
                 f"{size(inputs.gpu_state_bytes * chosen.gpu_state_elements)} of VRAM) is kept "
                 f"in VRAM and updated there at step(): the host's pass over every parameter "
                 f"({1e3 * inputs.host_update_s:.0f} ms) would make the step about "
-                f"{1e3 * _estimate(start):.0f} ms, now about {1e3 * _estimate(best):.0f} ms "
-                f"({_binding(best)} bound)")
+                f"{1e3 * _estimate(start):.0f} ms" + (
+                    f", now about {1e3 * _estimate(best):.0f} ms ({_binding(best)} bound)"
+                    # Staging may give blocks back: its own line has the final estimate.
+                    if chosen.gpu_state_blocks == best.gpu_state_blocks
+                    and not chosen.staged_blocks else ""))
     return best, (note if best.gpu_state_blocks else None)
 
 
@@ -335,6 +357,13 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     on_gpu = gpu_state_elements(inputs, gpu_blocks)
     staged = staged_elements(inputs, gpu_blocks, staged_blocks)
     staged_set = set(staged_block_indices(n, gpu_blocks, staged_blocks))
+    clash = staged_set & ((_wanted_pages(inputs.param_offload, n) or set())
+                          | set(inputs.paged_already))
+    if clash:
+        raise MemoryPlanError(
+            f"blocks {sorted(clash)} would stage their moments through the GPU but stream "
+            "their weights; a staged block keeps its weights in VRAM (fewer "
+            "staged_state_blocks, or param_offload without them)")
     plan.gpu_state_blocks, plan.gpu_state_elements = gpu_blocks, on_gpu
     plan.staged_blocks, plan.staged_elements = staged_blocks, staged
     # What the optimizer moves over PCIe a step: less what the VRAM-held state keeps off it,
@@ -379,7 +408,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
         in_flight = max((activations[i] for i, p in enumerate(plan.activation_policy)
                          if p != "keep"), default=0)
         return (resident + saved + in_flight + inputs.working_bytes
-                + inputs.gpu_state_bytes * on_gpu + (inputs.staged_vram if staged else 0))
+                + inputs.gpu_state_bytes * on_gpu
+                + (inputs.staged_vram + inputs.staged_grad_bytes * staged if staged else 0))
 
     wanted = _wanted_pages(inputs.param_offload, n)
     if wanted:

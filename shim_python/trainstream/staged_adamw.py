@@ -36,6 +36,7 @@ class _Piece:
     key: tuple           # (parameter index, first element): its step counter
     weight: torch.Tensor  # flat views on the GPU
     grad: torch.Tensor
+    made_on: torch.cuda.Stream  # the stream whose work produced the gradient
     exp_avg: torch.Tensor  # flat views of the daemon's pinned memory
     exp_avg_sq: torch.Tensor
     hyper: tuple         # (lr, beta1, beta2, eps, weight_decay)
@@ -89,8 +90,8 @@ class StagedAdamW:
             if self._pending_elements + (last - first) > self._slot_elements:
                 self.flush(producer)
             self._pending.append(_Piece((index, first), flat_weight[first:last],
-                                        flat_grad[first:last], flat_avg[first:last],
-                                        flat_avg_sq[first:last], hyper))
+                                        flat_grad[first:last], producer,
+                                        flat_avg[first:last], flat_avg_sq[first:last], hyper))
             self._pending_elements += last - first
         if self._pending_elements >= self._slot_elements // 2:
             self.flush(producer)  # the gradients wait in the caller's memory until then
@@ -109,6 +110,13 @@ class StagedAdamW:
         size = self._slot_elements
         if self._free[k] is not None:
             producer.wait_event(self._free[k])  # the slot's last chunk has gone back
+        # A gradient another stream made (a backward on a side stream) is read after it, and
+        # its memory kept until the copy below has read it.
+        for made_on in {piece.made_on for piece in pieces} - {producer}:
+            producer.wait_stream(made_on)
+        for piece in pieces:
+            if piece.made_on != producer:
+                piece.grad.record_stream(producer)
         grads, avgs, avg_sqs, offset = [], [], [], 0
         with torch.cuda.stream(producer):
             for piece in pieces:

@@ -21,6 +21,7 @@ from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
 from .gpu_pools import gpu_pools
 from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
+from .planner import staged_block_indices
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
 # silently ignored.
@@ -478,17 +479,22 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         offload._adaptive = session.plan
     else:
         # No run-time plan to decide them: the blocks asked for move now.
+        # ("auto" decides nothing without measurements: none move.)
         asked = [config[k] if config[k] != "auto" else 0
                  for k in ("gpu_state_blocks", "staged_state_blocks")]
         if any(asked):
             held, staged = gpu_state(model, _block_stack(model, config, paging), offload,
                                      *asked)
-            session.note("plan.gpu_state", f"the AdamW state of {asked[0]} leading blocks and "
-                         f"of the parameters outside the stack with them ({held:,} elements) "
-                         f"lives in VRAM, and {asked[1]} blocks after them ({staged:,} "
-                         "elements) are updated on the GPU from moments staged out of "
-                         "trainstreamd, as asked (gpu_state_blocks, staged_state_blocks)",
-                         gpu_state_elements=held, staged_elements=staged)
+            said = []
+            if asked[0]:
+                said.append(f"the AdamW state of blocks 0-{asked[0] - 1} and of the "
+                            f"parameters outside the stack ({held:,} elements) lives in VRAM")
+            if asked[1]:
+                said.append(f"{asked[1]} blocks after those ({staged:,} elements) are updated "
+                            "on the GPU from moments staged out of trainstreamd")
+            session.note("plan.gpu_state", "; ".join(said) + ", as asked (gpu_state_blocks, "
+                         "staged_state_blocks)", gpu_state_elements=held,
+                         staged_elements=staged)
     if getattr(offload, "_resumed", False):
         behind = getattr(offload, "behind_on_resume", [])
         lagging = (f"; {len(behind)} tensors' state is older than that (kept in VRAM by a "
@@ -529,11 +535,18 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
         refusal = offload.gpu_state_refusal()
         if refusal is not None:
             raise ValueError(f"trainstream.wrap: staged_state_blocks={staged}: {refusal}")
-        room = len(_block_stack(model, config, paging)) - (
-            config["gpu_state_blocks"] if config["gpu_state_blocks"] != "auto" else 0)
-        if staged > room:
-            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but {room} blocks "
-                             "are left after those whose state is in VRAM (gpu_state_blocks)")
+        blocks = _block_stack(model, config, paging)
+        held = config["gpu_state_blocks"] if config["gpu_state_blocks"] != "auto" else 0
+        if staged > len(blocks) - held:
+            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but "
+                             f"{len(blocks) - held} blocks are left after those whose state is "
+                             "in VRAM (gpu_state_blocks)")
+        streamed = sorted(set(paging.paged) & set(staged_block_indices(
+            len(blocks), held, staged))) if (paging is not None and not paging.weights_auto) else []
+        if streamed:
+            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but blocks "
+                             f"{streamed} stream their weights (param_offload): a staged block "
+                             "keeps its weights in VRAM")
     asked = config["gpu_state_blocks"]
     if asked in ("auto", 0):
         return

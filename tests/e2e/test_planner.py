@@ -201,10 +201,10 @@ def test_state_vram_cannot_hold_is_staged_through_the_gpu_while_the_host_binds()
     assert plan.step_s["host_memory"] == pytest.approx(per_element * (
         rest * 2.125 * GiB + plan.staged_elements * 16 / 28))
     # It stops where staging one more block would no longer shorten the step.
-    if k + staged < 8:
-        more = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=k,
-                                       staged_state=staged + 1))
-        assert max(more.step_s.values()) >= max(plan.step_s.values())
+    assert k + staged < 8
+    more = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state=k,
+                                   staged_state=staged + 1))
+    assert max(more.step_s.values()) >= max(plan.step_s.values())
     said = [line for line in plan.history if f"{staged} of blocks {k}-7" in line]
     assert len(said) == 1 and "moments staged from host memory" in said[0]
     # The staging slots may take the room one block's VRAM-held state had (k 1 or 0).
@@ -239,6 +239,25 @@ def test_asked_staging_takes_its_slots_and_the_blocks_after_the_vram_held_ones()
     assert two.vram_bytes - none.vram_bytes == 384 << 20  # the staging slots only
     assert two.step_s["d2h"] - none.step_s["d2h"] == pytest.approx(
         4 * two.staged_elements / 50e9)
+
+
+def test_asked_staging_makes_room_or_says_why_not():
+    # "auto" VRAM-held state gives blocks back for the slots and the staged ones; an asked-for
+    # count that cannot fit, or staged blocks the user streams, are refused with the numbers.
+    auto = plan_memory(_host_bound(vram=20 * GiB, host=200 * GiB, gpu_state="auto",
+                                   staged_state=7))
+    assert auto.staged_blocks == 7 and auto.gpu_state_blocks <= 1
+    with pytest.raises(MemoryPlanError, match="staged_state_blocks=8 with gpu_state_blocks=1"):
+        plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=1, staged_state=8))
+    with pytest.raises(MemoryPlanError, match=r"blocks \[7\] would stage their moments"):
+        plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, staged_state=1,
+                                param_offload=[7]))
+    # With gradient accumulation a staged block's gradient waits in VRAM for the last
+    # micro-step: 4 bytes an element more.
+    once = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, staged_state=2))
+    accumulated = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, staged_state=2,
+                                          staged_grad_bytes=4))
+    assert accumulated.vram_bytes - once.vram_bytes == 4 * once.staged_elements
 
 
 def test_find_blocks_returns_the_repeated_stack():

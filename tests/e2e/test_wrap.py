@@ -532,6 +532,12 @@ def test_optimizer_state_staged_through_the_gpu_follows_stock_adamw(daemon_socke
             assert (state["state"][key][name].to("cuda") - entry[name]).abs().max() < 1e-6
     # The daemon's checkpoint too: restored without staging, the run carries on as stock.
     opt.save(str(tmp_path / "opt.ckpt"))
+    # Loaded right after a step, whose staged copies may still be in flight, it lands whole.
+    saved = {name: p.detach().clone() for name, p in ours.named_parameters()}
+    train(ours, opt, 1, accumulation, start=6)
+    opt.load(str(tmp_path / "opt.ckpt"))
+    assert all(torch.equal(p, saved[name]) for name, p in ours.named_parameters())
+    assert opt.state_dict()["state"][0]["step"].item() == 6
     torch.manual_seed(0)
     restored = TinyGPT().to("cuda")
     restored.load_state_dict(ours.state_dict())
