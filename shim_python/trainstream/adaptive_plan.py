@@ -74,9 +74,8 @@ class AdaptivePlan:
         self._host_cap = int(host_cap)  # host_arena= bytes: paged activations never take more
         # The optimizer state kept in VRAM: gpu_state is "auto", or a number of leading blocks
         # (0: none); set_gpu_state(blocks, staged) keeps those blocks' state (and the
-        # parameters' outside the stack) there, updates the next ``staged`` blocks on the GPU
-        # from moments staged out of the daemon (only under "auto"), and returns the elements
-        # of each; host_pass() is the last step's host optimizer pass (seconds, elements
+        # parameters' outside the stack) there, updates ``staged`` of the blocks after them on
+        # the GPU from moments staged out of the daemon, and returns the elements of each; host_pass() is the last step's host optimizer pass (seconds, elements
         # updated on the host).
         self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
         self._set_gpu_state = set_gpu_state

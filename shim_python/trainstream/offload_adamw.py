@@ -25,9 +25,9 @@ from . import cuda_streams
 from .blocks import has_forward
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hook_clock import HookClock
+from .host_optimizer import HostOptimizer, ParameterSpec
 from .staged_adamw import StagedAdamW
 from .weak_hooks import weak_hook
-from .host_optimizer import HostOptimizer, ParameterSpec
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, torch.float32: torch.float32,

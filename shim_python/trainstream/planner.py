@@ -368,7 +368,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     plan.staged_blocks, plan.staged_elements = staged_blocks, staged
     # What the optimizer moves over PCIe a step: less what the VRAM-held state keeps off it,
     # the staged moments instead of the staged parameters' gradients and weights.
-    transfer = tuple(max(0, inputs.transfer_bytes[d] - (on_gpu + staged) * inputs.update_transfer[d]
+    transfer = tuple(max(0, inputs.transfer_bytes[d]
+                         - (on_gpu + staged) * inputs.update_transfer[d]
                          + staged * inputs.staged_transfer[d]) for d in (0, 1))
 
     # Host side first: the optimizer state must fit, in fp32 moments if it can.

@@ -541,8 +541,9 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
             raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but "
                              f"{len(blocks) - held} blocks are left after those whose state is "
                              "in VRAM (gpu_state_blocks)")
-        streamed = sorted(set(paging.paged) & set(staged_block_indices(
-            len(blocks), held, staged))) if (paging is not None and not paging.weights_auto) else []
+        asked_streaming = paging is not None and not paging.weights_auto
+        streamed = sorted(set(paging.paged) & set(staged_block_indices(len(blocks), held, staged))
+                          ) if asked_streaming else []
         if streamed:
             raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but blocks "
                              f"{streamed} stream their weights (param_offload): a staged block "

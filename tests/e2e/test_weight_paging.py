@@ -392,7 +392,8 @@ def test_a_dropped_wrap_is_freed_with_its_daemon_session(daemon_socket):
 
     torch.manual_seed(9)
     model = TinyGPT(layers=4).to(DEVICE)
-    model, opt = trainstream.wrap(model, offload=True, device=DEVICE, lr=3e-3, param_offload=[1, 2])
+    model, opt = trainstream.wrap(model, offload=True, device=DEVICE, lr=3e-3,
+                                  param_offload=[1, 2])
     train(model, opt, 2)
     pager = model._trainstream_session.pager
     assert pager is not None and pager.paged == [1, 2]
