@@ -11,9 +11,10 @@ one run, each configuration in a fresh process:
 
 Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
 block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU),
-``wrap_depth2`` (as ``wrap``, with ``prefetch_depth=2``: asked for by ``--modes``) and, for the
-full fine-tunes, ``compute`` (no cap: forward and backward with the weights
-resident, no optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
+``wrap_depth2`` (as ``wrap``, with ``prefetch_depth=2``: asked for by ``--modes``),
+``wrap_staged`` (as ``wrap``, with ``staged_state_blocks="auto"``: asked for by ``--modes``) and,
+for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights resident, no
+optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
 Qwen shape in bf16.
 
 Every mode records the CPU's time per phase of a step (forward issued, backward, optimizer step,
@@ -112,9 +113,11 @@ def worker(mode: str, case: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
             # wrap_paged: every block streams its weights (the plan would rather not);
-            # wrap_depth2: two streamed blocks fetched ahead instead of one.
+            # wrap_depth2: two streamed blocks fetched ahead instead of one; wrap_staged: the
+            # plan may stage moments through the GPU.
             options = (dict(param_offload=True) if mode == "wrap_paged" else
-                       dict(prefetch_depth=2) if mode == "wrap_depth2" else {})
+                       dict(prefetch_depth=2) if mode == "wrap_depth2" else
+                       dict(staged_state_blocks="auto") if mode == "wrap_staged" else {})
             model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", **options)
             row["wrap_s"] = round(time.perf_counter() - began, 1)
             session = model._trainstream_session
@@ -328,7 +331,7 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
         else:
             text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
         print(f"  {mode:8s} {text}")
-    for mode in ("wrap", "wrap_paged", "wrap_depth2"):
+    for mode in ("wrap", "wrap_paged", "wrap_depth2", "wrap_staged"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)
     for mode, row in rows.items():
