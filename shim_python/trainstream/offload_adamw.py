@@ -426,7 +426,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.synchronize()
         # Every parameter whose place changes goes through the daemon: its state is made whole
         # there (moments, steps, master weights), then taken from there.
-        steps = list(self._host.info().get("param_steps", [0] * len(self._params)))
+        steps = self._param_steps()
         old = self._device_optimizer
         leaving_held = sorted(held - new_held)
         leaving_staged = sorted(self._staged_indices - staged)
@@ -491,10 +491,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _staged_to_daemon(self, i: int, forget: bool = True) -> int:
         """Staged parameter ``i``'s weights into the daemon's master (its moments are there
         already); returns its steps. After synchronize()."""
-        p = self._params[i]
-        self._host.master(i).copy_(p.detach().reshape(p.shape))
-        if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
-            self._host.param(i).copy_(p.detach())
+        self._weights_to_daemon(i)
         steps = self._staged.steps_of(i)
         if forget:
             self._staged.forget(i)
@@ -536,7 +533,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
                              ) -> None:
         """Loads the daemon's moments and steps of these parameters into a GPU optimizer."""
-        steps = self._host.info().get("param_steps", [0] * len(self._params))
+        steps = self._param_steps()
         for i in indices:
             p = self._params[i]
             optimizer.state.pop(p, None)
@@ -553,7 +550,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Copies a GPU optimizer's moments and these parameters' values into the daemon's
         buffers; returns every parameter's step count with these ones' from the GPU (for
         ``set_step``)."""
-        steps = list(self._host.info().get("param_steps", [0] * len(self._params)))
+        steps = self._param_steps()
         for i in indices:
             p = self._params[i]
             entry = optimizer.state.get(p) if optimizer is not None else None
@@ -561,10 +558,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             if entry:
                 self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
                 self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
-            self._host.master(i).copy_(p.detach().reshape(p.shape))
-            if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
-                self._host.param(i).copy_(p.detach())
+            self._weights_to_daemon(i)
         return steps
+
+    def _weights_to_daemon(self, i: int) -> None:
+        """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy."""
+        p = self._params[i]
+        self._host.master(i).copy_(p.detach().reshape(p.shape))
+        if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
+            self._host.param(i).copy_(p.detach())
+
+    def _param_steps(self) -> list[int]:
+        """Every parameter's AdamW step count as the daemon has it."""
+        return list(self._host.info().get("param_steps", [0] * len(self._params)))
 
     def _device_state_from_daemon(self) -> None:
         """The VRAM-held state takes the daemon's (after a load)."""
@@ -573,7 +579,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._moments_from_daemon(self._device_optimizer, held)
         if self._staged_indices:  # their moments are the daemon's; their steps too now
             self._staged.synchronize()
-            steps = self._host.info().get("param_steps", [0] * len(self._params))
+            steps = self._param_steps()
             for i in self._staged_indices:
                 self._staged.set_steps(i, self._params[i].numel(), steps[i])
 

@@ -357,8 +357,8 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     on_gpu = gpu_state_elements(inputs, gpu_blocks)
     staged = staged_elements(inputs, gpu_blocks, staged_blocks)
     staged_set = set(staged_block_indices(n, gpu_blocks, staged_blocks))
-    clash = staged_set & ((_wanted_pages(inputs.param_offload, n) or set())
-                          | set(inputs.paged_already))
+    wanted = _wanted_pages(inputs.param_offload, n)
+    clash = staged_set & ((wanted or set()) | set(inputs.paged_already))
     if clash:
         raise MemoryPlanError(
             f"blocks {sorted(clash)} would stage their moments through the GPU but stream "
@@ -412,7 +412,6 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
                 + inputs.gpu_state_bytes * on_gpu
                 + (inputs.staged_vram + inputs.staged_grad_bytes * staged if staged else 0))
 
-    wanted = _wanted_pages(inputs.param_offload, n)
     if wanted:
         paged |= wanted
         say(f"blocks {sorted(wanted)} stream their weights, as asked (param_offload)")

@@ -136,16 +136,12 @@ def _check_options(options: dict) -> None:
             and block % 2 == 0):
         raise ValueError(f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
                          "number of values")
-    state = options.get("gpu_state_blocks", "auto")
-    if not (state == "auto" or (isinstance(state, int) and not isinstance(state, bool)
-                                and state >= 0)):
-        raise ValueError(f"trainstream.wrap: gpu_state_blocks={state!r} must be 'auto' or an "
-                         "integer >= 0")
-    staged = options.get("staged_state_blocks", 0)
-    if not (staged == "auto" or (isinstance(staged, int) and not isinstance(staged, bool)
-                                 and staged >= 0)):
-        raise ValueError(f"trainstream.wrap: staged_state_blocks={staged!r} must be 'auto' or "
-                         "an integer >= 0")
+    for option in ("gpu_state_blocks", "staged_state_blocks"):
+        count = options.get(option, 0)
+        if not (count == "auto" or (isinstance(count, int) and not isinstance(count, bool)
+                                    and count >= 0)):
+            raise ValueError(f"trainstream.wrap: {option}={count!r} must be 'auto' or an "
+                             "integer >= 0")
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
@@ -528,44 +524,34 @@ def _block_stack(model: torch.nn.Module, config: dict, paging: Any) -> list:
 
 def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
                      paging: Any) -> None:
-    """gpu_state_blocks=N asks for what this job can have, or wrap() says why not (before any
-    hook of wrap()'s own is on the model)."""
-    staged = config["staged_state_blocks"]
-    if staged not in ("auto", 0):
+    """gpu_state_blocks=N and staged_state_blocks=N ask for what this job can have, or wrap()
+    says why not (before any hook of wrap()'s own is on the model)."""
+    held, staged = (config[k] if config[k] != "auto" else 0
+                    for k in ("gpu_state_blocks", "staged_state_blocks"))
+    if not held and not staged:
+        return
+    n = len(_block_stack(model, config, paging))
+    # Blocks streamed because param_offload asked (those the plan streamed at wrap() for the
+    # probe come back when the state moves: it never streams blocks updated on the GPU).
+    asked_streaming = (set(paging.paged) if paging is not None and not paging.weights_auto
+                       else set())
+    for option, count, room, too_many, indices, keeps in (
+            ("gpu_state_blocks", held, n, f"the model has {n} blocks", range(held),
+             "a block updated in VRAM keeps its weights there"),
+            ("staged_state_blocks", staged, n - held,
+             f"{n - held} blocks are left after those whose state is in VRAM (gpu_state_blocks)",
+             staged_block_indices(n, held, staged), "a staged block keeps its weights in VRAM")):
+        if not count:
+            continue
         refusal = offload.gpu_state_refusal()
         if refusal is not None:
-            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged}: {refusal}")
-        blocks = _block_stack(model, config, paging)
-        held = config["gpu_state_blocks"] if config["gpu_state_blocks"] != "auto" else 0
-        if staged > len(blocks) - held:
-            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but "
-                             f"{len(blocks) - held} blocks are left after those whose state is "
-                             "in VRAM (gpu_state_blocks)")
-        asked_streaming = paging is not None and not paging.weights_auto
-        streamed = sorted(set(paging.paged) & set(staged_block_indices(len(blocks), held, staged))
-                          ) if asked_streaming else []
+            raise ValueError(f"trainstream.wrap: {option}={count}: {refusal}")
+        if count > room:
+            raise ValueError(f"trainstream.wrap: {option}={count} but {too_many}")
+        streamed = sorted(asked_streaming & set(indices))
         if streamed:
-            raise ValueError(f"trainstream.wrap: staged_state_blocks={staged} but blocks "
-                             f"{streamed} stream their weights (param_offload): a staged block "
-                             "keeps its weights in VRAM")
-    asked = config["gpu_state_blocks"]
-    if asked in ("auto", 0):
-        return
-    refusal = offload.gpu_state_refusal()
-    if refusal is not None:
-        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked}: {refusal}")
-    blocks = _block_stack(model, config, paging)
-    if asked > len(blocks):
-        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but the model has "
-                         f"{len(blocks)} blocks")
-    # Blocks streamed because param_offload asked (those the plan streamed at wrap() for the
-    # probe come back when the state moves: it never streams blocks whose state is in VRAM).
-    streamed = sorted(set(paging.paged) & set(range(asked))) if (
-        paging is not None and not paging.weights_auto) else []
-    if streamed:
-        raise ValueError(f"trainstream.wrap: gpu_state_blocks={asked} but blocks {streamed} "
-                         "stream their weights (param_offload): a block updated in VRAM keeps "
-                         "its weights there")
+            raise ValueError(f"trainstream.wrap: {option}={count} but blocks {streamed} stream "
+                             f"their weights (param_offload): {keeps}")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
