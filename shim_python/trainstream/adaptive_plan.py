@@ -51,7 +51,7 @@ class AdaptivePlan:
                  set_gpu_state: Callable[[int, int], tuple] | None = None,
                  host_pass: Callable[[], tuple] | None = None,
                  other_trainable: int = 0, update_transfer: tuple = (4, 4),
-                 staged_state: object = 0, staged_vram: int = 384 << 20,
+                 staged_state: object = 0, staged_vram: int = 768 << 20,
                  staged_grad_bytes: int = 0):
         self.blocks = blocks
         self.pager = pager

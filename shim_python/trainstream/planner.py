@@ -69,7 +69,7 @@ class PlanInputs:
     # instead of gradient and weight. "auto", or that many blocks (0: none).
     staged_state: object = 0
     staged_transfer: tuple = (8, 8)  # per element staged: bytes to, from the GPU
-    staged_vram: int = 384 << 20     # the staging slots (staged_adamw.slots_bytes())
+    staged_vram: int = 768 << 20     # the staging slots (staged_adamw.slots_bytes())
     staged_grad_bytes: int = 0       # VRAM per element staged: its gradient until the last
                                      # micro-step (4 with gradient accumulation, else 0)
     # Host memory traffic per element, in units of the host pass's own (which reads weight,

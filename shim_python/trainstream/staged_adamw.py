@@ -11,9 +11,12 @@ fp32 moments) and costs the host nothing; its weight and gradient never leave VR
 
 A chunk's gradients are copied into its slot on the stream that made them, so they are free at
 once and VRAM holds only the slots; that stream waits (on the GPU, never the CPU) for a slot
-to come free, which paces backward to PCIe when the link is what binds. Two copy streams take
-the slots in turn: one chunk's moments go up while another's come down. The optimizer's
-step() makes the compute stream wait for both."""
+to come free, which paces backward to PCIe when the link is what binds. Each direction has its
+own stream, so neither copy engine queues behind the other: the up stream loads a chunk's
+moments as soon as its slot is free, before backward has made its gradient, and the down
+stream updates each chunk once both have arrived and sends its moments back. Eight slots let
+the up stream run a block's worth of chunks ahead while the compute stream makes the next
+block's gradients. The optimizer's step() makes the compute stream wait for both."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 # Elements per chunk, and chunks in flight: a slot holds a chunk's gradient and both moments.
 SLOT_ELEMENTS = 8 << 20
-SLOTS = 4
+SLOTS = 8
 
 
 def slots_bytes(slot_elements: int = SLOT_ELEMENTS, slots: int = SLOTS) -> int:
@@ -50,7 +53,8 @@ class StagedAdamW:
         self._update = torch._fused_adamw_ if kind == "adamw" else torch._fused_adam_
         self._device = device
         self._slot_elements = int(slot_elements)
-        self._streams = [torch.cuda.Stream(device) for _ in range(2)]
+        self._up = torch.cuda.Stream(device)    # moments to the GPU
+        self._down = torch.cuda.Stream(device)  # the update, and moments back
         self._slot_count = int(slots)
         self._slots: list[torch.Tensor] = []  # made at the first chunk
         self._free: list = [None] * self._slot_count  # each slot's last use, as an event
@@ -106,10 +110,25 @@ class StagedAdamW:
                                        device=self._device) for _ in range(self._slot_count)]
         k = self._turn
         self._turn = (k + 1) % self._slot_count
-        slot, stream = self._slots[k], self._streams[k % 2]
-        size = self._slot_elements
-        if self._free[k] is not None:
-            producer.wait_event(self._free[k])  # the slot's last chunk has gone back
+        slot, size = self._slots[k], self._slot_elements
+        offsets, offset = [], 0
+        for piece in pieces:
+            offsets.append(offset)
+            offset += piece.weight.numel()
+        avgs = [slot[o:o + piece.weight.numel()] for o, piece in zip(offsets, pieces)]
+        avg_sqs = [slot[size + o:size + o + piece.weight.numel()]
+                   for o, piece in zip(offsets, pieces)]
+        grads = [slot[2 * size + o:2 * size + o + piece.weight.numel()]
+                 for o, piece in zip(offsets, pieces)]
+        if self._free[k] is not None:  # the slot's last chunk has gone back
+            self._up.wait_event(self._free[k])
+            producer.wait_event(self._free[k])
+        with torch.cuda.stream(self._up):
+            for piece, avg, avg_sq in zip(pieces, avgs, avg_sqs):
+                avg.copy_(piece.exp_avg, non_blocking=True)
+                avg_sq.copy_(piece.exp_avg_sq, non_blocking=True)
+            loaded = torch.cuda.Event()
+            loaded.record(self._up)
         # A gradient another stream made (a backward on a side stream) is read after it, and
         # its memory kept until the copy below has read it.
         for made_on in {piece.made_on for piece in pieces} - {producer}:
@@ -117,21 +136,12 @@ class StagedAdamW:
         for piece in pieces:
             if piece.made_on != producer:
                 piece.grad.record_stream(producer)
-        grads, avgs, avg_sqs, offset = [], [], [], 0
         with torch.cuda.stream(producer):
-            for piece in pieces:
-                n = piece.weight.numel()
-                grad = slot[2 * size + offset:2 * size + offset + n]
+            for piece, grad in zip(pieces, grads):
                 grad.copy_(piece.grad)
-                grads.append(grad)
-                avgs.append(slot[offset:offset + n])
-                avg_sqs.append(slot[size + offset:size + offset + n])
-                offset += n
-        stream.wait_stream(producer)
-        with torch.cuda.stream(stream):
-            for piece, avg, avg_sq in zip(pieces, avgs, avg_sqs):
-                avg.copy_(piece.exp_avg, non_blocking=True)
-                avg_sq.copy_(piece.exp_avg_sq, non_blocking=True)
+        self._down.wait_event(loaded)
+        self._down.wait_stream(producer)
+        with torch.cuda.stream(self._down):
             by_hyper: dict[tuple, list[int]] = {}
             for j, piece in enumerate(pieces):
                 by_hyper.setdefault(piece.hyper, []).append(j)
@@ -146,18 +156,20 @@ class StagedAdamW:
                 piece.exp_avg.copy_(avg, non_blocking=True)
                 piece.exp_avg_sq.copy_(avg_sq, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(stream)
+            done.record(self._down)
         self._free[k] = done
         self.chunks += 1
         self.bytes_each_way += 8 * offset
 
     def join(self, consumer: torch.cuda.Stream) -> None:
         """``consumer``'s later work (the next forward) waits for every queued update."""
-        for stream in self._streams:
-            consumer.wait_stream(stream)
+        consumer.wait_stream(self._down)
+        # The next step's loads read what this step's updates send back: the up stream, which
+        # otherwise waits only for its slot, waits for all of them.
+        self._up.wait_stream(self._down)
 
     def synchronize(self) -> None:
         """Blocks until every queued update and copy has finished (the host's moments are
         current then)."""
-        for stream in self._streams:
-            stream.synchronize()
+        self._up.synchronize()
+        self._down.synchronize()

@@ -236,7 +236,7 @@ def test_asked_staging_takes_its_slots_and_the_blocks_after_the_vram_held_ones()
     none = plan_memory(_host_bound(vram=40 * GiB, host=200 * GiB, gpu_state=1))
     assert (two.gpu_state_blocks, two.staged_blocks) == (1, 2)
     assert two.staged_elements == 2 * GiB // 4
-    assert two.vram_bytes - none.vram_bytes == 384 << 20  # the staging slots only
+    assert two.vram_bytes - none.vram_bytes == 768 << 20  # the staging slots only
     assert two.step_s["d2h"] - none.step_s["d2h"] == pytest.approx(
         4 * two.staged_elements / 50e9)
 
