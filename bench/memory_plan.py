@@ -12,7 +12,7 @@ one run, each configuration in a fresh process:
 Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
 block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU),
 ``wrap_depth2`` (as ``wrap``, with ``prefetch_depth=2``: asked for by ``--modes``),
-``wrap_staged`` (as ``wrap``, with ``staged_state_blocks="auto"``: asked for by ``--modes``) and,
+``wrap_unstaged`` (as ``wrap``, with ``staged_state_blocks=0``: asked for by ``--modes``) and,
 for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights resident, no
 optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
 Qwen shape in bf16.
@@ -114,16 +114,16 @@ def worker(mode: str, case: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
             # wrap_paged: every block streams its weights (the plan would rather not);
-            # wrap_depth2: two streamed blocks fetched ahead instead of one; wrap_staged: the
-            # plan may stage moments through the GPU.
+            # wrap_depth2: two streamed blocks fetched ahead instead of one; wrap_unstaged: the
+            # plan never stages moments through the GPU.
             options = (dict(param_offload=True) if mode == "wrap_paged" else
                        dict(prefetch_depth=2) if mode == "wrap_depth2" else
-                       dict(staged_state_blocks="auto") if mode == "wrap_staged" else {})
+                       dict(staged_state_blocks=0) if mode == "wrap_unstaged" else {})
             model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", **options)
             row["wrap_s"] = round(time.perf_counter() - began, 1)
             session = model._trainstream_session
             s = 0
-            while session.adapting and s < 12:
+            while session.adapting and s < 30:
                 loss(s).backward()
                 opt.step()
                 opt.zero_grad()
@@ -266,7 +266,8 @@ def _plan_summary(model, opt) -> dict:
                                       "client.plan.settled", "client.plan.measured",
                                       "client.plan.watchdog", "client.plan.settling",
                                       "client.plan.remeasured", "client.plan.limit",
-                                      "client.plan.kept", "client.plan.gpu_state")]}
+                                      "client.plan.kept", "client.plan.gpu_state",
+                                      "client.plan.staging_trial")]}
 
 
 def main() -> None:
@@ -333,7 +334,7 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
         else:
             text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
         print(f"  {mode:8s} {text}")
-    for mode in ("wrap", "wrap_paged", "wrap_depth2", "wrap_staged"):
+    for mode in ("wrap", "wrap_paged", "wrap_depth2", "wrap_unstaged"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)
     for mode, row in rows.items():

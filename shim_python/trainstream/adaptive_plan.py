@@ -15,6 +15,7 @@ has left (other jobs' plans taken off).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,8 @@ from .planner import (BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_
 _SETTLE_STEPS = 2
 # A later step's peak may exceed the budget by this share before the watchdog re-plans.
 _WATCHDOG_SLACK = 0.02
+# Settled steps timed on each side of the staging trial (the fastest of them counts).
+_TRIAL_STEPS = 3
 
 
 class AdaptivePlan:
@@ -93,6 +96,12 @@ class AdaptivePlan:
         # "auto", or a number of blocks staged through the GPU (planner.PlanInputs); only
         # where state may move at all.
         self._staged_option = staged_state if set_gpu_state is not None else 0
+        # Staging the planner chose ("auto") is kept only if it measures faster: the settled
+        # steps are timed with it, then without, and the faster plan stays (the planner's model
+        # of a step cannot see how the staged copies and backward slow each other).
+        self._trial: dict | None = None  # each side's step times while the trial runs
+        self._trial_done = False
+        self._last_step_end = 0.0
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -203,6 +212,7 @@ class AdaptivePlan:
             self._plan_from_probe()
             return
         self.steps_since_plan += 1
+        step_s = self._timed_step()
         if self._measure_next is not None and self._measured_again():
             return
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
@@ -232,7 +242,8 @@ class AdaptivePlan:
                       "a block again in the next step to plan again", peak_bytes=peak,
                       budget_bytes=self.budget)
             self._start_measuring("watchdog")
-        elif self.adapting and self.steps_since_plan >= _SETTLE_STEPS:
+        elif (self.adapting and self.steps_since_plan >= _SETTLE_STEPS
+              and not self._staging_trial(step_s)):
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
@@ -242,6 +253,69 @@ class AdaptivePlan:
             # Each settling step is read alone; once settled the counter is the user's again
             # and the watchdog reads the peak since then (it only grows).
             self._reset_peak()
+
+    # -- the staging trial ----------------------------------------------------------------------
+
+    def _trial_due(self) -> bool:
+        return (self.cuda and not self._trial_done and self._staged_option == "auto"
+                and (self.staged_blocks > 0 or self._trial is not None))
+
+    def _timed_step(self) -> float | None:
+        """While the staging trial may run: the step that just ended, in seconds, with the GPU
+        synchronized at both ends (None otherwise, or for the first such step)."""
+        if not self._trial_due():
+            self._last_step_end = 0.0
+            return None
+        torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        last, self._last_step_end = self._last_step_end, now
+        return now - last if last else None
+
+    def _staging_trial(self, step_s: float | None) -> bool:
+        """Called on each settled step; runs the trial of the staging "auto" chose and returns
+        True while it does (the plan is not settled until it has decided)."""
+        if not self._trial_due():
+            return False
+        if self._trial is None:
+            self._trial = {"staged": [], "unstaged": [], "blocks": self.staged_blocks}
+        side = "staged" if self._staged_option == "auto" and self.staged_blocks else "unstaged"
+        if step_s is not None:
+            self._trial[side].append(step_s)
+        if len(self._trial[side]) < _TRIAL_STEPS:
+            return True
+        if side == "staged":
+            self._say("plan.staging_trial",
+                      f"staging measured: {1e3 * min(self._trial['staged']):.1f} ms a step with "
+                      f"{self.staged_blocks} blocks' moments staged through the GPU; now the "
+                      "plan without staging, to compare", step_ms=1e3 * min(self._trial["staged"]),
+                      staged_blocks=self.staged_blocks)
+            self._switch_staging(0)
+            return True
+        staged_s, unstaged_s = min(self._trial["staged"]), min(self._trial["unstaged"])
+        blocks = self._trial["blocks"]
+        self._trial, self._trial_done = None, True
+        keep = staged_s < unstaged_s
+        self._say("plan.staging_trial",
+                  f"staging {'kept' if keep else 'dropped'}: {1e3 * staged_s:.1f} ms a step "
+                  f"with {blocks} blocks' moments staged through the GPU, "
+                  f"{1e3 * unstaged_s:.1f} ms without", staged_ms=1e3 * staged_s,
+                  unstaged_ms=1e3 * unstaged_s, kept=float(keep))
+        if not keep:
+            return False  # the plan without staging runs, settled
+        self._switch_staging("auto")
+        return True
+
+    def _switch_staging(self, option: object) -> None:
+        """Plans again with the staged option ``option`` and applies the plan; a plan that
+        cannot be made or applied ends the trial with the plan that runs now."""
+        before = self._staged_option
+        self._staged_option = option
+        try:
+            self._replan()
+        except Exception:
+            self._staged_option = before if self.staged_blocks else 0
+            self._trial, self._trial_done = None, True
+            raise
 
     def _start_measuring(self, reason: str) -> None:
         self.pager.measured.pop(self.probe_block, None)

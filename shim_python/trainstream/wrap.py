@@ -62,9 +62,9 @@ _ACCEPTED = {
     "quant_block_size": "0 (the format's default) or an even number of values per scale",
     "gpu_state_blocks": "'auto', or an integer >= 0: the first N blocks, and the parameters "
                         "outside the stack, keep their AdamW state in VRAM (0: none)",
-    "staged_state_blocks": "0, 'auto', or an integer >= 0: that many of the blocks after those "
+    "staged_state_blocks": "'auto', or an integer >= 0: that many of the blocks after those "
                            "are updated on the GPU with their moments staged from the "
-                           "daemon's memory",
+                           "daemon's memory (0: none)",
 }
 
 
@@ -241,7 +241,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
-              "gpu_state_blocks": "auto", "staged_state_blocks": 0}
+              "gpu_state_blocks": "auto", "staged_state_blocks": "auto"}
     config.update(options)
     events: list = []
 

@@ -633,6 +633,51 @@ def test_optimizer_state_in_vram_checkpoints_and_moves_back(daemon_socket, tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemon,
+                                                                       monkeypatch):
+    # A host-bound run (one optimizer thread) whose first block's state is held in VRAM: the
+    # planner stages the others' moments through the GPU, and the settled steps are then
+    # timed with staging and without; the faster plan stays, the events say both times, and
+    # the trajectory is stock AdamW's all along.
+    daemon = start_daemon("--memory_budget=2G", "--threads=1", "--lease_ms=1500")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    torch.manual_seed(16)
+    ref = TinyGPT(dim=512, heads=8, layers=4).to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
+                                 offload=True, gpu_state_blocks=1)
+    session = ours._trainstream_session
+    staged_at = []
+    for step in range(40):
+        train(ref, ref_opt, 1, start=step)
+        train(ours, opt, 1, start=step)
+        staged_at.append(session.plan.staged_blocks)
+        if not session.plan.adapting:
+            break
+    assert not session.plan.adapting
+    assert staged_at[0] == 0 and max(staged_at) >= 1  # the probe's plan staged some blocks
+    trial = [e for e in trainstream.memory_report(ours)["events"]
+             if e["kind"] == "client.plan.staging_trial"]
+    assert len(trial) == 2, trial
+    assert trial[0]["message"].startswith("staging measured: ")
+    staged_ms, unstaged_ms = (trial[1]["numbers"][k] for k in ("staged_ms", "unstaged_ms"))
+    assert staged_ms > 0 and unstaged_ms > 0
+    kept = staged_ms < unstaged_ms
+    assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
+    assert (session.plan.staged_blocks > 0) == kept
+    assert (opt.stats()["staged_state"]["tensors"] > 0) == kept
+    assert max_diff(ref, ours) <= 1e-5
+    # Decided once: later steps neither time nor switch again.
+    train(ref, ref_opt, 3, start=40)
+    train(ours, opt, 3, start=40)
+    assert len([e for e in trainstream.memory_report(ours)["events"]
+                if e["kind"] == "client.plan.staging_trial"]) == 2
+    assert max_diff(ref, ours) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_host_bound_run_moves_optimizer_state_to_vram_by_itself(start_daemon, monkeypatch):
     # One optimizer thread and wide blocks under a tiny batch: the host's AdamW pass over 13M
     # parameters takes longer than the step's compute, and VRAM has room, so the plan made
