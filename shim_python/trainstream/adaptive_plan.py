@@ -257,8 +257,8 @@ class AdaptivePlan:
     # -- the staging trial ----------------------------------------------------------------------
 
     def _trial_due(self) -> bool:
-        return (self.cuda and not self._trial_done and self._staged_option == "auto"
-                and (self.staged_blocks > 0 or self._trial is not None))
+        return self.cuda and not self._trial_done and (
+            self._trial is not None or (self._staged_option == "auto" and self.staged_blocks > 0))
 
     def _timed_step(self) -> float | None:
         """While the staging trial may run: the step that just ended, in seconds, with the GPU

@@ -656,7 +656,7 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
         if not session.plan.adapting:
             break
     assert not session.plan.adapting
-    assert staged_at[0] == 0 and max(staged_at) >= 1  # the probe's plan staged some blocks
+    assert max(staged_at) >= 1  # the probe's plan staged some blocks
     trial = [e for e in trainstream.memory_report(ours)["events"]
              if e["kind"] == "client.plan.staging_trial"]
     assert len(trial) == 2, trial
