@@ -119,7 +119,10 @@ def worker(mode: str, case: dict) -> dict:
             options = (dict(param_offload=True) if mode == "wrap_paged" else
                        dict(prefetch_depth=2) if mode == "wrap_depth2" else
                        dict(staged_state_blocks=0) if mode == "wrap_unstaged" else {})
-            model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", **options)
+            # Named, so that this job's host memory is read apart from earlier cases' (the
+            # daemon keeps an ended job's state a while for a restarted process).
+            job = f"memory-plan-{case['preset']}-{case['batch']}x{case['seq']}-{mode}"
+            model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", job_id=job, **options)
             row["wrap_s"] = round(time.perf_counter() - began, 1)
             session = model._trainstream_session
             s = 0
@@ -251,8 +254,8 @@ def _plan_summary(model, opt) -> dict:
             "inflight_waits": report["activations"]["inflight_waits"],
             "recomputed_blocks": policy.count("recompute"),
             "block_forward_s": plan.get("measured", {}).get("forward_s", 0.0),
-            # The bench's private daemon serves this one job.
-            "host_job_bytes": sum(int(j.get("used_bytes", 0)) for j in memory.get("plans", [])),
+            "host_job_bytes": sum(int(j.get("used_bytes", 0)) for j in memory.get("plans", [])
+                                  if j.get("job_id") == session.config["job_id"]),
             "host_update_s": round(float(last.get("update_seconds", 0)) / threads, 4),
             "runs_on": stats.get("runs_on"),
             # Elements whose AdamW state lives in VRAM, updated there (the planner's choice).
