@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory plan at run time: a probe step measures one block, the planner decides from the
 measurements, the decision is applied between steps, the next step measures the block again
-warm, the steps after confirm or correct the plan from their peaks, and a watchdog has the block
+warm, the steps after confirm or correct the plan from their peaks, staging the planner chose
+is timed against the same plan without it (the faster stays), and a watchdog has the block
 measured again when a later step grows.
 
 The probe step is safe for VRAM and host memory alike: every block but the measured one either
