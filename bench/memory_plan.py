@@ -24,7 +24,7 @@ the host memory the daemon holds for the job, and the bytes that crossed PCIe ea
 step (paged weights fetched, activations out and back, gradients out, updated weights back);
 the lower bound is max(GPU compute, host-to-device bytes / measured bandwidth, device-to-host
 bytes / measured bandwidth, bytes both ways / the bandwidth measured with both ways copying at
-once), compute being the stock step's forward and backward, plus the
+once: the link and host memory cap what both directions move together), compute being the stock step's forward and backward, plus the
 recomputed blocks' extra forwards as the plan chose them. Full fine-tunes have one more floor:
 the host optimizer's pass over every parameter (memory bandwidth), printed beside it.
 
@@ -336,7 +336,7 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
             text = "failed: " + (row.get("stderr", "").strip().splitlines() or ["?"])[-1][:160]
         else:
             text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
-        print(f"  {mode:8s} {text}")
+        print(f"  {mode:13s} {text}")
     for mode in ("wrap", "wrap_paged", "wrap_depth2", "wrap_unstaged"):
         if "step_s" in rows.get(mode, {}):
             _bound(mode, rows[mode], rows, bandwidth)

@@ -28,7 +28,7 @@ from .planner import (BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_
 _SETTLE_STEPS = 2
 # A later step's peak may exceed the budget by this share before the watchdog re-plans.
 _WATCHDOG_SLACK = 0.02
-# Settled steps timed on each side of the staging trial (the fastest of them counts).
+# Settled steps timed together on each side of the staging trial.
 _TRIAL_STEPS = 3
 
 
@@ -100,9 +100,9 @@ class AdaptivePlan:
         # Staging the planner chose ("auto") is kept only if it measures faster: the settled
         # steps are timed with it, then without, and the faster plan stays (the planner's model
         # of a step cannot see how the staged copies and backward slow each other).
-        self._trial: dict | None = None  # each side's step times while the trial runs
+        self._trial: dict | None = None  # the side being timed, and each side's step time
         self._trial_done = False
-        self._last_step_end = 0.0
+        self._plans_applied = 0  # a plan applied mid-window restarts that side's timing
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -204,6 +204,7 @@ class AdaptivePlan:
         except Exception as e:  # noqa: BLE001 - training goes on; the reason is reported
             self.adapting = False
             self.steps_since_plan = max(self.steps_since_plan, 0)
+            self._trial, self._trial_done = None, True  # no trial of a plan that failed
             self._say("plan.limit", f"the plan stays as it runs now: {e}")
             if self.cuda:
                 self._reset_peak()
@@ -213,7 +214,6 @@ class AdaptivePlan:
             self._plan_from_probe()
             return
         self.steps_since_plan += 1
-        step_s = self._timed_step()
         if self._measure_next is not None and self._measured_again():
             return
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
@@ -244,7 +244,7 @@ class AdaptivePlan:
                       budget_bytes=self.budget)
             self._start_measuring("watchdog")
         elif (self.adapting and self.steps_since_plan >= _SETTLE_STEPS
-              and not self._staging_trial(step_s)):
+              and not self._staging_trial()):
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
@@ -258,61 +258,75 @@ class AdaptivePlan:
     # -- the staging trial ----------------------------------------------------------------------
 
     def _trial_due(self) -> bool:
-        return self.cuda and not self._trial_done and (
+        return self.cuda and self.adapting and not self._trial_done and (
             self._trial is not None or (self._staged_option == "auto" and self.staged_blocks > 0))
 
-    def _timed_step(self) -> float | None:
-        """While the staging trial may run: the step that just ended, in seconds, with the GPU
-        synchronized at both ends (None otherwise, or for the first such step)."""
-        if not self._trial_due():
-            self._last_step_end = 0.0
-            return None
-        torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        last, self._last_step_end = self._last_step_end, now
-        return now - last if last else None
-
-    def _staging_trial(self, step_s: float | None) -> bool:
+    def _staging_trial(self) -> bool:
         """Called on each settled step; runs the trial of the staging "auto" chose and returns
-        True while it does (the plan is not settled until it has decided)."""
+        True while it does (the plan is not settled until it has decided). Each side is timed
+        over _TRIAL_STEPS steps with the GPU synchronized at the window's ends only, so that
+        neither side loses the overlap of one step's tail with the next forward."""
         if not self._trial_due():
             return False
-        if self._trial is None:
-            self._trial = {"staged": [], "unstaged": [], "blocks": self.staged_blocks}
-        side = "staged" if self._staged_option == "auto" and self.staged_blocks else "unstaged"
-        if step_s is not None:
-            self._trial[side].append(step_s)
-        if len(self._trial[side]) < _TRIAL_STEPS:
+        trial = self._trial
+        if trial is None:
+            trial = self._trial = {"side": "staged", "start": None}
+        if trial["side"] == "staged" and not self.staged_blocks:
+            # A settling re-plan staged nothing after all: there is nothing to compare.
+            self._trial, self._trial_done = None, True
+            return False
+        if trial["start"] is None or trial["serial"] != self._plans_applied:
+            torch.cuda.synchronize(self.device)
+            trial.update(start=time.perf_counter(), steps=0, serial=self._plans_applied)
+            if trial["side"] == "staged":
+                trial["blocks"] = self.staged_blocks
             return True
-        if side == "staged":
+        trial["steps"] += 1
+        if trial["steps"] < _TRIAL_STEPS:
+            return True
+        torch.cuda.synchronize(self.device)
+        trial[trial["side"]] = (time.perf_counter() - trial["start"]) / trial["steps"]
+        trial["start"] = None
+        if trial["side"] == "staged":
             self._say("plan.staging_trial",
-                      f"staging measured: {1e3 * min(self._trial['staged']):.1f} ms a step with "
-                      f"{self.staged_blocks} blocks' moments staged through the GPU; now the "
-                      "plan without staging, to compare", step_ms=1e3 * min(self._trial["staged"]),
-                      staged_blocks=self.staged_blocks)
+                      f"staging measured: {1e3 * trial['staged']:.1f} ms a step with "
+                      f"{trial['blocks']} blocks' moments staged through the GPU; now the plan "
+                      "without staging, to compare", step_ms=1e3 * trial["staged"],
+                      staged_blocks=trial["blocks"])
+            trial["side"] = "unstaged"
             self._switch_staging(0)
             return True
-        staged_s, unstaged_s = min(self._trial["staged"]), min(self._trial["unstaged"])
-        blocks = self._trial["blocks"]
+        staged_s, unstaged_s, blocks = trial["staged"], trial["unstaged"], trial["blocks"]
         self._trial, self._trial_done = None, True
-        keep = staged_s < unstaged_s
-        self._say("plan.staging_trial",
-                  f"staging {'kept' if keep else 'dropped'}: {1e3 * staged_s:.1f} ms a step "
-                  f"with {blocks} blocks' moments staged through the GPU, "
-                  f"{1e3 * unstaged_s:.1f} ms without", staged_ms=1e3 * staged_s,
-                  unstaged_ms=1e3 * unstaged_s, kept=float(keep))
-        if not keep:
+        times = (f"{1e3 * staged_s:.1f} ms a step with {blocks} blocks' moments staged "
+                 f"through the GPU, {1e3 * unstaged_s:.1f} ms without")
+        numbers = dict(staged_ms=1e3 * staged_s, unstaged_ms=1e3 * unstaged_s)
+        if staged_s >= unstaged_s:
+            self._say("plan.staging_trial", f"staging dropped: {times}", kept=0.0, **numbers)
             return False  # the plan without staging runs, settled
-        self._switch_staging("auto")
+        # The plan that was timed: as many staged blocks, and back to "auto" for later
+        # re-plans; or "auto" now if that many no longer fit.
+        try:
+            self._switch_staging(blocks)
+        except MemoryPlanError:
+            self._switch_staging("auto")
+        self._staged_option = "auto"
+        if self.staged_blocks:
+            self._say("plan.staging_trial", f"staging kept: {times}", kept=1.0, **numbers)
+        else:
+            self._say("plan.staging_trial", f"staging measured faster ({times}), but the plan "
+                      "made again stages no block: the plan without staging runs", kept=0.0,
+                      **numbers)
         return True
 
     def _switch_staging(self, option: object) -> None:
-        """Plans again with the staged option ``option`` and applies the plan; a plan that
-        cannot be made or applied ends the trial with the plan that runs now."""
+        """Plans again, as the probe's plan was made (streamed blocks may come back), with the
+        staged option ``option``, and applies the plan. A plan that cannot be made or applied
+        ends the trial with the plan that runs now."""
         before = self._staged_option
         self._staged_option = option
         try:
-            self._replan()
+            self._replan(fresh=True)
         except Exception:
             self._staged_option = before if self.staged_blocks else 0
             self._trial, self._trial_done = None, True
@@ -408,7 +422,7 @@ class AdaptivePlan:
         self.measured["host_pass_s"] = seconds
         return rate
 
-    def _replan(self) -> bool:
+    def _replan(self, fresh: bool = False) -> bool:
         """Plans from the measurements and applies the plan when it differs from the one that
         runs; returns whether it did. The same plan again leaves the settling count as it is:
         a measurement that moves no decision is no reason to watch more steps."""
@@ -434,9 +448,10 @@ class AdaptivePlan:
             activation_offload="auto", prefetch_depth=self._depth,
             block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,
             transfer_bytes=self._transfer_bytes(),
-            # Settling and the watchdog only add streamed blocks; the probe's plan may also
-            # take back those wrap() streamed to make room for the probe.
-            paged_already=tuple(self.pager.paged) if self.steps_since_plan >= 0 else ())
+            # Settling and the watchdog only add streamed blocks; the probe's plan (and the
+            # staging trial's, ``fresh``) may also take back those streamed before.
+            paged_already=(tuple(self.pager.paged) if self.steps_since_plan >= 0 and not fresh
+                           else ()))
         plan = plan_memory(inputs)
         if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
                 and plan.activation_policy == self.plan.activation_policy
@@ -490,6 +505,7 @@ class AdaptivePlan:
                   offloaded_blocks=len(offload), recomputed_blocks=len(again))
         self.steps_since_plan = 0
         self.adapting = True
+        self._plans_applied += 1
         return True
 
     def state_left_vram(self) -> None:

@@ -170,6 +170,7 @@ class StagedAdamW:
 
     def synchronize(self) -> None:
         """Blocks until every queued update and copy has finished (the host's moments are
-        current then)."""
+        current then). Pieces added but not flushed are not started: the optimizer flushes at
+        the end of every backward, before anything reads the host's moments."""
         self._up.synchronize()
         self._down.synchronize()

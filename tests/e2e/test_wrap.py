@@ -77,6 +77,21 @@ def scheduled_twins(seed, accumulation, **options):
     return ref, ref_opt, ref_sched, ours, opt, sched
 
 
+def host_bound_twins(start_daemon, monkeypatch, seed, **options):
+    """A wide TinyGPT on CUDA twice, the copy wrapped (``options`` go to wrap()) against a
+    daemon with one optimizer thread, whose host pass is then slower than the step's compute:
+    (model, its torch AdamW, the wrapped copy, its optimizer)."""
+    daemon = start_daemon("--memory_budget=2G", "--threads=1", "--lease_ms=1500")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    torch.manual_seed(seed)
+    ref = TinyGPT(dim=512, heads=8, layers=4).to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
+                                 offload=True, **options)
+    return ref, ref_opt, ours, opt
+
+
 @pytest.fixture
 def daemon_socket(daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
@@ -639,30 +654,30 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
     # planner stages the others' moments through the GPU, and the settled steps are then
     # timed with staging and without; the faster plan stays, the events say both times, and
     # the trajectory is stock AdamW's all along.
-    daemon = start_daemon("--memory_budget=2G", "--threads=1", "--lease_ms=1500")
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    torch.manual_seed(16)
-    ref = TinyGPT(dim=512, heads=8, layers=4).to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
-                                 offload=True, gpu_state_blocks=1)
+    ref, ref_opt, ours, opt = host_bound_twins(start_daemon, monkeypatch, 16,
+                                               gpu_state_blocks=1)
     session = ours._trainstream_session
-    staged_at = []
+    staged_at, chunks_at = [], []
     for step in range(40):
         train(ref, ref_opt, 1, start=step)
         train(ours, opt, 1, start=step)
         staged_at.append(session.plan.staged_blocks)
+        chunks_at.append(opt.stats()["staged_state"]["chunks"])
         if not session.plan.adapting:
             break
     assert not session.plan.adapting
-    assert max(staged_at) >= 1  # the probe's plan staged some blocks
+    first = next(i for i, n in enumerate(staged_at) if n)  # the probe's plan staged blocks
+    # The side without staging ran for a while (settling, then timed), staging no chunk.
+    unstaged = [i for i in range(first, len(staged_at)) if staged_at[i] == 0]
+    assert len(unstaged) >= 3
+    assert chunks_at[unstaged[-1]] == chunks_at[unstaged[0]]
     trial = [e for e in trainstream.memory_report(ours)["events"]
              if e["kind"] == "client.plan.staging_trial"]
     assert len(trial) == 2, trial
     assert trial[0]["message"].startswith("staging measured: ")
     staged_ms, unstaged_ms = (trial[1]["numbers"][k] for k in ("staged_ms", "unstaged_ms"))
     assert staged_ms > 0 and unstaged_ms > 0
+    assert trial[0]["numbers"]["step_ms"] == pytest.approx(staged_ms)
     kept = staged_ms < unstaged_ms
     assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
     assert (session.plan.staged_blocks > 0) == kept
@@ -683,14 +698,7 @@ def test_a_host_bound_run_moves_optimizer_state_to_vram_by_itself(start_daemon, 
     # parameters takes longer than the step's compute, and VRAM has room, so the plan made
     # after the probe step keeps state in VRAM on its own, says so, and the trajectory stays
     # stock AdamW's.
-    daemon = start_daemon("--memory_budget=2G", "--threads=1", "--lease_ms=1500")
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    torch.manual_seed(15)
-    ref = TinyGPT(dim=512, heads=8, layers=4).to("cuda")
-    ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
-                                 offload=True)
+    ref, ref_opt, ours, opt = host_bound_twins(start_daemon, monkeypatch, 15)
     train(ref, ref_opt, 4)
     train(ours, opt, 4)
     report = trainstream.memory_report(ours)
