@@ -24,9 +24,10 @@ the host memory the daemon holds for the job, and the bytes that crossed PCIe ea
 step (paged weights fetched, activations out and back, gradients out, updated weights back);
 the lower bound is max(GPU compute, host-to-device bytes / measured bandwidth, device-to-host
 bytes / measured bandwidth, bytes both ways / the bandwidth measured with both ways copying at
-once: the link and host memory cap what both directions move together), compute being the stock step's forward and backward, plus the
-recomputed blocks' extra forwards as the plan chose them. Full fine-tunes have one more floor:
-the host optimizer's pass over every parameter (memory bandwidth), printed beside it.
+once: the link and host memory cap what both directions move together), compute being the
+stock step's forward and backward, plus the recomputed blocks' extra forwards as the plan
+chose them. Full fine-tunes have one more floor: the host optimizer's pass over every
+parameter (memory bandwidth), printed beside it.
 
 With ``--trace DIR``, each mode then profiles two more steps (torch.profiler) into
 DIR/PRESET_BATCHxSEQ_MODE.json.gz and prints where their time went (see step_trace.py): the
