@@ -63,8 +63,8 @@ def median_step_s(step: Callable[[], None], steps: int) -> float:
 
 def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
     """Median pinned copy bandwidth, GB/s, with torch's own pinned tensors: each way alone, and
-    each way while the other runs too (``both_*``: two streams, one copy each way at once),
-    which is what a step that moves bytes both ways at the same time can hope for."""
+    each way while the other runs too (``both_each_way_gbps``: two streams, one copy each way
+    at once), which is what a step that moves bytes both ways at the same time can hope for."""
     n = int(gib * 2**30)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -81,7 +81,7 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
     out = {}
     for name, fn in (("h2d", lambda: dev.copy_(host, non_blocking=True)),
                      ("d2h", lambda: host.copy_(dev, non_blocking=True)),
-                     ("both", both)):
+                     ("both_each_way", both)):  # n bytes went each way in that time
         fn()
         torch.cuda.synchronize()
         times = []
@@ -91,5 +91,4 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         out[f"{name}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
-    out["both_each_way_gbps"] = out.pop("both_gbps")  # n bytes went each way in that time
     return out

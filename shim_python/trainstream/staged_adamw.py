@@ -111,15 +111,13 @@ class StagedAdamW:
         k = self._turn
         self._turn = (k + 1) % self._slot_count
         slot, size = self._slots[k], self._slot_elements
-        offsets, offset = [], 0
+        avgs, avg_sqs, grads, offset = [], [], [], 0
         for piece in pieces:
-            offsets.append(offset)
-            offset += piece.weight.numel()
-        avgs = [slot[o:o + piece.weight.numel()] for o, piece in zip(offsets, pieces)]
-        avg_sqs = [slot[size + o:size + o + piece.weight.numel()]
-                   for o, piece in zip(offsets, pieces)]
-        grads = [slot[2 * size + o:2 * size + o + piece.weight.numel()]
-                 for o, piece in zip(offsets, pieces)]
+            n = piece.weight.numel()
+            avgs.append(slot[offset:offset + n])
+            avg_sqs.append(slot[size + offset:size + offset + n])
+            grads.append(slot[2 * size + offset:2 * size + offset + n])
+            offset += n
         if self._free[k] is not None:  # the slot's last chunk has gone back
             self._up.wait_event(self._free[k])
             producer.wait_event(self._free[k])
