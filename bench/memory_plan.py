@@ -12,7 +12,9 @@ one run, each configuration in a fresh process:
 Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
 block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU),
 ``wrap_depth2`` (as ``wrap``, with ``prefetch_depth=2``: asked for by ``--modes``),
-``wrap_unstaged`` (as ``wrap``, with ``staged_state_blocks=0``: asked for by ``--modes``) and,
+``wrap_unstaged`` (as ``wrap``, with ``staged_state_blocks=0``: asked for by ``--modes``),
+``wrap_staged<N>`` (as ``wrap``, with ``staged_state_blocks=N``: to time other splits of the
+update between host and GPU than the planner's) and,
 for the full fine-tunes, ``compute`` (no cap: forward and backward with the weights resident, no
 optimizer). The GPTs compute in fp32 with TF32 matmuls (every mode alike); the
 Qwen shape in bf16.
@@ -116,10 +118,12 @@ def worker(mode: str, case: dict) -> dict:
             began = time.perf_counter()
             # wrap_paged: every block streams its weights (the plan would rather not);
             # wrap_depth2: two streamed blocks fetched ahead instead of one; wrap_unstaged: the
-            # plan never stages moments through the GPU.
+            # plan never stages moments through the GPU; wrap_staged<N>: it stages N blocks'.
             options = (dict(param_offload=True) if mode == "wrap_paged" else
                        dict(prefetch_depth=2) if mode == "wrap_depth2" else
-                       dict(staged_state_blocks=0) if mode == "wrap_unstaged" else {})
+                       dict(staged_state_blocks=0) if mode == "wrap_unstaged" else
+                       dict(staged_state_blocks=int(mode[len("wrap_staged"):]))
+                       if mode.startswith("wrap_staged") else {})
             # Named, so that this job's host memory is read apart from earlier cases' (the
             # daemon keeps an ended job's state a while for a restarted process).
             job = f"memory-plan-{case['preset']}-{case['batch']}x{case['seq']}-{mode}"
@@ -338,8 +342,8 @@ def report(name: str, rows: dict, bandwidth: dict) -> None:
         else:
             text = f"{1000 * row['step_s']:.1f} ms/step, peak {row['peak_vram_gib']} GiB"
         print(f"  {mode:13s} {text}")
-    for mode in ("wrap", "wrap_paged", "wrap_depth2", "wrap_unstaged"):
-        if "step_s" in rows.get(mode, {}):
+    for mode in rows:
+        if mode.startswith("wrap") and "step_s" in rows[mode]:
             _bound(mode, rows[mode], rows, bandwidth)
     for mode, row in rows.items():
         if "cpu_phase_ms" in row:

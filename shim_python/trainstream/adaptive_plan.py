@@ -279,7 +279,7 @@ class AdaptivePlan:
             torch.cuda.synchronize(self.device)
             trial.update(start=time.perf_counter(), steps=0, serial=self._plans_applied)
             if trial["side"] == "staged":
-                trial["blocks"] = self.staged_blocks
+                trial.update(blocks=self.staged_blocks, plan=self.plan)
             return True
         trial["steps"] += 1
         if trial["steps"] < _TRIAL_STEPS:
@@ -304,19 +304,13 @@ class AdaptivePlan:
         if staged_s >= unstaged_s:
             self._say("plan.staging_trial", f"staging dropped: {times}", kept=0.0, **numbers)
             return False  # the plan without staging runs, settled
-        # The plan that was timed: as many staged blocks, and back to "auto" for later
-        # re-plans; or "auto" now if that many no longer fit.
-        try:
-            self._switch_staging(blocks)
-        except MemoryPlanError:
-            self._switch_staging("auto")
+        # The plan that was timed runs again as it was (planned afresh with as many staged
+        # blocks, the planner may place the rest otherwise: an untimed plan). Later re-plans
+        # choose the staging again ("auto").
         self._staged_option = "auto"
-        if self.staged_blocks:
-            self._say("plan.staging_trial", f"staging kept: {times}", kept=1.0, **numbers)
-        else:
-            self._say("plan.staging_trial", f"staging measured faster ({times}), but the plan "
-                      "made again stages no block: the plan without staging runs", kept=0.0,
-                      **numbers)
+        self._apply_plan(trial["plan"])
+        self._say("plan.staging_trial", f"staging kept: {times}; the plan timed with it runs "
+                  "again", kept=1.0, **numbers)
         return True
 
     def _switch_staging(self, option: object) -> None:
@@ -471,11 +465,17 @@ class AdaptivePlan:
                       f"{size(self.budget)})", vram_bytes=plan.vram_bytes,
                       budget_bytes=self.budget)
             return False
+        self._apply_plan(plan)
+        return True
+
+    def _apply_plan(self, plan: MemoryPlan) -> None:
+        """Applies ``plan`` (streamed weights, the job's host plan, activations, the optimizer
+        state's place) and starts settling it."""
         offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
         again = [b for b, p in enumerate(plan.activation_policy) if p == "recompute"]
         added = [b for b in plan.paged_blocks if b not in self.pager.position]
         removed = [b for b in self.pager.paged if b not in plan.paged_blocks]
-        host_bytes = sum(facts[b].activation_bytes for b in offload)
+        host_bytes = sum(self._facts_cache[b].activation_bytes for b in offload)
         # Weights first (streaming frozen ones adds host copies), then the job's host plan with
         # the activations' bytes, then the activation policy, whose arena is taken at the next
         # forward.
@@ -496,7 +496,7 @@ class AdaptivePlan:
             self._say("plan.decision", line)
         keep = plan.activation_policy.count("keep")
         self._say("plan.applied",
-                  f"{len(plan.paged_blocks)} of {len(facts)} blocks stream their weights; "
+                  f"{len(plan.paged_blocks)} of {len(self.blocks)} blocks stream their weights; "
                   f"activations: {keep} kept, {len(offload)} paged, {len(again)} recomputed; "
                   f"estimated peak {size(plan.vram_bytes)} of {size(self.budget)}, "
                   f"{size(plan.pcie_bytes_per_step)} over PCIe a step for paging",
@@ -506,7 +506,6 @@ class AdaptivePlan:
         self.steps_since_plan = 0
         self.adapting = True
         self._plans_applied += 1
-        return True
 
     def state_left_vram(self) -> None:
         """The optimizer moved whole to the GPU (offload='auto'): no state moves any more, and

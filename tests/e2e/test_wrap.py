@@ -652,16 +652,23 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
                                                                        monkeypatch):
     # A host-bound run (one optimizer thread) whose first block's state is held in VRAM: the
     # planner stages the others' moments through the GPU, and the settled steps are then
-    # timed with staging and without; the faster plan stays, the events say both times, and
-    # the trajectory is stock AdamW's all along.
+    # timed with staging and without; the faster plan stays (kept, the very plan timed runs
+    # again), the events say both times, and the trajectory is stock AdamW's all along.
     ref, ref_opt, ours, opt = host_bound_twins(start_daemon, monkeypatch, 16,
                                                gpu_state_blocks=1)
     session = ours._trainstream_session
-    staged_at, chunks_at = [], []
+
+    def decisions():
+        plan = session.plan
+        return (plan.gpu_state_blocks, plan.staged_blocks, tuple(plan.plan.paged_blocks),
+                tuple(plan.plan.activation_policy))
+
+    staged_at, chunks_at, plans_at = [], [], []
     for step in range(40):
         train(ref, ref_opt, 1, start=step)
         train(ours, opt, 1, start=step)
         staged_at.append(session.plan.staged_blocks)
+        plans_at.append(decisions())
         chunks_at.append(opt.stats()["staged_state"]["chunks"])
         if not session.plan.adapting:
             break
@@ -681,6 +688,9 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
     kept = staged_ms < unstaged_ms
     assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
     assert (session.plan.staged_blocks > 0) == kept
+    if kept:
+        assert decisions() == plans_at[unstaged[0] - 1]
+        assert session.plan.staged_blocks == trial[0]["numbers"]["staged_blocks"]
     assert (opt.stats()["staged_state"]["tensors"] > 0) == kept
     assert max_diff(ref, ours) <= 1e-5
     # Decided once: later steps neither time nor switch again.
