@@ -369,6 +369,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   client=client, names=names, initial=initial)
     frozen_streamed = sum(p.numel() * p.element_size() for p in
                           (paging.paged_params() if paging else ()) if not p.requires_grad)
+    chose_bf16 = ""  # why moment_dtype="auto" chose bf16 moments, if it did
 
     if config["check_memory"]:
         # Admission before anything is allocated: the whole job's host memory is planned with
@@ -387,9 +388,9 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                       topology.machines) + frozen_streamed
                 planned, moment = smaller, "bfloat16"  # what the refusal below would be about
                 client.plan_host_memory(smaller, wait_s=float(config["memory_wait_s"]))
-                events.append(("wrap.plan", f"moments in bf16: with fp32 moments this run "
-                                            f"needs {fp32_bytes / 2**30:.2f} GiB of host "
-                                            f"memory and the daemon refused ({e})"))
+                chose_bf16 = (f"with fp32 moments this run needs {fp32_bytes / 2**30:.2f} "
+                              f"GiB of host memory and the daemon refused ({e})")
+                events.append(("wrap.plan", f"moments in bf16: {chose_bf16}"))
                 kwargs["moment_dtype"] = moment
         except ResourceExhaustedError as e:
             smaller = "" if moment == "bfloat16" else (
@@ -429,9 +430,14 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
     try:
         _check_gpu_state(model, offload, config, paging)
-    except ValueError:
+    except ValueError as e:
         if offload is not optimizer:
             offload.detach()  # the model keeps no hook of an optimizer wrap() made
+        if chose_bf16 and offload._moment_dtype != torch.float32:
+            # The refusal names bf16 moments, which the user did not ask for: say why.
+            raise ValueError(f"{e}; moment_dtype='auto' chose bf16 moments: {chose_bf16}. "
+                             "Free host memory for fp32 moments, or ask for no state in "
+                             "VRAM") from None
         raise
     if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
         optimizer.state.clear()  # the moments now live in the daemon only

@@ -87,3 +87,30 @@ def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch)
     with pytest.raises(MemoryError, match="this run needs"):
         trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4), device="cpu",
                          moment_dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_state_asked_for_in_vram_under_moments_made_bf16_says_why_they_are(start_daemon,
+                                                                           monkeypatch):
+    # Blocks staged through the GPU need fp32 moments; when moment_dtype="auto" fell back to
+    # bf16 ones because the daemon refused fp32, the refusal says so, with the daemon's numbers.
+    from trainstream.wrap import _host_bytes
+
+    model = TinyGPT(dim=512, heads=8, layers=4)
+    config = {"gradient_dtype": None, "accumulation_steps": 1}
+    fp32 = _host_bytes(model, "float32", config, 1, 1)
+    bf16 = _host_bytes(model, "bfloat16", config, 1, 1)
+    d = start_daemon(f"--memory_budget={(fp32 + bf16) // 2 // MiB}M")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
+    with pytest.raises(ValueError) as refused:
+        trainstream.wrap(model.cuda(), device="cuda", staged_state_blocks=1)
+    message = str(refused.value)
+    assert "staged_state_blocks=1: bf16 moments are the daemon's" in message
+    assert "moment_dtype='auto' chose bf16 moments: with fp32 moments this run needs" in message
+    # The refused wrap() left no plan behind: the same job without staging is admitted (two
+    # bf16 plans would not fit this budget).
+    assert 2 * bf16 > (fp32 + bf16) // 2
+    model, opt = trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4).cuda(), device="cuda")
+    assert model._trainstream_session.optimizer._moment_dtype == torch.bfloat16
+    trainstream.unwrap(model)
