@@ -275,11 +275,12 @@ class AdaptivePlan:
             # A settling re-plan staged nothing after all: there is nothing to compare.
             self._trial, self._trial_done = None, True
             return False
+        if trial["side"] == "staged":
+            # The plan being timed (a re-plan of the same decisions renews its estimates).
+            trial.update(blocks=self.staged_blocks, plan=self.plan)
         if trial["start"] is None or trial["serial"] != self._plans_applied:
             torch.cuda.synchronize(self.device)
             trial.update(start=time.perf_counter(), steps=0, serial=self._plans_applied)
-            if trial["side"] == "staged":
-                trial.update(blocks=self.staged_blocks, plan=self.plan)
             return True
         trial["steps"] += 1
         if trial["steps"] < _TRIAL_STEPS:
@@ -307,8 +308,18 @@ class AdaptivePlan:
         # The plan that was timed runs again as it was (planned afresh with as many staged
         # blocks, the planner may place the rest otherwise: an untimed plan). Later re-plans
         # choose the staging again ("auto").
+        unstaged = self.plan
+        try:
+            self._apply_plan(trial["plan"])
+        except Exception as e:  # noqa: BLE001 - the plan timed without staging goes on
+            # The host memory it held may be another job's by now; what of it was applied
+            # (streamed weights) is undone by applying the other timed plan again.
+            self._apply_plan(unstaged)
+            self._say("plan.staging_trial", f"staging measured faster ({times}), but its "
+                      f"plan could not be applied again ({e}): the plan without staging runs",
+                      kept=0.0, **numbers)
+            return True
         self._staged_option = "auto"
-        self._apply_plan(trial["plan"])
         self._say("plan.staging_trial", f"staging kept: {times}; the plan timed with it runs "
                   "again", kept=1.0, **numbers)
         return True

@@ -36,6 +36,8 @@ NONFINITE = ("ignore", "skip", "error")
 GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                    "bf16": torch.bfloat16, torch.float32: torch.float32,
                    torch.bfloat16: torch.bfloat16}
+# Why no state may move to VRAM under bf16 moments (gpu_state_refusal).
+BF16_MOMENTS_REFUSAL = "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
 _AUTO_STEPS = 2  # offload="auto" decides after this many offloaded steps
 # Gradients up to this size leave on the compute stream itself (a few microseconds of copy
 # there, and no cross-stream wait and event per gradient); larger ones on the side stream.
@@ -384,7 +386,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
                     "before any update")
         if self._moment_dtype != torch.float32:
-            return "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
+            return BF16_MOMENTS_REFUSAL
         if self._gpu_optimizer is not None:
             return "the whole optimizer runs on the GPU already (offload='auto')"
         if not any(p.dtype == torch.float32 for p in self._params):

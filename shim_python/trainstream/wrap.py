@@ -20,7 +20,7 @@ from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
 from .gpu_pools import gpu_pools
-from .offload_adamw import MOMENT_DTYPES, NONFINITE, OffloadAdamW
+from .offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
 from .planner import staged_block_indices
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
@@ -429,15 +429,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
     try:
-        _check_gpu_state(model, offload, config, paging)
-    except ValueError as e:
+        # (An OffloadAdamW passed in keeps the moments it was made with.)
+        _check_gpu_state(model, offload, config, paging,
+                         chose_bf16 if offload is not optimizer else "")
+    except ValueError:
         if offload is not optimizer:
             offload.detach()  # the model keeps no hook of an optimizer wrap() made
-        if chose_bf16 and offload._moment_dtype != torch.float32:
-            # The refusal names bf16 moments, which the user did not ask for: say why.
-            raise ValueError(f"{e}; moment_dtype='auto' chose bf16 moments: {chose_bf16}. "
-                             "Free host memory for fp32 moments, or ask for no state in "
-                             "VRAM") from None
         raise
     if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
         optimizer.state.clear()  # the moments now live in the daemon only
@@ -529,9 +526,10 @@ def _block_stack(model: torch.nn.Module, config: dict, paging: Any) -> list:
 
 
 def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
-                     paging: Any) -> None:
+                     paging: Any, chose_bf16: str = "") -> None:
     """gpu_state_blocks=N and staged_state_blocks=N ask for what this job can have, or wrap()
-    says why not (before any hook of wrap()'s own is on the model)."""
+    says why not (before any hook of wrap()'s own is on the model). ``chose_bf16``: why
+    moment_dtype="auto" chose bf16 moments, said with a refusal of them."""
     held, staged = (config[k] if config[k] != "auto" else 0
                     for k in ("gpu_state_blocks", "staged_state_blocks"))
     if not held and not staged:
@@ -550,6 +548,10 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
         if not count:
             continue
         refusal = offload.gpu_state_refusal()
+        if refusal == BF16_MOMENTS_REFUSAL and chose_bf16:
+            # bf16 moments the user did not ask for: say why they are.
+            refusal += (f"; moment_dtype='auto' chose bf16 moments: {chose_bf16}. Free host "
+                        "memory for fp32 moments, or ask for no state in VRAM")
         if refusal is not None:
             raise ValueError(f"trainstream.wrap: {option}={count}: {refusal}")
         if count > room:

@@ -663,12 +663,13 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
         return (plan.gpu_state_blocks, plan.staged_blocks, tuple(plan.plan.paged_blocks),
                 tuple(plan.plan.activation_policy))
 
-    staged_at, chunks_at, plans_at = [], [], []
+    staged_at, chunks_at, plans_at, plan_objects = [], [], [], []
     for step in range(40):
         train(ref, ref_opt, 1, start=step)
         train(ours, opt, 1, start=step)
         staged_at.append(session.plan.staged_blocks)
         plans_at.append(decisions())
+        plan_objects.append(session.plan.plan)
         chunks_at.append(opt.stats()["staged_state"]["chunks"])
         if not session.plan.adapting:
             break
@@ -688,7 +689,8 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
     kept = staged_ms < unstaged_ms
     assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
     assert (session.plan.staged_blocks > 0) == kept
-    if kept:
+    if kept:  # the plan timed, not one made again with as many staged blocks
+        assert session.plan.plan is plan_objects[unstaged[0] - 1]
         assert decisions() == plans_at[unstaged[0] - 1]
         assert session.plan.staged_blocks == trial[0]["numbers"]["staged_blocks"]
     assert (opt.stats()["staged_state"]["tensors"] > 0) == kept
