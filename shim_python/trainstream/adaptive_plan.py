@@ -79,8 +79,9 @@ class AdaptivePlan:
         # The optimizer state kept in VRAM: gpu_state is "auto", or a number of leading blocks
         # (0: none); set_gpu_state(blocks, staged) keeps those blocks' state (and the
         # parameters' outside the stack) there, updates ``staged`` of the blocks after them on
-        # the GPU from moments staged out of the daemon, and returns the elements of each; host_pass() is the last step's host optimizer pass (seconds, elements
-        # updated on the host).
+        # the GPU from moments staged out of the daemon, and returns the elements of each;
+        # host_pass() is the last step's host optimizer pass (seconds, elements updated on the
+        # host).
         self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
         self._set_gpu_state = set_gpu_state
         self._host_pass = host_pass
@@ -295,7 +296,7 @@ class AdaptivePlan:
                       "without staging, to compare", step_ms=1e3 * trial["staged"],
                       staged_blocks=trial["blocks"])
             trial["side"] = "unstaged"
-            self._switch_staging(0)
+            self._plan_without_staging()
             return True
         staged_s, unstaged_s, blocks = trial["staged"], trial["unstaged"], trial["blocks"]
         self._trial, self._trial_done = None, True
@@ -324,12 +325,12 @@ class AdaptivePlan:
                   "again", kept=1.0, **numbers)
         return True
 
-    def _switch_staging(self, option: object) -> None:
-        """Plans again, as the probe's plan was made (streamed blocks may come back), with the
-        staged option ``option``, and applies the plan. A plan that cannot be made or applied
-        ends the trial with the plan that runs now."""
+    def _plan_without_staging(self) -> None:
+        """Plans again without staging, as the probe's plan was made (streamed blocks may come
+        back), and applies the plan. A plan that cannot be made or applied ends the trial with
+        the plan that runs now."""
         before = self._staged_option
-        self._staged_option = option
+        self._staged_option = 0
         try:
             self._replan(fresh=True)
         except Exception:
