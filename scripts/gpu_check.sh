@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh wrap                the wrap() step benchmark, then the GPU tests
 #   scripts/gpu_check.sh plan [CASE...]      the memory plan's GPU tests, then bench/memory_plan.py
 #   scripts/gpu_check.sh plan_bench CASE...  bench/memory_plan.py only, two steps profiled
+#   scripts/gpu_check.sh hf ARGS...          bench/hf_models.py ARGS (Hugging Face models)
 #   scripts/gpu_check.sh gpu                 the GPU-marked tests only (pytest -m gpu, ctest -L gpu)
 #   scripts/gpu_check.sh bases               shared bases: their GPU tests and the dequantization
 #                                            kernels' bandwidth
@@ -75,6 +76,13 @@ if [[ $what == plan_bench ]]; then
   python3 bench/memory_plan.py --cases "$@" --json "$OUT/memory_plan.json" \
     --trace "$OUT/traces" > "$OUT/memory_plan.txt" 2>&1 || status=1
 fi
+if [[ $what == hf ]]; then
+  # Hugging Face models under the 24 GiB cap: bench/hf_models.py with the arguments after "hf"
+  # (cases, modes, steps), every engine in a fresh process.
+  shift
+  PYTHONUNBUFFERED=1 python3 bench/hf_models.py --json "$OUT/hf_models.json" "$@" \
+    > "$OUT/hf_models.txt" 2>&1 || status=1
+fi
 if [[ $what == gpu ]]; then
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
@@ -123,5 +131,5 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+         dequantize.txt hf_models.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 exit $status

@@ -1,0 +1,257 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hugging Face ``transformers`` models (and PEFT LoRA) under a VRAM cap, as a new user trains
+them: ``loss = model(input_ids=x, labels=x).loss; loss.backward(); opt.step()``, a
+``torch.optim.AdamW`` handed to ``trainstream.wrap(model, opt, device="cuda")`` with every other
+option at its default. Each engine runs in a fresh process on the same batches:
+
+  stock            no cap: the model on the GPU, torch's fused AdamW (the reference losses)
+  wrap             under the cap, wrap()'s defaults
+  wrap_expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  wrap_nf4         the same as wrap with quantize="nf4" (LoRA cases)
+  ts041            TrainStream 0.4.1 (PyPI) under the same cap, quantize="none", imported from
+                   its own folder (--ts041 DIR, an unpacked sdist) so it never meets ours
+  ts041_nf4        the same with quantize="nf4"
+
+Every row records each step's loss, the step's peak allocated and reserved VRAM, the settling
+steps, wrap()'s own time, the step time once settled, and for wrap() the plan's events. The
+losses of every engine are compared with stock's, step by step.
+
+    python bench/hf_models.py [--cases qwen1.5b_full ...] [--modes stock wrap ...]
+                              [--steps 40] [--json out.json] [--ts041 .peers/trainstream-0.4.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+# name: the preset, full fine-tune or LoRA, weights' dtype, bf16 autocast, batch x sequence.
+CASES = {
+    "qwen1.5b_full": dict(preset="qwen2.5-1.5b", tune="full", dtype="float32", autocast=True,
+                          batch=4, seq=512, lr=2e-5),
+    "qwen14b_lora_512": dict(preset="qwen2.5-14b", tune="lora", dtype="bfloat16",
+                             autocast=False, batch=1, seq=512, lr=1e-4),
+    "qwen14b_lora_2k": dict(preset="qwen2.5-14b", tune="lora", dtype="bfloat16",
+                            autocast=False, batch=1, seq=2048, lr=1e-4),
+    "llama3b_full": dict(preset="llama-3.2-3b", tune="full", dtype="float32", autocast=True,
+                         batch=2, seq=1024, lr=2e-5),
+    "llama8b_lora_2k": dict(preset="llama-3.1-8b", tune="lora", dtype="bfloat16",
+                            autocast=False, batch=1, seq=2048, lr=1e-4),
+    "phi3_lora_2k": dict(preset="phi-3-mini", tune="lora", dtype="bfloat16", autocast=False,
+                         batch=2, seq=2048, lr=1e-4),
+}
+VRAM_CAP_GIB = 24
+DEFAULT_MODES = ["stock", "wrap", "wrap_expandable", "ts041"]
+
+
+def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
+    if mode.startswith("ts041"):
+        sys.path.insert(0, os.path.abspath(ts041))  # 0.4.1, never our package
+    import torch
+
+    import hf_models
+
+    row: dict = {"mode": mode, **case}
+    dtype = getattr(torch, case["dtype"])
+    capped = mode != "stock"
+    began = time.perf_counter()
+    # Drawn on the GPU (seconds for 14B), then where the engine wants it.
+    model, trainable = hf_models.build(case["preset"], case["tune"], dtype,
+                                       device="cpu" if capped else "cuda", init_device="cuda")
+    row["trainable"] = trainable
+    row["build_s"] = round(time.perf_counter() - began, 1)
+    torch.cuda.empty_cache()
+    if capped:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, VRAM_CAP_GIB * 2**30 / total), 0)
+    torch.cuda.reset_peak_memory_stats()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=case["lr"], fused=not capped)
+    session = None
+    began = time.perf_counter()
+    if mode.startswith("wrap"):
+        import trainstream
+
+        options = dict(quantize="nf4") if mode == "wrap_nf4" else {}
+        model, opt = trainstream.wrap(model, opt, device="cuda", **options)
+        session = model._trainstream_session
+        row["engine"] = f"trainstream {getattr(trainstream, '__version__', 'main')}"
+    elif mode.startswith("ts041"):
+        import trainstream
+
+        row["engine"] = f"trainstream {trainstream.__version__} from {trainstream.__file__}"
+        model, opt = trainstream.wrap(model, opt, device="cuda",
+                                      quantize="nf4" if mode == "ts041_nf4" else "none")
+    else:
+        row["engine"] = f"torch {torch.__version__}"
+    row["wrap_s"] = round(time.perf_counter() - began, 1)
+
+    losses, peaks, times, events = [], [], [], []
+    seen_events = 0
+    settled_at = None
+    row["error"] = None
+    try:
+        for s in range(steps):
+            x = hf_models.batch(case["preset"], case["batch"], case["seq"], s, "cuda")
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case["autocast"]):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            # The forward and backward's peak, read before step() (the plan resets it).
+            alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.detach())
+            peaks.append((round(max(alloc, torch.cuda.max_memory_allocated()) / 2**30, 2),
+                          round(max(reserved, torch.cuda.max_memory_reserved()) / 2**30, 2)))
+            if session is not None:
+                for e in session.events[seen_events:]:
+                    events.append({"step": s, "kind": e["kind"], "message": e["message"][:400]})
+                seen_events = len(session.events)
+                if settled_at is None and not session.adapting:
+                    settled_at = s + 1
+            if mode == "stock":
+                torch.cuda.reset_peak_memory_stats()
+    except torch.OutOfMemoryError as e:
+        row["error"] = f"out of memory at step {len(times)}: {str(e).splitlines()[0][:300]}"
+    except Exception as e:  # noqa: BLE001 - the row says what failed
+        row["error"] = f"{type(e).__name__} at step {len(times)}: {str(e)[:500]}"
+    row["losses"] = [float(v) for v in losses]
+    row["nonfinite_losses"] = sum(not math.isfinite(v) for v in row["losses"])
+    row["peaks_gib"] = peaks
+    row["step_times_s"] = [round(t, 4) for t in times]
+    row["settled_at"] = settled_at
+    tail = times[-min(8, max(1, len(times) // 3)):] if times else []
+    row["step_s"] = round(sorted(tail)[len(tail) // 2], 4) if tail else None
+    row["peak_reserved_gib"] = max((p[1] for p in peaks[2:]), default=None)
+    row["peak_allocated_gib"] = max((p[0] for p in peaks[2:]), default=None)
+    if session is not None:
+        row["events"] = events
+        try:
+            import trainstream
+
+            report = trainstream.memory_report(model)
+            memory = session.client.memory()
+            row["host_job_bytes"] = sum(int(j.get("used_bytes", 0))
+                                        for j in memory.get("plans", [])
+                                        if j.get("job_id") == session.config["job_id"])
+            row["optimizer"] = {k: v for k, v in report["optimizer"].items()
+                                if k in ("runs_on", "steps", "gpu_state", "staged_state",
+                                         "last_step", "nonfinite_total")}
+        except Exception as e:  # noqa: BLE001
+            row["report_error"] = str(e)[:300]
+    return row
+
+
+def _run(mode: str, case: str, steps: int, ts041: str, socket: str | None,
+         timeout: int) -> dict:
+    env = dict(os.environ)
+    if mode == "wrap_expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if socket:
+        env["TRAINSTREAM_SOCKET"] = socket
+    if mode.startswith("ts041"):
+        env.setdefault("TRAINSTREAM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "ts041"))
+        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    cmd = [sys.executable, __file__, "--worker", mode, "--case", case, "--steps", str(steps),
+           "--ts041", ts041]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "case": case, "error": f"timed out after {timeout} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"mode": mode, "case": case, "error": f"exit {result.returncode}",
+                "stderr": result.stderr[-3000:]}
+    row = json.loads(lines[-1])
+    row["case"] = case
+    return row
+
+
+def _compare(rows: dict) -> None:
+    """Each engine's losses beside stock's: the largest step-wise difference."""
+    stock = rows.get("stock", {}).get("losses") or []
+    for mode, row in rows.items():
+        mine = row.get("losses") or []
+        n = min(len(stock), len(mine))
+        if mode != "stock" and n:
+            row["max_loss_diff_vs_stock"] = round(max(abs(a - b) for a, b in
+                                                      zip(stock[:n], mine[:n])), 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["qwen1.5b_full", "qwen14b_lora_512"],
+                        choices=list(CASES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--ts041", default=os.path.join(HERE, "..", ".peers",
+                                                        "trainstream-0.4.1"))
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--case", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, CASES[args.case], args.steps, args.ts041)),
+              flush=True)
+        return
+    import torch
+
+    from bench_daemon import private_daemon
+    from step_bench import pinned_bandwidth
+
+    bandwidth = pinned_bandwidth()
+    print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s, device->host "
+          f"{bandwidth['d2h_gbps']} GB/s", flush=True)
+    result = {"bench": "hf_models", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "commit": os.environ.get("TS_COMMIT", ""), "vram_cap_gib": VRAM_CAP_GIB,
+              "bandwidth": bandwidth, "rows": []}
+    fd, config = tempfile.mkstemp(prefix="hf-models-daemon-", suffix=".conf")
+    with os.fdopen(fd, "w") as f:
+        f.write("optimizer_retention_s: 1\n")  # each mode admitted against the machine
+    with private_daemon("85%", f"--config={config}") as socket:
+        for case in args.cases:
+            rows = {}
+            for mode in args.modes:
+                if "nf4" in mode and CASES[case]["tune"] != "lora":
+                    continue
+                row = _run(mode, case, args.steps, args.ts041,
+                           socket if mode.startswith("wrap") else None, args.timeout)
+                rows[mode] = row
+                short = {k: row.get(k) for k in ("case", "mode", "error", "step_s", "wrap_s",
+                                                 "settled_at", "peak_reserved_gib",
+                                                 "peak_allocated_gib", "nonfinite_losses",
+                                                 "host_job_bytes")}
+                print(json.dumps(short), flush=True)
+            _compare(rows)
+            result["rows"].extend(rows.values())
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1)
+    os.unlink(config)
+    print(f"\n{'case':18} {'mode':16} {'step s':>8} {'wrap s':>7} {'settled':>7} "
+          f"{'reserved':>8} {'dloss':>8}  error")
+    for row in result["rows"]:
+        print(f"{row.get('case', ''):18} {row.get('mode', ''):16} {row.get('step_s') or '-':>8} "
+              f"{row.get('wrap_s', '-'):>7} {row.get('settled_at') or '-':>7} "
+              f"{row.get('peak_reserved_gib') or '-':>8} "
+              f"{row.get('max_loss_diff_vs_stock', '-'):>8}  {(row.get('error') or '')[:90]}")
+
+
+if __name__ == "__main__":
+    main()
