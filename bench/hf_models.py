@@ -83,6 +83,7 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         import trainstream
 
         options = dict(quantize="nf4") if mode == "wrap_nf4" else {}
+        options.update(json.loads(os.environ.get("TS_HF_OPTIONS", "{}")))  # diagnostics
         model, opt = trainstream.wrap(model, opt, device="cuda", **options)
         session = model._trainstream_session
         row["engine"] = f"trainstream {getattr(trainstream, '__version__', 'main')}"
@@ -100,11 +101,18 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
     seen_events = 0
     settled_at = None
     row["error"] = None
+    peak_from = int(os.environ.get("TS_HF_PEAK_FROM", "-1"))  # memory_peak.py from this step
     try:
         for s in range(steps):
+            if s == peak_from:
+                sys.path.insert(0, HERE)
+                import memory_peak
+
+                memory_peak.start()
             x = hf_models.batch(case["preset"], case["batch"], case["seq"], s, "cuda")
             start = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case["autocast"]):
+            autocast = case["autocast"] and os.environ.get("TS_HF_AUTOCAST", "1") == "1"
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=x, labels=x).loss
             loss.backward()
             # The forward and backward's peak, read before step() (the plan resets it).
@@ -114,8 +122,10 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             losses.append(loss.detach())
+            # (peak allocated, peak reserved, allocated after step(): what stays between steps)
             peaks.append((round(max(alloc, torch.cuda.max_memory_allocated()) / 2**30, 2),
-                          round(max(reserved, torch.cuda.max_memory_reserved()) / 2**30, 2)))
+                          round(max(reserved, torch.cuda.max_memory_reserved()) / 2**30, 2),
+                          round(torch.cuda.memory_allocated() / 2**30, 2)))
             if session is not None:
                 for e in session.events[seen_events:]:
                     events.append({"step": s, "kind": e["kind"], "message": e["message"][:400]})
@@ -128,6 +138,10 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         row["error"] = f"out of memory at step {len(times)}: {str(e).splitlines()[0][:300]}"
     except Exception as e:  # noqa: BLE001 - the row says what failed
         row["error"] = f"{type(e).__name__} at step {len(times)}: {str(e)[:500]}"
+    if os.environ.get("TS_HF_REFERRERS"):
+        row["referrers"] = _referrers()
+    if 0 <= peak_from < len(times):
+        row["memory_peak"] = memory_peak.report()
     row["losses"] = [float(v) for v in losses]
     row["nonfinite_losses"] = sum(not math.isfinite(v) for v in row["losses"])
     row["peaks_gib"] = peaks
@@ -153,6 +167,44 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         except Exception as e:  # noqa: BLE001
             row["report_error"] = str(e)[:300]
     return row
+
+
+def _referrers() -> list:
+    """Diagnostics: the key/value caches alive after the last step (one belongs to it) and,
+    for the oldest, what refers to it, a few levels up (Python-visible references only)."""
+    import gc
+    import types
+
+    gc.collect()
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        return []
+    caches = [o for o in gc.get_objects() if isinstance(o, DynamicCache)]
+    lines = [f"{len(caches)} DynamicCache alive"]
+    if not caches:
+        return lines
+    target = caches[0]
+    del caches
+    seen = set()
+
+    def walk(o, depth):
+        if depth > 5:
+            return
+        for r in gc.get_referrers(o):
+            if isinstance(r, types.FrameType) or id(r) in seen or r is seen:
+                continue
+            if isinstance(r, dict) and "__builtins__" in r:
+                continue
+            seen.add(id(r))
+            name = getattr(r, "__qualname__", "") or getattr(type(r), "__qualname__", "")
+            keys = list(r.keys())[:6] if isinstance(r, dict) else ""
+            lines.append(f"{'  ' * depth}{type(r).__name__} {name} {keys}"[:200])
+            if len(lines) < 60:
+                walk(r, depth + 1)
+
+    walk(target, 0)
+    return lines
 
 
 def _run(mode: str, case: str, steps: int, ts041: str, socket: str | None,

@@ -51,6 +51,19 @@ PRESETS = {
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, rope_theta=1e4, rms_norm_eps=1e-5,
         max_position_embeddings=4096, tie_word_embeddings=False), _PHI3),
+    # Small versions (about 0.1-0.2B parameters): the GPU tests' matrix, quick on one GPU.
+    "small-qwen2": Preset("qwen2", dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+        tie_word_embeddings=True), _QWEN),
+    "small-llama": Preset("llama", dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=4096, tie_word_embeddings=False), _QWEN),
+    "small-phi3": Preset("phi3", dict(
+        vocab_size=32064, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+        tie_word_embeddings=False), _PHI3),
     # Tiny versions of each family, for a CPU (CI) and quick GPU tests.
     "tiny-qwen2": Preset("qwen2", dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

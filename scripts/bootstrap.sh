@@ -33,7 +33,7 @@ fi
 py="$VENV/bin/python"
 need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
-for mod in pytest grpc_tools scikit_build_core pybind11 numpy safetensors transformers; do
+for mod in pytest grpc_tools scikit_build_core pybind11 numpy safetensors transformers peft; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then

@@ -38,12 +38,12 @@ import torch
 
 from . import _trainstream, cuda_streams
 from .hook_clock import HookClock
+from .kv_cache import CACHE_ARGUMENTS
 from .weak_hooks import weak_hook
 
 # Forwards timed when a measured block is replayed (after one warm-up).
 _REPLAYS = 2
 # Keyword arguments Hugging Face decoder layers take a key/value cache by.
-_CACHE_ARGUMENTS = ("past_key_value", "past_key_values", "layer_past")
 
 
 def _plain(value: Any) -> bool:
@@ -467,7 +467,7 @@ class BlockPager:
         plain values)."""
         # A key/value cache would grow with each replay; training never reads it back, and an
         # empty one gives attention the same keys as none.
-        kwargs = {k: (None if k in _CACHE_ARGUMENTS else False if k == "use_cache" else v)
+        kwargs = {k: (None if k in CACHE_ARGUMENTS else False if k == "use_cache" else v)
                   for k, v in kwargs.items()}
         if not all(_plain(v) for v in (*args, *kwargs.values())):
             return None

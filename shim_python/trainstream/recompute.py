@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.checkpoint
 
+from .kv_cache import without_cache
+
 
 class Recompute:
     """Makes ``blocks[i]`` recompute its forward in backward for every ``i`` in ``indices``;
@@ -69,6 +71,9 @@ def _requires_grad(value: Any) -> bool:
 
 
 def _recomputed(module: torch.nn.Module, run: Callable, args: tuple, kwargs: dict) -> Any:
+    # The checkpoint keeps its arguments for backward: a key/value cache among them would keep
+    # each step's graph alive (kv_cache.py), and the recompute would append its keys again.
+    kwargs = without_cache(kwargs)
     if _requires_grad(kwargs):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
     if not (_requires_grad(args) or any(p.requires_grad for p in module.parameters())):

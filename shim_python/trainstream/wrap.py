@@ -20,6 +20,7 @@ from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
 from .gpu_pools import gpu_pools
+from .kv_cache import CacheSwitch
 from .offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
 from .planner import staged_block_indices
 
@@ -79,6 +80,7 @@ class TrainStreamSession:
     pager: Any = None  # trainstream.paging.BlockPager when blocks page weights or activations
     plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
     frozen: Any = None  # host copies of frozen weights that stream
+    cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
 
     @property
     def adapting(self) -> bool:
@@ -245,12 +247,31 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     config.update(options)
     events: list = []
 
-    device = config["device"]
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         raise FailedPreconditionError(
             f"the model's parameters are on {sorted(map(str, devices))}; put them on one device")
-    current = next(iter(devices))
+
+    # Training builds no key/value cache (kv_cache.py says why); unwrap() turns it back on.
+    cache_switch = CacheSwitch(model)
+    if cache_switch.count:
+        events.append(("wrap.use_cache", "use_cache=False while training (as transformers sets "
+                       "it under gradient checkpointing): a key/value cache built in a training "
+                       "step holds every layer's keys to the step's end, and a recomputed "
+                       "layer's checkpoint would keep each step's graph alive through it; "
+                       "unwrap() turns it back on"))
+    try:
+        model, offload = _wrap_on(model, optimizer, config, events)
+    except BaseException:
+        cache_switch.restore()
+        raise
+    model._trainstream_session.cache_switch = cache_switch
+    return model, offload
+
+
+def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list):
+    device = config["device"]
+    current = next(iter({p.device for p in model.parameters()}))
     if device is None and current.type == "cpu" and torch.cuda.is_available():
         device = "cuda"
     target = torch.device(device) if device is not None else current
@@ -581,6 +602,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():  # no layer keeps the session alive
         if isinstance(module, BaseLinear):
             module.note = None
+    if session.cache_switch is not None:
+        session.cache_switch.restore()
     del model._trainstream_session
     return model
 

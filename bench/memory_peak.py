@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a step's VRAM peak goes: the caching allocator's history (torch.cuda.memory) replayed
+to the moment of the highest allocated total, and what was live then, grouped by the Python
+frame that allocated it (the first frame in trainstream, transformers, peft, torch.optim or the
+benchmark). Memory allocated before the recording started is one bucket ("before recording").
+
+    memory_peak.start()        # before the steps to look at
+    ...steps...
+    print(memory_peak.report())
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+_OWNERS = ("trainstream/", "transformers/", "peft/", "torch/optim", "torch/utils/checkpoint",
+           "bench/", "examples/")
+_base = 0
+
+
+def start(entries: int = 400_000) -> None:
+    global _base
+    torch.cuda.synchronize()
+    _base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+
+
+def _owner(frames: list) -> str:
+    for f in frames:
+        name = f.get("filename", "")
+        if any(o in name for o in _OWNERS) and "memory_peak" not in name:
+            short = name.split("site-packages/")[-1]
+            return f"{short}:{f.get('line')}({f.get('name')})"
+    return "elsewhere"
+
+
+def report(top: int = 14) -> dict:
+    """The peak since start(), what was live at it by owner (GiB), and what is live now."""
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+    live: dict = {}
+    before = _base  # bytes allocated before recording, less those freed since
+    total = best = _base
+    best_live: dict = {}
+    best_before = before
+    for entry in trace:
+        action, addr, size = entry["action"], entry["addr"], entry["size"]
+        if action == "alloc":
+            live[addr] = (size, _owner(entry.get("frames", [])))
+            total += size
+        elif action == "free_completed":
+            if addr in live:
+                total -= live.pop(addr)[0]
+            else:
+                before -= size
+                total -= size
+        else:
+            continue
+        if total > best:
+            best, best_before = total, before
+            best_live = dict(live)
+    by_owner: collections.Counter = collections.Counter()
+    for size, owner in best_live.values():
+        by_owner[owner] += size
+    now: collections.Counter = collections.Counter()
+    for size, owner in live.values():
+        now[owner] += size
+    gib = 2**30
+    return {"peak_gib": round(best / gib, 2),
+            "at_peak": [("before recording", round(best_before / gib, 2))] +
+                       [(k, round(v / gib, 3)) for k, v in by_owner.most_common(top)],
+            "live_now_gib": round(torch.cuda.memory_allocated() / gib, 2),
+            "live_now_recorded": [(k, round(v / gib, 3)) for k, v in now.most_common(top)],
+            "trace_entries": len(trace)}

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One engine training one Hugging Face model of examples/hf_models.py, in a process of its
+own (a VRAM cap applies to the whole process), printing a JSON line: each step's loss, peak
+allocated and reserved VRAM, VRAM held between steps, and for wrap() the plan's state.
+
+    python hf_run.py --preset small-qwen2 --tune full --engine wrap --cap-gib 2.5 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "examples"))
+import hf_models  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--tune", default="full")
+    parser.add_argument("--engine", default="wrap", choices=["stock", "stock_foreach", "wrap"])
+    parser.add_argument("--cap-gib", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--autocast", type=int, default=1)
+    args = parser.parse_args()
+    dtype = torch.float32 if args.tune == "full" else torch.bfloat16
+    wrapped = args.engine == "wrap"
+    model, _ = hf_models.build(args.preset, args.tune, dtype,
+                               device="cpu" if wrapped else "cuda", init_device="cuda")
+    torch.cuda.empty_cache()
+    if args.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / total, 0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                            fused=args.engine == "stock", foreach=args.engine != "stock")
+    session = None
+    if wrapped:
+        import trainstream
+
+        model, opt = trainstream.wrap(model, opt, device="cuda")
+        session = model._trainstream_session
+    out = {"losses": [], "peak_allocated": [], "peak_reserved": [], "held": [],
+           "settled_at": None, "error": None}
+    try:
+        for s in range(args.steps):
+            x = hf_models.batch(args.preset, args.batch, args.seq, s, "cuda")
+            torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(args.autocast)):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            opt.step()
+            opt.zero_grad()
+            out["losses"].append(loss.item())
+            out["peak_allocated"].append(max(allocated, torch.cuda.max_memory_allocated()))
+            out["peak_reserved"].append(max(reserved, torch.cuda.max_memory_reserved()))
+            out["held"].append(torch.cuda.memory_allocated())
+            if session is not None and out["settled_at"] is None and not session.adapting:
+                out["settled_at"] = s + 1
+    except torch.OutOfMemoryError as e:
+        out["error"] = f"out of memory at step {len(out['losses'])}: {str(e)[:300]}"
+    out["nonfinite"] = sum(not math.isfinite(v) for v in out["losses"])
+    if session is not None:
+        out["events"] = [(e["kind"], e["message"][:300]) for e in session.events]
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
