@@ -17,6 +17,7 @@ has left (other jobs' plans taken off).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -30,6 +31,17 @@ _SETTLE_STEPS = 2
 _WATCHDOG_SLACK = 0.02
 # Settled steps timed together on each side of the staging trial.
 _TRIAL_STEPS = 3
+# Corrections settling may make for steps over the budget; then the largest overshoot seen is
+# added once more and the plan settles (the watchdog still watches): a plan that each step
+# overshoots by a different amount would otherwise stream one more block every step.
+_MAX_CORRECTIONS = 4
+# The caching allocator may reserve up to the process's limit; a step whose reserved peak comes
+# this close to it is treated as over the budget by the difference (fragmentation is working
+# memory too: the next large tensor may not find room in what is reserved but free).
+_RESERVED_MARGIN = 0.03
+# VRAM held between steps growing this much a step, several steps running with one plan, is
+# something keeping each step's tensors: said once, never planned for.
+_GROWTH_BYTES, _GROWTH_STEPS = 32 << 20, 4
 
 
 class AdaptivePlan:
@@ -111,6 +123,11 @@ class AdaptivePlan:
         self.history: list[str] = []
         self.measured: dict = {}
         self.extra_working = 0         # what the settling steps and the watchdog added
+        self.corrections = 0           # settling's corrections since the probe's plan
+        self._largest_overshoot = 0
+        self._held: list[int] = []     # VRAM held after each step since the last plan change
+        self._growth_said = False
+        self._fragmented_steps = 0
         self.steps_since_plan = -1     # -1: the probe has not run
         self.adapting = True
         self.host_activation_bytes = 0
@@ -143,6 +160,43 @@ class AdaptivePlan:
     def _reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.pager.peak_before_replay = 0
+
+    def _process_limit(self) -> int:
+        """What the caching allocator may reserve in this process (torch's per-process
+        fraction of the device): a reservation past it is an out-of-memory error."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * (float(getter(self.device)) if getter is not None else 1.0))
+
+    def _reserved_over(self) -> int:
+        """How far the step's reserved peak came past the process's limit less the margin
+        (0: not): reserved memory this process held but could not have handed out again.
+        Cached blocks are released when it did, so the next steps start from what they use."""
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        over = int(reserved - (1 - _RESERVED_MARGIN) * self._process_limit())
+        if over <= 0:
+            return 0
+        torch.cuda.empty_cache()
+        return over
+
+    def _watch_growth(self) -> None:
+        """Says once when the VRAM held between steps grows step after step under one plan:
+        something keeps each step's tensors (a list of losses with their graphs, a cache), which
+        no plan can make room for."""
+        held = torch.cuda.memory_allocated(self.device) - self.others
+        self._held.append(held)
+        recent = self._held[-(_GROWTH_STEPS + 1):]
+        if (self._growth_said or len(recent) <= _GROWTH_STEPS
+                or any(b - a < _GROWTH_BYTES for a, b in zip(recent, recent[1:]))):
+            return
+        self._growth_said = True
+        rate = (recent[-1] - recent[0]) // _GROWTH_STEPS
+        message = (f"VRAM held between steps grew by {size(rate)} a step over the last "
+                   f"{_GROWTH_STEPS} steps with the plan unchanged (now {size(held)}): "
+                   "something keeps each step's tensors alive (a list of losses that still "
+                   "hold their graphs, a cache); no plan can make room for that")
+        self._say("plan.growth", message, held_bytes=held, growth_bytes_per_step=rate)
+        warnings.warn(f"trainstream: {message}", stacklevel=2)
 
     def _weights_bytes(self, b: int) -> int:
         return sum(p.numel() * p.element_size() for p in self.pager.params.get(b, ())) if (
@@ -219,14 +273,33 @@ class AdaptivePlan:
             return
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
         peak = self._peak() - self.others if self.cuda else 0
+        fragmented = self._reserved_over() if self.cuda else 0
+        if self.cuda:
+            self._watch_growth()
+        # What the step needed beyond the budget: its allocated peak, or the room its reserved
+        # peak left under the process's limit.
+        needed = max(peak, self.budget + fragmented if fragmented else 0)
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
-        if peak > limit and self.adapting:
-            grew = int(peak - self.budget)
+        if needed > limit and self.adapting:
+            grew = int(needed - self.budget)
+            self._largest_overshoot = max(self._largest_overshoot, grew)
+            last = self.corrections >= _MAX_CORRECTIONS
+            if last:
+                # Each correction overshot again: once more with the largest overshoot seen,
+                # and the plan settles.
+                grew = self._largest_overshoot
+            self.corrections += 1
             self.extra_working += grew
-            self._say("plan.settling", f"step peak {size(peak)} is over the "
-                      f"{size(self.budget)} budget by {size(grew)}: planning "
-                      "again with that much more working memory", peak_bytes=peak,
-                      budget_bytes=self.budget)
+            why = (f"step peak {size(peak)} is over the {size(self.budget)} budget by "
+                   f"{size(peak - self.budget)}" if peak > self.budget else
+                   f"the allocator reserved {size(fragmented)} more than this plan may "
+                   f"(within {100 * _RESERVED_MARGIN:.0f}% of the process's limit; "
+                   f"{size(torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device))} "
+                   "of it free but reserved)")
+            self._say("plan.settling", f"{why}: planning again with {size(grew)} more working "
+                      f"memory (correction {self.corrections} of at most "
+                      f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,
+                      fragmented_bytes=fragmented, correction=self.corrections)
             # The peak that was read is accounted for: the next one is read from here.
             self._reset_peak()
             try:
@@ -236,7 +309,27 @@ class AdaptivePlan:
                 # working memory, not one grown again by the same overshoot.
                 self.extra_working -= grew
                 raise
-        elif peak > limit and peak > self._unfixable_peak * (1 + _WATCHDOG_SLACK):
+            if last:
+                self.adapting = False
+                self._say("plan.settled", f"plan settled after {self.corrections} corrections, "
+                          f"with {size(self.extra_working)} more working memory than measured "
+                          "(the watchdog still re-plans if a later step grows)",
+                          peak_bytes=peak, budget_bytes=self.budget,
+                          extra_working_bytes=self.extra_working)
+                self._reset_peak()
+        elif fragmented and peak <= limit and not self.adapting:
+            # Settled, within the budget, but reserved memory crowded the limit: the cached
+            # blocks went back (_reserved_over); said on the first time and every 100th.
+            self._fragmented_steps += 1
+            if self._fragmented_steps % 100 == 1:
+                self._say("plan.fragmentation", f"the allocator's reserved peak came within "
+                          f"{100 * _RESERVED_MARGIN:.0f}% of the process's limit "
+                          f"({size(self._process_limit())}) while the step's peak was "
+                          f"{size(peak)} of the {size(self.budget)} budget: its cached blocks "
+                          f"were released ({self._fragmented_steps} such steps so far)",
+                          peak_bytes=peak, fragmented_bytes=fragmented,
+                          steps=self._fragmented_steps)
+        elif needed > limit and needed > self._unfixable_peak * (1 + _WATCHDOG_SLACK):
             # A settled run grew (a longer sequence, a larger batch): what grew is measured in
             # the next step, with the plan as it is, rather than guessed from the peak alone.
             self._say("plan.watchdog", f"step peak {size(peak)} is over the "
@@ -518,6 +611,11 @@ class AdaptivePlan:
         self.steps_since_plan = 0
         self.adapting = True
         self._plans_applied += 1
+        self._held = []  # growth is read under one plan
+        if self.cuda:
+            # What the old plan's steps left cached (another layout of activations, weights and
+            # state) goes back, so that it cannot fragment the new plan's steps.
+            torch.cuda.empty_cache()
 
     def state_left_vram(self) -> None:
         """The optimizer moved whole to the GPU (offload='auto'): no state moves any more, and
@@ -573,4 +671,9 @@ class AdaptivePlan:
                 "staged_blocks": self.staged_blocks,
                 "staged_elements": self.staged_elements,
                 "estimated_step_s": dict(plan.step_s) if plan else None,
+                # Settling's corrections, the extra working memory they added, the steps whose
+                # reserved memory crowded the process's limit, VRAM held after the last step.
+                "corrections": self.corrections, "extra_working_bytes": self.extra_working,
+                "fragmented_steps": self._fragmented_steps,
+                "held_bytes": self._held[-1] if self._held else None,
                 "history": list(self.history)}
