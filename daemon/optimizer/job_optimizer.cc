@@ -567,7 +567,9 @@ void JobOptimizer::MaybeDecideLocked() {
   pending_report_.grad_norm = norm;
   pending_report_.nonfinite = nonfinite;
   if (nonfinite > 0 && settings_.nonfinite != NonFinitePolicy::kIgnore) {
-    if (settings_.nonfinite == NonFinitePolicy::kSkipStep) {
+    // kGuard deferred by clipping sees every gradient before any update: the whole step skips.
+    if (settings_.nonfinite == NonFinitePolicy::kSkipStep ||
+        settings_.nonfinite == NonFinitePolicy::kGuard) {
       pending_report_.skipped = true;
       deps_.events->Emit("optimizer.step_skipped",
                          absl::StrFormat("iteration %d of job '%s' skipped: %d non-finite gradient "
@@ -606,6 +608,57 @@ void JobOptimizer::MaybeDecideLocked() {
 }
 
 void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
+  if (settings_.nonfinite == NonFinitePolicy::kGuard && !settings_.deferred()) {
+    CheckThenUpdateLocked(index, grad_scale);
+  } else {
+    ApplyUpdateLocked(index, grad_scale);
+  }
+}
+
+void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
+  Parameter& p = params_[index];
+  p.phase = Phase::kUpdating;
+  p.stats = {};
+  auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
+  const kernels::ScalarType type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
+  const uint64_t numel = p.desc.numel;
+  const size_t chunks = Chunks(numel);
+  p.chunks_left = chunks;
+  auto self = shared_from_this();
+  for (size_t c = 0; c < chunks; ++c) {
+    deps_.pool->Submit([self, index, c, grads, type, numel, grad_scale] {
+      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+      const uint64_t nonfinite =
+          kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b,
+                                        e, kernels::BestIsa())
+              .nonfinite;
+      absl::MutexLock lock(&self->mu_);
+      Parameter& q = self->params_[index];
+      q.stats.nonfinite += nonfinite;
+      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
+      if (q.stats.nonfinite > 0 && !self->guard_tripped_) {
+        self->guard_tripped_ = true;
+        self->guard_first_ = q.desc.name;
+        self->guard_tensors_before_ = self->params_done_;
+      }
+      if (!self->guard_tripped_) {
+        self->ApplyUpdateLocked(index, grad_scale);
+        return;
+      }
+      // This tensor's gradient, or an earlier one's, held a non-finite value: it keeps its
+      // weights and moments, and the client copies nothing back.
+      self->update_nonfinite_ += q.stats.nonfinite;
+      q.phase = Phase::kDone;
+      ++self->params_done_;
+      self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1, 0,
+                              ipc::kFlagSkipped));
+      self->MaybeFinishIterationLocked();
+    });
+  }
+}
+
+void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
   Parameter& p = params_[index];
   p.phase = Phase::kUpdating;
   const GroupHyperParameters& g = settings_.groups[p.desc.group];
@@ -679,7 +732,19 @@ void JobOptimizer::MaybeFinishIterationLocked() {
   pending_report_.gbps = wall > 0 ? static_cast<double>(update_bytes_) / wall / 1e9 : 0;
   if (!settings_.deferred()) {
     pending_report_.nonfinite = update_nonfinite_;
-    if (update_nonfinite_ > 0) {
+    if (guard_tripped_) {
+      pending_report_.skipped = true;
+      deps_.events->Emit(
+          "optimizer.step_skipped",
+          absl::StrFormat("iteration %d of job '%s': %d non-finite gradient values, first in "
+                          "'%s'; no tensor was updated from there on (%d of %d had been before "
+                          "it; nonfinite='guard')",
+                          iteration_, job_.job_id, update_nonfinite_, guard_first_,
+                          guard_tensors_before_, params_.size()),
+          {{"nonfinite", static_cast<double>(update_nonfinite_)},
+           {"tensors_updated_before", static_cast<double>(guard_tensors_before_)}},
+          "", job_.uid);
+    } else if (update_nonfinite_ > 0) {
       deps_.events->Emit("optimizer.nonfinite",
                          absl::StrFormat("iteration %d of job '%s' applied %d non-finite gradient "
                                          "values (nonfinite='ignore'); use 'skip' or 'error' to "
@@ -709,6 +774,9 @@ void JobOptimizer::ResetProgressLocked() {
   update_busy_s_ = 0;
   update_bytes_ = 0;
   update_nonfinite_ = 0;
+  guard_tripped_ = false;
+  guard_first_.clear();
+  guard_tensors_before_ = 0;
   pending_report_ = {};
 }
 

@@ -174,6 +174,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartStatsLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kGuard: the tensor's gradients are read once (in chunks, on the pool) before anything of it
+  // is written; once any tensor's held a non-finite value, no later one is updated.
+  void CheckThenUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AfterGradientsInLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -203,6 +207,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   double update_busy_s_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t update_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t update_nonfinite_ ABSL_GUARDED_BY(mu_) = 0;
+  // kGuard: a tensor of this iteration held a non-finite gradient value (which, and how many
+  // tensors had been updated by then).
+  bool guard_tripped_ ABSL_GUARDED_BY(mu_) = false;
+  std::string guard_first_ ABSL_GUARDED_BY(mu_);
+  size_t guard_tensors_before_ ABSL_GUARDED_BY(mu_) = 0;
   StepReport pending_report_ ABSL_GUARDED_BY(mu_);
   StepReport last_report_ ABSL_GUARDED_BY(mu_);
   absl::Time last_activity_ ABSL_GUARDED_BY(mu_);

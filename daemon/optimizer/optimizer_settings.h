@@ -20,7 +20,9 @@ struct GroupHyperParameters {
   friend bool operator==(const GroupHyperParameters&, const GroupHyperParameters&) = default;
 };
 
-enum class NonFinitePolicy { kError, kSkipStep, kIgnore };
+// kGuard: as kIgnore, updates start as gradients land, but each chunk's gradient is checked
+// before it is applied; from the first non-finite value on, nothing more of the step is applied.
+enum class NonFinitePolicy { kError, kSkipStep, kIgnore, kGuard };
 
 // A job's optimizer, as its first rank created it. Later ranks must ask for the same.
 struct OptimizerSettings {
@@ -37,7 +39,8 @@ struct OptimizerSettings {
   // Updates wait for the whole job's gradients (to clip, report the norm, or check them all
   // before touching any state) instead of starting as each gradient lands.
   bool deferred() const {
-    return max_grad_norm > 0 || report_grad_norm || nonfinite != NonFinitePolicy::kIgnore;
+    return max_grad_norm > 0 || report_grad_norm || nonfinite == NonFinitePolicy::kSkipStep ||
+           nonfinite == NonFinitePolicy::kError;
   }
   // Gradients are summed into an fp32 buffer per parameter before the update (micro-steps, or
   // the machine's ranks ahead of the cross-machine all-reduce).

@@ -47,6 +47,7 @@ absl::StatusOr<OptimizerSettings> FromProto(const v1::OptimizerSpec& spec) {
   switch (spec.nonfinite()) {
     case v1::NONFINITE_SKIP_STEP: s.nonfinite = NonFinitePolicy::kSkipStep; break;
     case v1::NONFINITE_ERROR: s.nonfinite = NonFinitePolicy::kError; break;
+    case v1::NONFINITE_GUARD: s.nonfinite = NonFinitePolicy::kGuard; break;
     default: s.nonfinite = NonFinitePolicy::kIgnore; break;
   }
   s.accumulation_steps = spec.accumulation_steps() == 0 ? 1 : spec.accumulation_steps();
@@ -83,6 +84,7 @@ void ToProto(const OptimizerSettings& s, v1::OptimizerSpec* out) {
   out->set_report_grad_norm(s.report_grad_norm);
   out->set_nonfinite(s.nonfinite == NonFinitePolicy::kSkipStep ? v1::NONFINITE_SKIP_STEP
                      : s.nonfinite == NonFinitePolicy::kIgnore ? v1::NONFINITE_IGNORE
+                     : s.nonfinite == NonFinitePolicy::kGuard  ? v1::NONFINITE_GUARD
                                                                : v1::NONFINITE_ERROR);
   out->set_accumulation_steps(s.accumulation_steps);
   out->set_machines(s.machines);

@@ -123,6 +123,30 @@ PYBIND11_MODULE(_trainstream, m) {
     }
     return py::make_tuple(py::bytes(data), py::bytes(scales), tensor_scale, layout.block);
   });
+  // The same quantizer on memory the caller owns (torch tensors' data_ptr()), a chunk at a time
+  // and without the GIL, so that quantize_model() runs chunks on every core with no copies:
+  // quant_layout() sizes the buffers, quantize_chunk() fills the part of them chunk `first`
+  // (a multiple of the block), `n` values long, writes.
+  m.def("quant_layout", [](const std::string& format, uint64_t numel, int block) {
+    namespace k = trainstream::kernels;
+    const k::QuantLayout layout =
+        ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
+    return py::make_tuple(layout.data_bytes, layout.scale_bytes, layout.block);
+  });
+  m.def("nvfp4_tensor_scale", [](float amax) { return trainstream::kernels::NvFp4TensorScale(amax); });
+  m.def("quantize_chunk", [](const std::string& format, int block, uint64_t numel, uint64_t first,
+                             uint64_t n, uintptr_t values, float tensor_scale, uintptr_t data,
+                             uintptr_t scales) {
+    namespace k = trainstream::kernels;
+    const k::QuantLayout layout =
+        ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
+    if (first % layout.block != 0 || first + n > numel) {
+      throw py::value_error("quantize_chunk: the chunk must start on a block and lie in the tensor");
+    }
+    py::gil_scoped_release release;
+    OkOrThrow(k::Quantize(layout, first, reinterpret_cast<const float*>(values), n, tensor_scale,
+                          reinterpret_cast<uint8_t*>(data), reinterpret_cast<uint8_t*>(scales)));
+  });
   // The GPU dequantizer, on device pointers (torch tensors' data_ptr()), queued on `stream`.
   m.def("dequantize_cuda", [](const std::string& format, int block, uint64_t numel,
                               uintptr_t data, uintptr_t scales, float tensor_scale, uintptr_t out,

@@ -11,6 +11,8 @@ train.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from typing import Any
 
 import torch
@@ -271,28 +273,54 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
     Trainable layers, and those without frozen weights, stay as they are. For one host copy
     shared by several processes, load the checkpoint with :func:`trainstream.load_base` and
     :func:`attach_base` instead."""
-    from . import _trainstream
-
     if format not in ("int8", "nf4", "fp8", "nvfp4"):
         raise InvalidArgumentError(f"format={format!r} is not one of int8, nf4, fp8, nvfp4")
     done = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
-            continue
-        w = module.weight.detach()
-        data, scales, tensor_scale, block_used = _trainstream.quantize_reference(
-            format, block, w.float().cpu().contiguous().numpy().tobytes())
-        stored = BaseTensor(name=f"{name}.weight", shape=tuple(w.shape), source_dtype="F32",
-                            stored=format, block=block_used, tensor_scale=tensor_scale, buffer=0,
-                            data_offset=0, data_bytes=len(data), scale_offset=0,
-                            scale_bytes=len(scales))
-        as_tensor = (lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
-                     if b else torch.empty(0, dtype=torch.uint8))
-        bias = module.bias
-        if bias is not None and not bias.requires_grad:
-            bias = bias.detach()
-        layer = BaseLinear(stored, as_tensor(data).to(w.device), as_tensor(scales).to(w.device),
-                           bias, compute_dtype=w.dtype, fp8_matmul=fp8_matmul)
-        _replace(model, name, layer)
-        done.append(name)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+                continue
+            w = module.weight.detach()
+            data, scales, tensor_scale, block_used = _quantize_on_every_core(
+                pool, w, format, block)
+            stored = BaseTensor(name=f"{name}.weight", shape=tuple(w.shape), source_dtype="F32",
+                                stored=format, block=block_used, tensor_scale=tensor_scale,
+                                buffer=0, data_offset=0, data_bytes=data.numel(), scale_offset=0,
+                                scale_bytes=scales.numel())
+            bias = module.bias
+            if bias is not None and not bias.requires_grad:
+                bias = bias.detach()
+            layer = BaseLinear(stored, data.to(w.device), scales.to(w.device), bias,
+                               compute_dtype=w.dtype, fp8_matmul=fp8_matmul)
+            _replace(model, name, layer)
+            done.append(name)
     return done
+
+
+# Values a quantizing task takes (a multiple of every format's block): enough to keep a core
+# busy for milliseconds, small enough that a layer spreads over every core.
+_CHUNK_VALUES = 1 << 22
+
+
+def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int) -> tuple:
+    """``w`` quantized by the daemon's quantizer (the same bytes as quantize_reference), its
+    chunks on ``pool``'s threads, in place in torch buffers: (data, scales, tensor scale,
+    block)."""
+    from . import _trainstream
+
+    values = w.float().cpu().contiguous().view(-1)  # a copy only where w is not fp32 on the CPU
+    numel = values.numel()
+    data_bytes, scale_bytes, block_used = _trainstream.quant_layout(format, numel, block)
+    data = torch.empty(data_bytes, dtype=torch.uint8)
+    scales = torch.empty(scale_bytes, dtype=torch.uint8)
+    tensor_scale = (_trainstream.nvfp4_tensor_scale(float(values.abs().max()))
+                    if format == "nvfp4" and numel else 1.0)
+    step = max(block_used, _CHUNK_VALUES // block_used * block_used)
+    tasks = [pool.submit(_trainstream.quantize_chunk, format, block_used, numel, first,
+                         min(step, numel - first),
+                         values.data_ptr() + 4 * first, tensor_scale, data.data_ptr(),
+                         scales.data_ptr())
+             for first in range(0, numel, step)]
+    for task in tasks:
+        task.result()  # raises the first failure (a non-finite weight, say)
+    return data, scales, tensor_scale, block_used

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .client import Client, _loads
 from .errors import InvalidArgumentError
 
-_NONFINITE = {"error": 1, "skip": 2, "ignore": 3}
+_NONFINITE = {"error": 1, "skip": 2, "ignore": 3, "guard": 4}
 _KINDS = ("adamw", "adam")
 
 

@@ -26,13 +26,15 @@ from .blocks import has_forward
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hook_clock import HookClock
 from .host_optimizer import HostOptimizer, ParameterSpec
+from .nonfinite_guard import DeviceGuard
 from .staged_adamw import StagedAdamW
 from .weak_hooks import weak_hook
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, torch.float32: torch.float32,
                  torch.bfloat16: torch.bfloat16}
-NONFINITE = ("ignore", "skip", "error")
+# "guard" (the default): see nonfinite_guard.py and the daemon's NONFINITE_GUARD.
+NONFINITE = ("guard", "ignore", "skip", "error")
 GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                    "bf16": torch.bfloat16, torch.float32: torch.float32,
                    torch.bfloat16: torch.bfloat16}
@@ -55,7 +57,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     Keyword options: ``moment_dtype`` (``"float32"``, ``"bfloat16"``), ``max_grad_norm``
     (global-norm clipping inside the optimizer), ``compute_grad_norm`` (report it without
     clipping, in ``last_grad_norm``), ``accumulation_steps`` (backward passes per ``step()``),
-    ``nonfinite`` (``"ignore"``, ``"skip"``, ``"error"``), ``client`` (default:
+    ``nonfinite`` (``"guard"``: a step stops updating at its first non-finite gradient value
+    and says so; ``"ignore"``, ``"skip"``, ``"error"``), ``client`` (default:
     :func:`trainstream.connect`), ``job_id``, ``rank``, ``world_size``, ``names`` (a dict from
     parameter to name, for messages and checkpoints).
     """
@@ -64,7 +67,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, kind: str = "adamw",
                  moment_dtype: Any = "float32", max_grad_norm: float | None = None,
                  compute_grad_norm: bool = False, accumulation_steps: int = 1,
-                 nonfinite: str = "ignore", client: Any = None, job_id: str = "",
+                 nonfinite: str = "guard", client: Any = None, job_id: str = "",
                  rank: int = 0, world_size: int = 1, names: dict | None = None,
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
                  on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
@@ -142,6 +145,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._max_grad_norm = float(max_grad_norm or 0.0)
         self._nonfinite = nonfinite
+        self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
         self._pushed = [_group(g) for g in self.param_groups]
         self._backwards = [0] * len(self._params)
         self._grads_this_iteration = 0  # gradients landed since the last step()
@@ -382,7 +386,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._reports_norm:
             return ("max_grad_norm and compute_grad_norm need every gradient's norm in one "
                     "place, the daemon")
-        if self._nonfinite != "ignore":
+        if self._nonfinite in ("skip", "error"):
             return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
                     "before any update")
         if self._moment_dtype != torch.float32:
@@ -448,7 +452,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if arriving_held:
             self._moments_from_daemon(self._device_optimizer, arriving_held)
         if staged and self._staged is None:
-            self._staged = StagedAdamW(self._params[0].device, self._kind)
+            guard = self._device_guard()
+            self._staged = StagedAdamW(self._params[0].device, self._kind,
+                                       found_inf=guard.found if guard is not None else None)
         for i in sorted(staged - self._staged_indices):
             self._staged.set_steps(i, self._params[i].numel(), steps[i])
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
@@ -513,24 +519,50 @@ class OffloadAdamW(torch.optim.Optimizer):
         cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
         return cls(groups, fused=True)
 
+    def _device_guard(self) -> DeviceGuard | None:
+        """nonfinite="guard" on the GPU (nonfinite_guard.py): made at the first update there."""
+        if self._nonfinite != "guard" or not self._cuda:
+            return None
+        if self._guard is None:
+            self._guard = DeviceGuard(self._params[0].device)
+        return self._guard
+
+    def _say_guarded(self, where: str) -> None:
+        """A step that stopped at a non-finite gradient value: an event and a warning."""
+        message = (f"step {self.steps}: non-finite gradient values; {where} nothing of the step "
+                   "was applied from the first of them on (nonfinite='guard'; 'ignore' applies "
+                   "them, 'skip' checks every gradient before any update)")
+        self._on_decision("optimizer.nonfinite", message, step=self.steps)
+        warnings.warn(f"trainstream: {message}", stacklevel=3)
+
     def _step_on_device(self) -> None:
         """Updates the parameters whose state lives in VRAM (queued on the current stream), with
         the groups' hyper-parameters as they are now (a scheduler's lr)."""
+        guard = self._device_guard() if (self._staged is not None
+                                         or self._device_optimizer is not None) else None
+        if guard is not None and guard.last_step_found():
+            self._say_guarded("among the parameters updated on the GPU,")
         if self._staged is not None:
             current = cuda_streams.current(self._device_index)
             self._staged.flush(current)
             self._staged.join(current)  # the next forward reads their new weights
         optimizer = self._device_optimizer
-        if optimizer is None:
-            return
-        for g, k in zip(optimizer.param_groups, self._device_groups):
-            g.update(_torch_group(self.param_groups[k]))
-        # A forward under inference_mode may complete the iteration (_settle_updates): the
-        # moments torch creates on a first update must still be ordinary tensors.
-        with torch.inference_mode(False):
-            optimizer.step()
-        for i in self._device_indices:
-            self._params[i].grad = None  # no gradient stays in VRAM past step()
+        if optimizer is not None:
+            for g, k in zip(optimizer.param_groups, self._device_groups):
+                g.update(_torch_group(self.param_groups[k]))
+            if guard is not None:
+                # After the staged chunks' checks (joined above): one flag for the step.
+                guard.check([self._params[i].grad for i in
+                             self._device_indices - self._staged_indices])
+                optimizer.found_inf = guard.found  # torch's fused AdamW reads it
+            # A forward under inference_mode may complete the iteration (_settle_updates): the
+            # moments torch creates on a first update must still be ordinary tensors.
+            with torch.inference_mode(False):
+                optimizer.step()
+            for i in self._device_indices:
+                self._params[i].grad = None  # no gradient stays in VRAM past step()
+        if guard is not None:
+            guard.end_step()
 
     def _moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
                              ) -> None:
@@ -773,7 +805,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                 norm = torch.nn.utils.clip_grad_norm_(self._params,
                                                       self._max_grad_norm or float("inf"))
                 self.last_grad_norm = float(norm)
+            guard = self._device_guard()
+            if guard is not None:
+                if guard.last_step_found():
+                    self._say_guarded("")
+                guard.check([p.grad for p in self._params])
+                self._gpu_optimizer.found_inf = guard.found  # torch's fused AdamW reads it
             self._gpu_optimizer.step()
+            if guard is not None:
+                guard.end_step()
             self._steps_on_gpu += 1
             if self._adaptive is not None:
                 self._adaptive.after_step()  # the watchdog still reads every step's peak
@@ -828,6 +868,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Queued on the GPU before waiting for the host's updates: the two overlap.
         self._step_on_device()
         result = self._host.wait()
+        if result["skipped"] and self._nonfinite == "guard":
+            self._say_guarded("in trainstreamd's pass (tsctl events has the count),")
         # Every update of this step is on its way back (the router enqueued each copy before
         # passing its notice on): the next forward of each module waits again.
         self._waited_modules.clear()
@@ -872,7 +914,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                               "optimizer stays in trainstreamd, where they are updated",
                               parameters=numel)
             return
-        if self._nonfinite != "ignore":
+        if self._nonfinite in ("skip", "error"):
             self._on_decision("wrap.offload", f"nonfinite={self._nonfinite!r}: the optimizer "
                               "stays in trainstreamd, which checks every gradient before a step",
                               parameters=numel)

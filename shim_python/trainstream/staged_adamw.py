@@ -49,8 +49,14 @@ class StagedAdamW:
     """The pipeline for one optimizer's staged parameters (see the module's text)."""
 
     def __init__(self, device: torch.device, kind: str = "adamw",
-                 slot_elements: int = SLOT_ELEMENTS, slots: int = SLOTS):
+                 slot_elements: int = SLOT_ELEMENTS, slots: int = SLOTS,
+                 found_inf: torch.Tensor | None = None):
         self._update = torch._fused_adamw_ if kind == "adamw" else torch._fused_adam_
+        # nonfinite="guard" (nonfinite_guard.py): the step's flag on the device; each chunk's
+        # gradients set it, and no chunk is applied once it is set.
+        self._found_inf = found_inf
+        self._one = (torch.ones((), dtype=torch.float32, device=device)
+                     if found_inf is not None else None)
         self._device = device
         self._slot_elements = int(slot_elements)
         self._up = torch.cuda.Stream(device)    # moments to the GPU
@@ -140,6 +146,9 @@ class StagedAdamW:
         self._down.wait_event(loaded)
         self._down.wait_stream(producer)
         with torch.cuda.stream(self._down):
+            if self._found_inf is not None:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf,
+                                                                 self._one)
             by_hyper: dict[tuple, list[int]] = {}
             for j, piece in enumerate(pieces):
                 by_hyper.setdefault(piece.hyper, []).append(j)
@@ -149,7 +158,9 @@ class StagedAdamW:
                 self._update([pieces[j].weight for j in js], [grads[j] for j in js],
                              [avgs[j] for j in js], [avg_sqs[j] for j in js], [], steps,
                              lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                             eps=eps, amsgrad=False, maximize=False)
+                             eps=eps, amsgrad=False, maximize=False, found_inf=self._found_inf)
+                if self._found_inf is not None:  # a skipped update took no step
+                    torch._foreach_sub_(steps, [self._found_inf] * len(steps))
             for piece, avg, avg_sq in zip(pieces, avgs, avg_sqs):
                 piece.exp_avg.copy_(avg, non_blocking=True)
                 piece.exp_avg_sq.copy_(avg_sq, non_blocking=True)

@@ -236,7 +236,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
-              "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "ignore",
+              "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "guard",
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
               "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",

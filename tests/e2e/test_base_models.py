@@ -341,3 +341,24 @@ def test_load_model_builds_a_hugging_face_lm_over_the_shared_base(client, tmp_pa
     if fmt is not None:
         quantized = [n for n, t in base.tensors.items() if t.stored == fmt]
         assert quantized and all(".layers." in n for n in quantized)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_quantize_model_writes_the_reference_quantizers_bytes(fmt):
+    """quantize_model() quantizes in chunks on every core, straight into the layer's buffers:
+    byte for byte what the daemon's reference quantizer makes of the whole tensor, for a layer
+    of several chunks whose size is no multiple of a block."""
+    from trainstream import _trainstream
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(2100, 2047, bias=False),
+                              torch.nn.Linear(7, 13)).requires_grad_(False)
+    weights = [m.weight.detach().clone() for m in net]
+    trainstream.quantize_model(net, fmt)
+    for layer, w in zip(net, weights):
+        data, scales, tensor_scale, block = _trainstream.quantize_reference(
+            fmt, 0, w.float().contiguous().numpy().tobytes())
+        assert layer.data.numpy().tobytes() == data
+        assert layer.scales.numpy().tobytes() == scales
+        assert layer.stored.tensor_scale == pytest.approx(tensor_scale, rel=0, abs=0)
+        assert layer.stored.block == block

@@ -101,13 +101,16 @@ def test_refused_wrap_gives_use_cache_back():
 
 # -- on a GPU, under a VRAM cap ---------------------------------------------------------------
 
-GPU_CASES = [("small-qwen2", "full"), ("small-llama", "full"), ("small-phi3", "lora"),
-             ("small-qwen2", "lora")]
+# (preset, tune, bf16 autocast): the tied Qwen2 head fully fine-tuned in fp32 without autocast
+# is the case whose loss went NaN on the H200 (bench/README.md).
+GPU_CASES = [("small-qwen2", "full", 1), ("small-qwen2", "full", 0), ("small-llama", "full", 1),
+             ("small-phi3", "lora", 0), ("small-qwen2", "lora", 0)]
 
 
-def _run(preset, tune, engine, cap_gib=0.0, steps=60):
+def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1):
     cmd = [sys.executable, os.path.join(HERE, "..", "models", "hf_run.py"), "--preset", preset,
-           "--tune", tune, "--engine", engine, "--cap-gib", str(cap_gib), "--steps", str(steps)]
+           "--tune", tune, "--engine", engine, "--cap-gib", str(cap_gib), "--steps", str(steps),
+           "--autocast", str(autocast)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0 and lines, result.stderr[-3000:]
@@ -115,8 +118,8 @@ def _run(preset, tune, engine, cap_gib=0.0, steps=60):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset,tune", GPU_CASES)
-def test_capped_hf_model_trains_like_stock(preset, tune):
+@pytest.mark.parametrize("preset,tune,autocast", GPU_CASES)
+def test_capped_hf_model_trains_like_stock(preset, tune, autocast):
     """Under a cap at 45% of what stock PyTorch reserves, wrap()'s defaults train 60 steps
     through every transition of the plan: no out-of-memory error, no non-finite loss, every
     step's reserved peak under the cap, the plan settled within 12 steps, no VRAM held between
@@ -124,18 +127,18 @@ def test_capped_hf_model_trains_like_stock(preset, tune):
     (fused and foreach, on the same batches) differ by under bf16 autocast."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    stock = _run(preset, tune, "stock")
-    other = _run(preset, tune, "stock_foreach")
+    stock = _run(preset, tune, "stock", autocast=autocast)
+    other = _run(preset, tune, "stock_foreach", autocast=autocast)
     assert stock["error"] is None and other["error"] is None
     noise = max(abs(a - b) for a, b in zip(stock["losses"], other["losses"]))
     cap = 0.45 * max(stock["peak_reserved"]) / 2**30
-    ours = _run(preset, tune, "wrap", cap_gib=cap)
+    ours = _run(preset, tune, "wrap", cap_gib=cap, autocast=autocast)
     assert ours["error"] is None, (ours["error"], ours.get("events"))
     assert ours["nonfinite"] == 0, ours["losses"]
     assert max(ours["peak_reserved"]) <= cap * 2**30
     assert ours["settled_at"] is not None and ours["settled_at"] <= 12, ours.get("events")
     held = ours["held"]
     assert max(held[12:]) - held[12] < 64 << 20, held
-    tolerance = max(5 * noise, 0.02)
+    tolerance = max(5 * noise, 0.02 if autocast else 2e-3)
     diff = max(abs(a - b) for a, b in zip(stock["losses"], ours["losses"]))
     assert diff <= tolerance, (diff, tolerance, stock["losses"], ours["losses"])
