@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "ipc/socket_trust.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::ipc {
@@ -57,6 +58,10 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, int type, mode_t mo
     }
     // The directory lets through whoever the socket's mode lets in.
     ::chmod(dir.c_str(), 0700 | ((mode & 0070) ? 0050 : 0) | ((mode & 0007) ? 0005 : 0));
+  } else if (!dir.empty()) {
+    // A directory that was there already must be ours (or root's) and not open to others'
+    // writes: another user may have made it to catch our clients.
+    RETURN_IF_ERROR(CheckSocketDirectory(path, {::getuid(), 0}));
   }
   if (::access(path.c_str(), F_OK) == 0) {
     absl::StatusOr<UniqueFd> probe = ConnectUnix(path, type);

@@ -21,6 +21,7 @@
 #include "gpu_pool_mapping.h"
 #include "ipc/doorbell_ring.h"
 #include "ipc/fd_passing.h"
+#include "ipc/socket_trust.h"
 #include "ipc/unix_socket.h"
 #include "mapped_segment.h"
 #include "trainstream/client.h"
@@ -39,6 +40,9 @@ class Session::Impl {
   ~Impl() { Close().IgnoreError(); }
 
   absl::Status Open() {
+    // Nothing is sent to a daemon before we know who runs it (ipc/socket_trust.h).
+    const std::vector<uid_t> trusted = ipc::TrustedDaemonUids();
+    RETURN_IF_ERROR(ipc::VerifyDaemonSocket(channel_.socket_path()));
     v1::OpenSessionRequest request;
     request.set_job_id(options_.job_id);
     request.set_rank(options_.rank);
@@ -50,7 +54,9 @@ class Session::Impl {
         [&](grpc::ClientContext* c) { return channel_.stub().OpenSession(c, request, &reply); }));
     id_ = reply.session_id();
     lease_ = absl::Milliseconds(reply.lease_ms());
+    RETURN_IF_ERROR(ipc::CheckSocketDirectory(reply.data_socket_path(), trusted));
     ASSIGN_OR_RETURN(data_, ipc::ConnectUnix(reply.data_socket_path(), SOCK_SEQPACKET));
+    RETURN_IF_ERROR(ipc::CheckPeerIsTrusted(data_.get(), reply.data_socket_path(), trusted));
     v1::DataRequest attach;
     attach.mutable_attach()->set_session_id(id_);
     attach.mutable_attach()->set_attach_token(reply.attach_token());
