@@ -92,7 +92,8 @@ absl::Status Daemon::Start() {
                                 DoorbellChannel&) { optimizers_->OnReduced(session, message); });
   ASSIGN_OR_RETURN(data_server_,
                    DataChannelServer::Create({options_.data_socket_path, options_.socket_mode,
-                                              options_.admin_group},
+                                              options_.admin_group,
+                                              options_.max_connections_per_uid},
                                              sessions_.get(), arena_.get(), doorbells_.get(),
                                              events_.get(), bases_.get(), gpu_pools_.get()));
 
@@ -120,7 +121,7 @@ absl::Status Daemon::Start() {
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
                        [this](const PeerCredentials& peer) { return servers_->ServerFor(peer); },
-                       credentials_.get()));
+                       credentials_.get(), options_.max_connections_per_uid, events_.get()));
   housekeeping_ = std::thread([this] { Housekeeping(); });
   started_ = true;
   events_->Emit("daemon.start",

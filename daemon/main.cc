@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <thread>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
@@ -58,6 +59,12 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  // Every client holds a control and a data connection: the descriptor limit is raised to what
+  // the system allows (max_connections_per_uid keeps one user from taking them all).
+  if (rlimit files{}; ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+  }
 
   auto daemon = trainstream::daemon::Daemon::Create(*options);
   if (!daemon.ok()) {

@@ -127,6 +127,9 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   options.log_level = flags.log_level.value_or(
       config.log_level().empty() ? "info" : config.log_level());
   options.admin_group = config.admin_group();
+  if (config.max_connections_per_uid() != 0) {
+    options.max_connections_per_uid = config.max_connections_per_uid();
+  }
   uint32_t lease_ms = flags.lease_ms.value_or(config.lease_ms() == 0 ? 10000 : config.lease_ms());
   if (lease_ms < 100) return absl::InvalidArgumentError("lease_ms must be at least 100");
   options.lease = absl::Milliseconds(lease_ms);

@@ -30,6 +30,7 @@ struct DaemonOptions {
   bool optimizer_pin_threads = true;
   absl::Duration base_keep_warm = absl::Minutes(5);
   std::string gpu_pool_export = "auto";  // or "legacy_ipc"
+  uint32_t max_connections_per_uid = 256;  // each socket; root and the admin group uncapped
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.

@@ -8,9 +8,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "ipc/fd_passing.h"
 #include "ipc/unix_socket.h"
 #include "ipc/event_signal.h"
@@ -68,7 +71,8 @@ DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd liste
       doorbells_(doorbells),
       events_(events),
       bases_(bases),
-      gpu_pools_(gpu_pools) {
+      gpu_pools_(gpu_pools),
+      limit_(options.max_connections_per_uid) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -123,14 +127,40 @@ void DataChannelServer::Loop() {
 }
 
 void DataChannelServer::Accept() {
-  ipc::UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-  if (!fd.valid()) return;
+  ipc::Acceptor::Result accepted = acceptor_.Accept(listener_.get(), SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (accepted.outcome != ipc::Acceptor::Outcome::kAccepted) {
+    if (accepted.outcome != ipc::Acceptor::Outcome::kNothing &&
+        absl::Now() - last_shed_ > absl::Seconds(10)) {
+      last_shed_ = absl::Now();
+      events_->Emit("daemon.descriptors_exhausted",
+                    absl::StrCat("the data socket could not accept a connection (",
+                                 std::strerror(accepted.error), "); it was closed at once"));
+    }
+    if (accepted.outcome == ipc::Acceptor::Outcome::kFailed) absl::SleepFor(absl::Milliseconds(50));
+    return;
+  }
+  ipc::UniqueFd fd = std::move(accepted.fd);
   absl::StatusOr<PeerCredentials> peer = ReadPeerCredentials(fd.get(), options_.admin_group);
   if (!peer.ok()) return;
+  if (!limit_.Admit(*peer, fd.get())) {
+    absl::Time& last = last_refusal_[peer->uid];
+    if (absl::Now() - last > absl::Seconds(10)) {
+      last = absl::Now();
+      events_->Emit("daemon.connections_refused",
+                    absl::StrFormat("uid %d has %d data connections open, the most one user may "
+                                    "(max_connections_per_uid); new ones are closed at once",
+                                    peer->uid, limit_.per_uid()),
+                    {{"limit", static_cast<double>(limit_.per_uid())}}, "", peer->uid);
+    }
+    return;
+  }
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.u64 = static_cast<uint64_t>(fd.get());
-  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd.get(), &ev) != 0) return;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd.get(), &ev) != 0) {
+    limit_.Release(fd.get());
+    return;
+  }
   absl::MutexLock lock(&mu_);
   int raw = fd.get();
   connections_[raw] = Connection{std::move(fd), *peer, nullptr};
@@ -143,6 +173,7 @@ void DataChannelServer::Close(int fd) {
     auto it = connections_.find(fd);
     if (it == connections_.end()) return;
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+    limit_.Release(fd);
     session = it->second.session;
     connections_.erase(it);
   }

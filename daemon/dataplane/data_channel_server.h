@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "arena/arena.h"
@@ -15,6 +17,8 @@
 #include "doorbell/doorbell_dispatcher.h"
 #include "events/event_log.h"
 #include "gpu/gpu_pools.h"
+#include "ipc/accept.h"
+#include "sessions/connection_limit.h"
 #include "ipc/unique_fd.h"
 #include "sessions/session_registry.h"
 
@@ -32,6 +36,7 @@ class DataChannelServer {
     std::string socket_path;
     mode_t socket_mode = 0600;
     std::string admin_group;
+    uint32_t max_connections_per_uid = 0;  // 0: no cap (root and the admin group never have one)
   };
   static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
       const Options& options, SessionRegistry* registry, Arena* arena,
@@ -71,6 +76,10 @@ class DataChannelServer {
   GpuPools* const gpu_pools_;  // pools' handles, for the sessions that imported them
   absl::Mutex mu_;
   std::map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);
+  ConnectionLimit limit_;
+  ipc::Acceptor acceptor_;  // the loop thread's only
+  absl::flat_hash_map<uid_t, absl::Time> last_refusal_;  // the loop thread's only
+  absl::Time last_shed_ = absl::InfinitePast();
   std::thread thread_;
 };
 

@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Descriptor floods: one user opening connections without end once took the daemon to 20,000
+descriptors, after which its accept loops spun and root's tsctl got no answer. Now a uid holds
+at most max_connections_per_uid connections on each socket (root and the admin group are never
+capped), and a daemon out of descriptors closes what it cannot take instead of spinning.
+Needs root to act as the second user."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+OTHER = "tstest-flood"
+CAP = 12
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root")
+
+FLOOD = textwrap.dedent("""
+    import json, socket, sys, time
+    path, count = sys.argv[1], int(sys.argv[2])
+    held = {"control": [], "data": []}
+    for kind, target, type_ in (("control", path, socket.SOCK_STREAM),
+                                ("data", path + ".data", socket.SOCK_SEQPACKET)):
+        for _ in range(count):
+            s = socket.socket(socket.AF_UNIX, type_)
+            s.settimeout(5)  # a daemon that stopped accepting would leave connect() waiting
+            try:
+                s.connect(target)
+            except OSError:
+                continue
+            s.setblocking(True)
+            held[kind].append(s)
+    time.sleep(1.0)  # the daemon has accepted (and closed what it refuses) by now
+    def still_open(s):
+        try:
+            return s.recv(4096, socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    print(json.dumps({k: sum(still_open(s) for s in v) for k, v in held.items()}), flush=True)
+    sys.stdin.readline()  # held until the test has looked
+""")
+
+
+@pytest.fixture(scope="module")
+def other_user():
+    try:
+        return pwd.getpwnam(OTHER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        OTHER], check=True)
+        return pwd.getpwnam(OTHER)
+
+
+def _daemon(binary, files_limit=None):
+    directory = tempfile.mkdtemp(prefix="ts-flood-")
+    os.chmod(directory, 0o755)
+    socket = os.path.join(directory, "d.sock")
+    config = os.path.join(directory, "d.conf")
+    with open(config, "w") as f:
+        f.write(f'socket_mode: "0666"\ndrain_timeout_s: 1\nmax_connections_per_uid: {CAP}\n')
+
+    def limit():
+        if files_limit:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files_limit, files_limit))
+
+    daemon = subprocess.Popen([binary, f"--socket={socket}", f"--config={config}"],
+                              preexec_fn=limit, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(socket + ".data"):
+        assert daemon.poll() is None and time.monotonic() < deadline, daemon.stdout.read()
+        time.sleep(0.02)
+    return daemon, socket, directory
+
+
+def _fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tsctl_status(tsctl, socket):
+    return subprocess.run([tsctl, f"--socket={socket}", "--json", "status"], capture_output=True,
+                          text=True, timeout=10)
+
+
+def test_one_user_cannot_take_the_daemons_descriptors(trainstreamd_binary, tsctl_binary,
+                                                      other_user):
+    daemon, socket, directory = _daemon(trainstreamd_binary)
+    flood = None
+    try:
+        baseline = _fds(daemon.pid)
+        user = other_user
+
+        def drop():
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, socket, str(5 * CAP)],
+                                 preexec_fn=drop, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        held = json.loads(flood.stdout.readline())
+        assert held == {"control": CAP, "data": CAP}, held
+        assert _fds(daemon.pid) <= baseline + 2 * CAP + 8
+        status = _tsctl_status(tsctl_binary, socket)  # root is never capped
+        assert status.returncode == 0, status.stderr
+        events = subprocess.run([tsctl_binary, f"--socket={socket}", "--json", "events"],
+                                capture_output=True, text=True, timeout=10).stdout
+        assert "daemon.connections_refused" in events
+        flood.stdin.write("done\n")
+        flood.stdin.flush()
+        flood.wait(10)
+        # Their connections closed, the user connects again.
+        again = subprocess.Popen([sys.executable, "-c", FLOOD, socket, "2"], preexec_fn=drop,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(again.stdout.readline()) == {"control": 2, "data": 2}
+        again.stdin.write("done\n")
+        again.stdin.flush()
+        again.wait(10)
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_out_of_descriptors_the_daemon_sheds_instead_of_spinning(trainstreamd_binary,
+                                                                 tsctl_binary):
+    """Root is never capped, so root's flood meets the descriptor limit itself (set low here):
+    connections beyond it are closed at once, the daemon's CPU stays idle, and it answers again
+    once the flood is gone."""
+    daemon, socket, directory = _daemon(trainstreamd_binary, files_limit=128)
+    flood = None
+    try:
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, socket, "150"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        held = json.loads(flood.stdout.readline())
+        assert held["control"] + held["data"] < 300  # some were shed
+        before = _cpu_seconds(daemon.pid)
+        time.sleep(2.0)
+        assert _cpu_seconds(daemon.pid) - before < 0.5  # no spin (it was 191% of a core)
+        flood.stdin.write("done\n")
+        flood.stdin.flush()
+        flood.wait(10)
+        time.sleep(0.5)
+        status = _tsctl_status(tsctl_binary, socket)
+        assert status.returncode == 0, status.stderr
+        assert daemon.poll() is None
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
