@@ -60,7 +60,14 @@ absl::Status Daemon::Start() {
       });
   ASSIGN_OR_RETURN(doorbells_,
                    DoorbellDispatcher::Create([this](const std::string& id, const std::string& why) {
-                     events_->Emit("doorbell.protocol_error", why, {}, id);
+                     // The owner's event: another user must not learn the session's id. One
+                     // whose owner is gone already is the administrators' (root's) alone.
+                     PeerCredentials daemon_itself = OwnCredentials();
+                     daemon_itself.admin = true;
+                     absl::StatusOr<std::shared_ptr<const Session>> session =
+                         sessions_->Get(daemon_itself, id);
+                     events_->Emit("doorbell.protocol_error", why, {}, id,
+                                   session.ok() ? (*session)->owner.uid : uid_t{0});
                      sessions_->End(id, SessionEnd::kProtocolError).IgnoreError();
                    }));
   OptimizerRegistry::Options optimizer_options;

@@ -2,11 +2,14 @@
 #include "optimizer/checkpoint.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -97,6 +100,33 @@ const google::protobuf::Value* Field(const google::protobuf::Struct& s, const st
 
 }  // namespace
 
+namespace {
+
+// A daemon killed mid-save leaves its temporary (`<path>.tmp-<pid>-<16 hex digits>`) behind,
+// up to the checkpoint's size: the next save to that path removes those whose writer is gone.
+void RemoveAbandonedTemporaries(const std::string& path) {
+  const std::filesystem::path target(path);
+  const std::string prefix = target.filename().string() + ".tmp-";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(target.parent_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || !entry.is_regular_file(ec)) continue;
+    const std::string rest = name.substr(prefix.size());  // <pid>-<hex>
+    const size_t dash = rest.find('-');
+    if (dash == std::string::npos || rest.size() - dash - 1 != 16) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(rest.c_str(), &end, 10);
+    if (end != rest.c_str() + dash || pid <= 0) continue;
+    if (rest.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) continue;
+    if (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) {
+      continue;  // a save in progress, here or in a live process
+    }
+    std::filesystem::remove(entry.path(), ec);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
                                          const CheckpointContents& contents) {
   if (path.empty() || path[0] != '/') {
@@ -116,6 +146,7 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
   }
   header += "}";
   header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
+  RemoveAbandonedTemporaries(path);
 
   // Unique beside concurrent writers of the same path; the pid alone would do within one daemon.
   uint64_t random = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
@@ -184,23 +215,38 @@ absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
   CheckpointContents out;
   out.job_id = expected.job_id;
   out.settings = expected.settings;
-  const google::protobuf::Value* iteration = Field(meta, "iteration");
-  out.iteration = iteration ? static_cast<uint64_t>(iteration->number_value()) : 0;
+  // Counts in the metadata are JSON numbers (doubles): each must be a whole number a uint64
+  // holds exactly, or the file is refused (a -1 once loaded as step 18446744073709551615).
+  auto count = [&](const google::protobuf::Value* v, const char* what,
+                   uint64_t* out_value) -> absl::Status {
+    if (v == nullptr) {
+      *out_value = 0;
+      return absl::OkStatus();
+    }
+    const double x = v->number_value();
+    if (v->kind_case() != google::protobuf::Value::kNumberValue || !(x >= 0) ||
+        x > 9007199254740992.0 || x != std::floor(x)) {
+      return bad(absl::StrCat(what, " is not a count (", v->DebugString(), ")"));
+    }
+    *out_value = static_cast<uint64_t>(x);
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(count(Field(meta, "iteration"), "the iteration", &out.iteration));
   for (int i = 0; i < params->list_value().values_size(); ++i) {
     const google::protobuf::Struct& p = params->list_value().values(i).struct_value();
     const CheckpointParameter& want = expected.params[i];
     const google::protobuf::Value* name = Field(p, "name");
     const google::protobuf::Value* numel = Field(p, "numel");
-    const google::protobuf::Value* step = Field(p, "step");
+    uint64_t elements = 0, step = 0;
+    RETURN_IF_ERROR(count(Field(p, "numel"), "a parameter's element count", &elements));
+    RETURN_IF_ERROR(count(Field(p, "step"), "a parameter's step", &step));
     if (!name || !numel || name->string_value() != want.desc.name ||
-        static_cast<uint64_t>(numel->number_value()) != want.desc.numel) {
+        elements != want.desc.numel) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "checkpoint %s: parameter %d is '%s' with %d elements; the job has '%s' with %d", path,
-          i, name ? name->string_value() : "?",
-          numel ? static_cast<uint64_t>(numel->number_value()) : 0, want.desc.name,
-          want.desc.numel));
+          i, name ? name->string_value() : "?", elements, want.desc.name, want.desc.numel));
     }
-    out.params.push_back({want.desc, step ? static_cast<uint64_t>(step->number_value()) : 0});
+    out.params.push_back({want.desc, step});
   }
   for (const CheckpointArray& a : expected.arrays) {
     const SafetensorsTensor* t = file->Find(a.name);
