@@ -30,7 +30,7 @@ grpc::Status TrainStreamService::ReportEvent(grpc::ServerContext* context,
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
   if (!session.ok()) return ToGrpcStatus(session.status());
-  absl::Status admitted = reported_events_.Admit((*session)->id, absl::Now());
+  absl::Status admitted = reported_events_.Admit((*session)->owner.uid, absl::Now());
   if (!admitted.ok()) return ToGrpcStatus(admitted);
   reply->set_seq(events_->Emit("client." + request->kind(), request->message(),
                                std::move(numbers), (*session)->id, (*session)->owner.uid));

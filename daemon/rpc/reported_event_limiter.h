@@ -4,6 +4,8 @@
 #ifndef TRAINSTREAM_DAEMON_RPC_REPORTED_EVENT_LIMITER_H_
 #define TRAINSTREAM_DAEMON_RPC_REPORTED_EVENT_LIMITER_H_
 
+#include <sys/types.h>
+
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -18,9 +20,10 @@ class ReportedEventLimiter {
  public:
   explicit ReportedEventLimiter(int per_minute) : per_minute_(per_minute) {}
 
-  // OK and counts the event, or RESOURCE_EXHAUSTED once `session_id` has reported
-  // `per_minute` events in the current minute.
-  absl::Status Admit(const std::string& session_id, absl::Time now);
+  // OK and counts the event, or RESOURCE_EXHAUSTED once `uid` has reported `per_minute` events
+  // in the current minute, from all its sessions together: one user opening many sessions
+  // cannot push everyone else's events out of the ring.
+  absl::Status Admit(uid_t uid, absl::Time now);
 
  private:
   struct Window {
@@ -29,7 +32,7 @@ class ReportedEventLimiter {
   };
   const int per_minute_;
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uid_t, Window> windows_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace trainstream::daemon

@@ -143,3 +143,17 @@ def test_doorbell_round_trip(daemon):
         client.ring(77, id=5)  # nobody handles kind 77: the daemon answers with an error
         notice = client.wait(2000)
         assert notice.kind == trainstream.client.ERROR and notice.id == 5 and notice.value == 3
+
+
+def test_reported_events_are_limited_per_user_not_per_session(daemon):
+    """30 sessions of one user once filled the 4,096-event ring in 3 s: the limit (600 a
+    minute) now counts every session of a uid together."""
+    sessions = [trainstream.connect(daemon.socket) for _ in range(3)]
+    try:
+        for i in range(600):
+            sessions[i % 2].report_event("flood", "x")
+        with pytest.raises(trainstream.ResourceExhaustedError, match="from all its sessions"):
+            sessions[2].report_event("flood", "one more, from a session that sent none")
+    finally:
+        for s in sessions:
+            s.close()

@@ -112,7 +112,8 @@ def test_reported_events_land_in_the_log_and_are_rate_limited(stub, pb, session_
     assert (mine.kind, mine.message, mine.session_id) == ("client.wrap.offload",
                                                           "kept on the host", session_id)
     assert dict(mine.numbers) == {"a": 1.0, "b": 2.0}
-    # A session that reports too many events in a minute is told so; others are unaffected.
+    # A user whose sessions report too many events in a minute is told so, from every one of
+    # them (one user's many sessions cannot push everyone else's events out of the ring).
     refused = None
     for i in range(700):
         try:
@@ -123,4 +124,7 @@ def test_reported_events_land_in_the_log_and_are_rate_limited(stub, pb, session_
     assert refused is not None and refused[0] == 599, refused
     assert refused[1] == grpc.StatusCode.RESOURCE_EXHAUSTED and "600 events" in refused[2]
     other = stub.OpenSession(pb.OpenSessionRequest(job_id="v", pid=os.getpid())).session_id
-    assert stub.ReportEvent(pb.ReportEventRequest(session_id=other, kind="fine")).seq > 0
+    with pytest.raises(grpc.RpcError) as again:
+        stub.ReportEvent(pb.ReportEventRequest(session_id=other, kind="also"))
+    assert again.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "from all its sessions" in again.value.details()
