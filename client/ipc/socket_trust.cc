@@ -24,7 +24,9 @@ constexpr char kServiceUser[] = "trainstream";
 std::string Who(const std::vector<uid_t>& trusted) {
   std::string out = absl::StrCat("you (uid ", ::getuid(), "), root");
   for (uid_t uid : trusted) {
-    if (uid != ::getuid() && uid != 0) absl::StrAppend(&out, " or the ", kServiceUser, " service (uid ", uid, ")");
+    if (uid != ::getuid() && uid != 0) {
+      absl::StrAppend(&out, " or the ", kServiceUser, " service (uid ", uid, ")");
+    }
   }
   return out;
 }
@@ -87,7 +89,8 @@ absl::Status CheckPeerIsTrusted(int fd, const std::string& socket_path,
   ucred peer{};
   socklen_t size = sizeof(peer);
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &size) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("reading the credentials of ", socket_path, "'s daemon"));
+    return ErrnoStatus(errno,
+                       absl::StrCat("reading the credentials of ", socket_path, "'s daemon"));
   }
   if (!Trusted(peer.uid, trusted)) {
     return absl::PermissionDeniedError(absl::StrCat(

@@ -133,7 +133,8 @@ PYBIND11_MODULE(_trainstream, m) {
         ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
     return py::make_tuple(layout.data_bytes, layout.scale_bytes, layout.block);
   });
-  m.def("nvfp4_tensor_scale", [](float amax) { return trainstream::kernels::NvFp4TensorScale(amax); });
+  m.def("nvfp4_tensor_scale",
+        [](float amax) { return trainstream::kernels::NvFp4TensorScale(amax); });
   m.def("quantize_chunk", [](const std::string& format, int block, uint64_t numel, uint64_t first,
                              uint64_t n, uintptr_t values, float tensor_scale, uintptr_t data,
                              uintptr_t scales) {
@@ -141,7 +142,8 @@ PYBIND11_MODULE(_trainstream, m) {
     const k::QuantLayout layout =
         ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
     if (first % layout.block != 0 || first + n > numel) {
-      throw py::value_error("quantize_chunk: the chunk must start on a block and lie in the tensor");
+      throw py::value_error(
+          "quantize_chunk: the chunk must start on a block and lie in the tensor");
     }
     py::gil_scoped_release release;
     OkOrThrow(k::Quantize(layout, first, reinterpret_cast<const float*>(values), n, tensor_scale,

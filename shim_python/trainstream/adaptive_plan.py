@@ -290,12 +290,13 @@ class AdaptivePlan:
                 grew = self._largest_overshoot
             self.corrections += 1
             self.extra_working += grew
+            free_reserved = (torch.cuda.max_memory_reserved(self.device)
+                             - torch.cuda.max_memory_allocated(self.device))
             why = (f"step peak {size(peak)} is over the {size(self.budget)} budget by "
                    f"{size(peak - self.budget)}" if peak > self.budget else
                    f"the allocator reserved {size(fragmented)} more than this plan may "
                    f"(within {100 * _RESERVED_MARGIN:.0f}% of the process's limit; "
-                   f"{size(torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device))} "
-                   "of it free but reserved)")
+                   f"{size(free_reserved)} of it free but reserved)")
             self._say("plan.settling", f"{why}: planning again with {size(grew)} more working "
                       f"memory (correction {self.corrections} of at most "
                       f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,

@@ -58,7 +58,8 @@ def main() -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(args.autocast)):
                 loss = model(input_ids=x, labels=x).loss
             loss.backward()
-            allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            allocated = torch.cuda.max_memory_allocated()
+            reserved = torch.cuda.max_memory_reserved()
             opt.step()
             opt.zero_grad()
             out["losses"].append(loss.item())
