@@ -883,6 +883,13 @@ absl::Time JobOptimizer::last_activity() const {
   return last_activity_;
 }
 
+bool JobOptimizer::IdleFor(absl::Duration retention, absl::Time now) const {
+  if (!mu_.TryLock()) return false;
+  const bool idle = rank_sessions_.empty() && now - last_activity_ > retention;
+  mu_.Unlock();
+  return idle;
+}
+
 CheckpointContents JobOptimizer::ContentsLocked() const {
   CheckpointContents contents;
   contents.job_id = job_.job_id;

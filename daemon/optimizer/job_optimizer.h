@@ -115,6 +115,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   OptimizerReport Report() const;
   bool has_sessions() const;
   absl::Time last_activity() const;
+  // Whether no session has used the job for `retention` (at `now`). Never waits: a job whose
+  // lock is held (writing a checkpoint, say) is busy, not idle. The registry asks this under its
+  // own lock, which the doorbell thread needs for every job's gradients.
+  bool IdleFor(absl::Duration retention, absl::Time now) const;
 
  private:
   enum class Phase {

@@ -86,7 +86,9 @@ void OptimizerRegistry::ExpireIdle(absl::Time now) {
   {
     absl::MutexLock lock(&mu_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
-      if (!it->second->has_sessions() && now - it->second->last_activity() > options_.retention) {
+      // Never waits on a job (one writing a checkpoint holds its lock for the write): this
+      // thread holds the registry's lock, which every other job's gradients need.
+      if (it->second->IdleFor(options_.retention, now)) {
         expired.push_back(std::move(it->second));
         jobs_.erase(it++);
       } else {
