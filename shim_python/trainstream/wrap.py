@@ -270,6 +270,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
 
 
 def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list):
+    """wrap() once its options are checked and the model's key/value cache is off."""
     device = config["device"]
     current = next(iter({p.device for p in model.parameters()}))
     if device is None and current.type == "cpu" and torch.cuda.is_available():
