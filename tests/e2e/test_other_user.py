@@ -152,3 +152,47 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
         root_view = subprocess.run([tsctl_binary, f"--socket={d.socket}", "sessions", "--json"],
                                    capture_output=True, text=True, timeout=30)
         assert owner.session_id in root_view.stdout
+
+
+CORRUPT_OWN_RING = textwrap.dedent("""
+    import ctypes, os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    import trainstream
+    s = trainstream.connect(sys.argv[1], embedded=False)
+    print(s.session_id, flush=True)
+    # The to-daemon ring's head (ipc/doorbell_ring.cc: header, then its control block) jumps
+    # a million ahead, and the daemon is woken without a message: it sees an impossible index.
+    line = [l for l in open("/proc/self/maps") if "trainstream-doorbell" in l][0]
+    ctypes.c_uint64.from_address(int(line.split("-")[0], 16) + 64).value += 10**6
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]":
+                os.write(int(fd), (1).to_bytes(8, "little"))
+        except OSError:
+            pass
+    time.sleep(1.0)
+""")
+
+
+def test_a_protocol_error_is_the_sessions_owners_to_see(start_daemon, other_user, tsctl_binary):
+    """A session whose client breaks its doorbell ring is ended, and the event that says so
+    (doorbell.protocol_error, with the session's id) is its owner's: another user's tsctl
+    never shows it."""
+    d = start_daemon("--memory_budget=128M", socket_mode="0666")
+    package = os.path.dirname(os.path.dirname(trainstream.__file__))
+    broken = subprocess.run([sys.executable, "-c", CORRUPT_OWN_RING, d.socket, package],
+                            capture_output=True, text=True, timeout=60)
+    assert broken.returncode == 0, broken.stderr
+    session = broken.stdout.split()[0]
+
+    def events(**run):
+        out = subprocess.run([tsctl_binary, f"--socket={d.socket}", "--json", "events"],
+                             capture_output=True, text=True, timeout=30, **run)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+    mine = [e for e in events() if e["kind"] == "doorbell.protocol_error"]
+    assert [e["session_id"] for e in mine] == [session]
+    theirs = events(user=other_user)
+    assert not any(e["kind"] == "doorbell.protocol_error" for e in theirs)
+    assert all(e.get("session_id", "") != session for e in theirs)
