@@ -13,7 +13,22 @@ absl::Status ErrnoStatus(int error_number, absl::string_view context) {
     case ENOSPC:
     case EMFILE:
     case ENFILE:
+    case EDQUOT:
+    case EFBIG:
       return absl::ResourceExhaustedError(message);
+    // What is wrong with a path the caller named (a checkpoint's, a base's): the caller's to fix,
+    // not an internal error.
+    case ENOTDIR:
+    case EISDIR:
+    case ENAMETOOLONG:
+    case ELOOP:
+      return absl::InvalidArgumentError(message);
+    case EEXIST:
+      return absl::AlreadyExistsError(message);
+    case EROFS:
+    case EXDEV:
+    case ETXTBSY:
+      return absl::FailedPreconditionError(message);
     case EACCES:
     case EPERM:
       return absl::PermissionDeniedError(message);

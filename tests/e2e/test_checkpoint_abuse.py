@@ -77,3 +77,11 @@ def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
     assert os.path.exists(live) and os.path.exists(other)
     opt.load(path)  # the checkpoint itself is whole
     trainstream.unwrap(model)
+
+
+def test_a_path_the_caller_got_wrong_is_its_error_not_an_internal_one(tmp_path):
+    """Saving under a regular file (ENOTDIR) came back as INTERNAL."""
+    model, opt, path = _trained(tmp_path)
+    with pytest.raises(trainstream.InvalidArgumentError, match="Not a directory"):
+        opt.save(os.path.join(path, "inside-a-file.safetensors"))
+    trainstream.unwrap(model)
