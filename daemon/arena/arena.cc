@@ -345,6 +345,17 @@ uint64_t Arena::reserved_bytes() const {
   return reserved_ + retiring_;  // released segments are the daemon's until unmapped
 }
 
+ArenaUsage Arena::Totals() const {
+  absl::MutexLock lock(&mu_);
+  ArenaUsage usage;
+  usage.budget_bytes = options_.budget_bytes;
+  usage.uid_quota_bytes = options_.uid_quota_bytes;
+  usage.reserved_bytes = reserved_ + retiring_;
+  usage.committed_bytes = reserved_ + retiring_ + OutstandingPlansLocked(nullptr);
+  usage.segments = segments_.size();
+  return usage;
+}
+
 ArenaUsage Arena::Usage() const {
   absl::MutexLock lock(&mu_);
   ArenaUsage usage;

@@ -136,6 +136,10 @@ class Arena {
   absl::StatusOr<PlanOutcome> Plan(const JobKey& job, uint64_t bytes, absl::Duration wait);
 
   ArenaUsage Usage() const;
+  // Usage()'s totals alone (budget, quota, reserved, committed, segments), without its rows:
+  // no walk over the buffers under the lock that allocation needs (GetStatus once took 4 ms
+  // with 40,000 buffers, 0.2 ms with none).
+  ArenaUsage Totals() const;
   uint64_t reserved_bytes() const;
 
  private:

@@ -225,6 +225,13 @@ TEST(ArenaTest, UsageIsAccountedBySessionTagAndUid) {
   ASSERT_EQ(usage.by_uid.size(), 2u);
   EXPECT_EQ(usage.by_uid[0].bytes, 4 * kMiB);
   EXPECT_EQ(usage.reserved_bytes, 8 * kMiB);
+  // The totals alone (GetStatus's): the same numbers, none of the rows.
+  ArenaUsage totals = arena->Totals();
+  EXPECT_EQ(totals.budget_bytes, usage.budget_bytes);
+  EXPECT_EQ(totals.reserved_bytes, usage.reserved_bytes);
+  EXPECT_EQ(totals.committed_bytes, usage.committed_bytes);
+  EXPECT_EQ(totals.segments, usage.segments);
+  EXPECT_TRUE(totals.by_tag.empty() && totals.by_session.empty() && totals.by_uid.empty());
 }
 
 }  // namespace

@@ -229,7 +229,7 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   if (!planned.ok()) {
     arena_->ReleaseSession(base->job, base->owner);
     if (planned.status().code() != absl::StatusCode::kResourceExhausted) return planned.status();
-    const ArenaUsage usage = arena_->Usage();
+    const ArenaUsage usage = arena_->Totals();
     return absl::ResourceExhaustedError(absl::StrFormat(
         "base %s as %s needs %s of host memory; the daemon's budget is %s and jobs hold or "
         "planned %s of it. Use a smaller format (nf4 holds about a quarter of bf16, int8 about "

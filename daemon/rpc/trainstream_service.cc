@@ -217,7 +217,7 @@ grpc::Status TrainStreamService::GetStatus(grpc::ServerContext* context,
   reply->set_socket_path(facts_.socket_path);
   reply->set_draining(sessions_->draining());
   reply->set_sessions(static_cast<uint32_t>(sessions_->List(*caller).size()));
-  ArenaUsage usage = arena_->Usage();
+  ArenaUsage usage = arena_->Totals();
   reply->set_budget_bytes(usage.budget_bytes);
   reply->set_reserved_bytes(usage.reserved_bytes);
   reply->set_threads(facts_.threads);
