@@ -12,6 +12,8 @@ namespace trainstream::ipc {
 Acceptor::Acceptor() : spare_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
 Acceptor::Result Acceptor::Accept(int listener, int flags) {
+  // Another thread may have taken the descriptor the last shed freed: taken again when it can.
+  if (!spare_.valid()) spare_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   int fd;
   do {
     fd = ::accept4(listener, nullptr, nullptr, flags);
