@@ -6,7 +6,8 @@
 
 namespace trainstream::ipc {
 
-// accept4() for a listener whose process may run out of descriptors. With none left
+// accept4() for a listener whose process may run out of descriptors. A connection that would
+// leave fewer than 32 descriptors for the process's own work is closed at once. With none left
 // (EMFILE/ENFILE), a poll loop would wake for the same pending connection forever: the spare
 // descriptor is closed, the connection accepted and closed at once (its peer sees the
 // connection end), and the spare taken again. Either way nothing spins.
