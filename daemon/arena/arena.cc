@@ -347,6 +347,10 @@ uint64_t Arena::reserved_bytes() const {
 
 ArenaUsage Arena::Totals() const {
   absl::MutexLock lock(&mu_);
+  return TotalsLocked();
+}
+
+ArenaUsage Arena::TotalsLocked() const {
   ArenaUsage usage;
   usage.budget_bytes = options_.budget_bytes;
   usage.uid_quota_bytes = options_.uid_quota_bytes;
@@ -358,18 +362,13 @@ ArenaUsage Arena::Totals() const {
 
 ArenaUsage Arena::Usage() const {
   absl::MutexLock lock(&mu_);
-  ArenaUsage usage;
-  usage.budget_bytes = options_.budget_bytes;
-  usage.uid_quota_bytes = options_.uid_quota_bytes;
-  usage.reserved_bytes = reserved_ + retiring_;
-  usage.committed_bytes = reserved_ + retiring_ + OutstandingPlansLocked(nullptr);
+  ArenaUsage usage = TotalsLocked();
   for (const auto& [job, planned] : plans_) {
     usage.plans.push_back(HostPlanRow{job, planned, UsedLocked(job)});
   }
   std::sort(usage.plans.begin(), usage.plans.end(), [](const auto& a, const auto& b) {
     return std::tie(a.job.uid, a.job.job_id) < std::tie(b.job.uid, b.job.job_id);
   });
-  usage.segments = segments_.size();
   std::map<std::string, UsageRow> by_uid, by_session, by_tag;
   for (const auto& [uid, bytes] : reserved_by_uid_) {
     by_uid[std::to_string(uid)] = UsageRow{std::to_string(uid), bytes, 0};

@@ -176,6 +176,7 @@ class Arena {
   void DestroyRetired(std::vector<std::unique_ptr<Segment>> retired) ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes planned and not yet held, over every job but `except` (none: all jobs).
   uint64_t OutstandingPlansLocked(const JobKey* except) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  ArenaUsage TotalsLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t UsedLocked(const JobKey& job) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const BufferRecord*> FindOwnedLocked(const JobKey& job,
                                                       const std::string& session_id,

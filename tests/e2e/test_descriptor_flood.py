@@ -84,6 +84,13 @@ def _daemon(binary, files_limit=None):
     return daemon, socket, directory
 
 
+def _release(flood):
+    """Lets the flood script end (it holds its connections until told)."""
+    flood.stdin.write("done\n")
+    flood.stdin.flush()
+    flood.wait(10)
+
+
 def _fds(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -121,16 +128,12 @@ def test_one_user_cannot_take_the_daemons_descriptors(trainstreamd_binary, tsctl
         events = subprocess.run([tsctl_binary, f"--socket={socket}", "--json", "events"],
                                 capture_output=True, text=True, timeout=10).stdout
         assert "daemon.connections_refused" in events
-        flood.stdin.write("done\n")
-        flood.stdin.flush()
-        flood.wait(10)
+        _release(flood)
         # Their connections closed, the user connects again.
         again = subprocess.Popen([sys.executable, "-c", FLOOD, socket, "2"], preexec_fn=drop,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert json.loads(again.stdout.readline()) == {"control": 2, "data": 2}
-        again.stdin.write("done\n")
-        again.stdin.flush()
-        again.wait(10)
+        _release(again)
     finally:
         if flood is not None and flood.poll() is None:
             flood.kill()
@@ -154,9 +157,7 @@ def test_out_of_descriptors_the_daemon_sheds_instead_of_spinning(trainstreamd_bi
         before = _cpu_seconds(daemon.pid)
         time.sleep(2.0)
         assert _cpu_seconds(daemon.pid) - before < 0.5  # no spin (it was 191% of a core)
-        flood.stdin.write("done\n")
-        flood.stdin.flush()
-        flood.wait(10)
+        _release(flood)
         # Once the flood's connections are gone the daemon answers again (the descriptors
         # they held come back as it notices each close).
         deadline = time.monotonic() + 10

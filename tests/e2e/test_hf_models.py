@@ -118,6 +118,7 @@ def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset,tune,autocast", GPU_CASES)
 def test_capped_hf_model_trains_like_stock(preset, tune, autocast):
     """Under a cap at 45% of what stock PyTorch reserves, wrap()'s defaults train 60 steps
@@ -125,8 +126,6 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast):
     step's reserved peak under the cap, the plan settled within 12 steps, no VRAM held between
     steps growing once settled, and losses within the tolerance that two stock optimizers
     (fused and foreach, on the same batches) differ by under bf16 autocast."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     stock = _run(preset, tune, "stock", autocast=autocast)
     other = _run(preset, tune, "stock_foreach", autocast=autocast)
     assert stock["error"] is None and other["error"] is None

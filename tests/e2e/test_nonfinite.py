@@ -39,10 +39,12 @@ def _weights(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+GPU = [pytest.mark.gpu,
+       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 def test_guard_stops_a_step_at_its_first_nonfinite_gradient(device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     torch.manual_seed(0)
     model = TinyGPT(layers=2).to(device)
     ref = copy.deepcopy(model)
