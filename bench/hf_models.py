@@ -102,8 +102,12 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
     settled_at = None
     row["error"] = None
     peak_from = int(os.environ.get("TS_HF_PEAK_FROM", "-1"))  # memory_peak.py from this step
+    tail_from = steps - min(8, max(1, steps // 3))  # the steps step_s is the median of
+    pcie_at_tail = None
     try:
         for s in range(steps):
+            if s == tail_from and session is not None:
+                pcie_at_tail = _pcie_bytes(model)
             if s == peak_from:
                 sys.path.insert(0, HERE)
                 import memory_peak
@@ -142,12 +146,16 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         row["referrers"] = _referrers()
     if 0 <= peak_from < len(times):
         row["memory_peak"] = memory_peak.report()
+    if pcie_at_tail is not None and len(times) == steps:
+        after = _pcie_bytes(model)
+        row["h2d_bytes"] = (after[0] - pcie_at_tail[0]) // (steps - tail_from)
+        row["d2h_bytes"] = (after[1] - pcie_at_tail[1]) // (steps - tail_from)
     row["losses"] = [float(v) for v in losses]
     row["nonfinite_losses"] = sum(not math.isfinite(v) for v in row["losses"])
     row["peaks_gib"] = peaks
     row["step_times_s"] = [round(t, 4) for t in times]
     row["settled_at"] = settled_at
-    tail = times[-min(8, max(1, len(times) // 3)):] if times else []
+    tail = times[tail_from:] if len(times) == steps else times[-min(8, max(1, len(times) // 3)):]
     row["step_s"] = round(sorted(tail)[len(tail) // 2], 4) if tail else None
     row["peak_reserved_gib"] = max((p[1] for p in peaks[2:]), default=None)
     row["peak_allocated_gib"] = max((p[0] for p in peaks[2:]), default=None)
@@ -167,6 +175,33 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         except Exception as e:  # noqa: BLE001
             row["report_error"] = str(e)[:300]
     return row
+
+
+def _pcie_bytes(model) -> tuple:
+    """Bytes that crossed PCIe (to the GPU, back) since wrap(), as memory_report() counts them."""
+    import trainstream
+
+    pcie = trainstream.memory_report(model)["pcie"]
+    return int(pcie["to_device_bytes"]), int(pcie["to_host_bytes"])
+
+
+def _bound(rows: dict, bandwidth: dict) -> None:
+    """Each wrap() row's lower bound: max(stock's step on the same GPU (compute), the bytes it
+    moved over PCIe a step / the pinned bandwidth measured in this run, each way and both at
+    once). Recompute's extra forwards are not in it, so the bound is optimistic for a plan that
+    recomputes."""
+    compute = rows.get("stock", {}).get("step_s")
+    for mode, row in rows.items():
+        if not mode.startswith("wrap") or "h2d_bytes" not in row or not row.get("step_s"):
+            continue
+        h2d = row["h2d_bytes"] / (bandwidth["h2d_gbps"] * 1e9)
+        d2h = row["d2h_bytes"] / (bandwidth["d2h_gbps"] * 1e9)
+        both = ((row["h2d_bytes"] + row["d2h_bytes"]) / (2e9 * bandwidth["both_each_way_gbps"])
+                if "both_each_way_gbps" in bandwidth else 0.0)
+        row["pcie_s"] = round(max(h2d, d2h, both), 4)
+        row["compute_s"] = compute
+        row["lower_bound_s"] = round(max(compute or 0.0, row["pcie_s"]), 4)
+        row["step_over_bound"] = round(row["step_s"] / row["lower_bound_s"], 3)
 
 
 def _referrers() -> list:
@@ -291,18 +326,29 @@ def main() -> None:
                                                  "host_job_bytes")}
                 print(json.dumps(short), flush=True)
             _compare(rows)
+            _bound(rows, bandwidth)
             result["rows"].extend(rows.values())
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)
     os.unlink(config)
-    print(f"\n{'case':18} {'mode':16} {'step s':>8} {'wrap s':>7} {'settled':>7} "
-          f"{'reserved':>8} {'dloss':>8}  error")
+    print(f"\n{'case':18} {'mode':16} {'step s':>8} {'bound s':>8} {'/bound':>6} {'/0.4.1':>6} "
+          f"{'wrap s':>7} {'settled':>7} {'reserved':>8} {'dloss':>8}  error")
+    by_case = {}
     for row in result["rows"]:
+        by_case.setdefault(row.get("case"), {})[row.get("mode")] = row
+    for row in result["rows"]:
+        peer = by_case[row.get("case")].get("ts041_nf4" if "nf4" in row.get("mode", "")
+                                            else "ts041", {})
+        vs = (f"{row['step_s'] / peer['step_s']:.2f}"
+              if row.get("step_s") and peer.get("step_s") and row is not peer else "-")
         print(f"{row.get('case', ''):18} {row.get('mode', ''):16} {row.get('step_s') or '-':>8} "
-              f"{row.get('wrap_s', '-'):>7} {row.get('settled_at') or '-':>7} "
+              f"{row.get('lower_bound_s') or '-':>8} {row.get('step_over_bound') or '-':>6} "
+              f"{vs:>6} {row.get('wrap_s', '-'):>7} {row.get('settled_at') or '-':>7} "
               f"{row.get('peak_reserved_gib') or '-':>8} "
               f"{row.get('max_loss_diff_vs_stock', '-'):>8}  {(row.get('error') or '')[:90]}")
+    print(f"(bound: max(stock's step, PCIe bytes a step / {bandwidth['h2d_gbps']} GB/s measured "
+          "here); /0.4.1: the step over TrainStream 0.4.1's, same cap, this run; target <= 0.8)")
 
 
 if __name__ == "__main__":
