@@ -358,7 +358,8 @@ class AdaptivePlan:
 
     def _staging_trial(self) -> bool:
         """Called on each settled step; runs the trial of the staging "auto" chose and returns
-        True while it does (the plan is not settled until it has decided). Each side is timed
+        True while it does (the plan is not settled until it has decided, and the plan it
+        decided for ran through settling already, or it runs through it again). Each side is timed
         over _TRIAL_STEPS steps with the GPU synchronized at the window's ends only, so that
         neither side loses the overlap of one step's tail with the next forward."""
         if not self._trial_due():
@@ -417,7 +418,9 @@ class AdaptivePlan:
         self._staged_option = "auto"
         self._say("plan.staging_trial", f"staging kept: {times}; the plan timed with it runs "
                   "again", kept=1.0, **numbers)
-        return True
+        # Its peaks were read on every step it was timed: it settles now rather than after
+        # more settling steps (the watchdog still reads each later step's peak).
+        return False
 
     def _plan_without_staging(self) -> None:
         """Plans again without staging, as the probe's plan was made (streamed blocks may come

@@ -663,10 +663,11 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
         return (plan.gpu_state_blocks, plan.staged_blocks, tuple(plan.plan.paged_blocks),
                 tuple(plan.plan.activation_policy))
 
-    staged_at, chunks_at, plans_at, plan_objects = [], [], [], []
+    staged_at, chunks_at, plans_at, plan_objects, decided_at = [], [], [], [], []
     for step in range(40):
         train(ref, ref_opt, 1, start=step)
         train(ours, opt, 1, start=step)
+        decided_at.append(sum(e["kind"] == "plan.staging_trial" for e in session.events))
         staged_at.append(session.plan.staged_blocks)
         plans_at.append(decisions())
         plan_objects.append(session.plan.plan)
@@ -689,6 +690,8 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
     kept = staged_ms < unstaged_ms
     assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
     assert (session.plan.staged_blocks > 0) == kept
+    # Either way the plan that runs was timed, its peaks read: it settles on the deciding step.
+    assert decided_at[-1] == 2 and decided_at[-2] == 1, decided_at
     if kept:  # the plan timed, not one made again with as many staged blocks
         assert session.plan.plan is plan_objects[unstaged[0] - 1]
         assert decisions() == plans_at[unstaged[0] - 1]
