@@ -19,7 +19,8 @@ ABSL_FLAG(std::optional<std::string>, socket, std::nullopt, "control socket path
 ABSL_FLAG(std::optional<std::string>, memory_budget, std::nullopt,
           "host memory all segments may reserve: 64G, 512M or 50%");
 ABSL_FLAG(std::optional<std::string>, uid_quota, std::nullopt,
-          "host memory one uid may reserve (0: no quota)");
+          "host memory one uid may reserve: 48G or a share of the budget (default "
+          "90%; 0: no quota)");
 ABSL_FLAG(std::optional<uint32_t>, threads, std::nullopt, "optimizer threads (0: one per core)");
 ABSL_FLAG(std::optional<std::string>, log_level, std::nullopt, "debug, info, warning or error");
 ABSL_FLAG(std::optional<uint32_t>, lease_ms, std::nullopt,

@@ -11,6 +11,7 @@ apt_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev
+  clang libclang-rt-14-dev
   python3 python3-dev python3-venv
   systemd passwd util-linux
 )

@@ -266,6 +266,23 @@ TEST(ArenaPlanTest, APlanThatDoesNotFitIsRefusedNamingWhoHoldsTheMemory) {
   EXPECT_EQ(arena->Usage().committed_bytes, 64 * kMiB);
 }
 
+TEST(ArenaPlanTest, APlanOverTheUidsQuotaIsRefusedAtAdmission) {
+  // The budget has room, the user's quota does not: refused when planned, not midway.
+  auto arena = MakeArena(/*budget=*/64 * kMiB, /*quota=*/32 * kMiB);
+  const JobKey first{1000, "first"}, second{1000, "second"}, other{1001, "other"};
+  ASSERT_TRUE(arena->Plan(first, 16 * kMiB, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(arena->Allocate(ForJob(first, "w", 8 * kMiB)).ok());
+  absl::Status refused = arena->Plan(second, 24 * kMiB, absl::ZeroDuration()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  for (const char* words : {"job 'second' plans 0.02 GiB", "uid 1000", "is 0.04 GiB",
+                            "0.03 GiB quota", "--uid_quota"}) {
+    EXPECT_NE(refused.message().find(words), std::string::npos) << refused;
+  }
+  EXPECT_TRUE(arena->Plan(second, 16 * kMiB, absl::ZeroDuration()).ok());
+  // Another user's quota is its own.
+  EXPECT_TRUE(arena->Plan(other, 32 * kMiB, absl::ZeroDuration()).ok());
+}
+
 TEST(ArenaPlanTest, PlannedMemoryIsKeptForItsJob) {
   auto arena = MakeArena(/*budget=*/64 * kMiB);
   const JobKey a{1000, "a"}, c{1002, "c"};

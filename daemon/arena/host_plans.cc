@@ -97,6 +97,29 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
             ? absl::StrFormat(" after waiting %s", absl::FormatDuration(wait))
             : ""));
   }
+  if (options_.uid_quota_bytes != 0) {
+    // The user's other jobs, what each holds or planned (the larger), and this plan: within
+    // the uid's quota, or the job would fail at an allocation midway instead of here.
+    uint64_t mine = std::max(bytes, UsedLocked(job));
+    for (const auto& [other, used] : reserved_by_job_) {
+      if (other.uid != job.uid || other == job) continue;
+      auto plan = plans_.find(other);
+      mine += std::max(used, plan == plans_.end() ? 0 : plan->second);
+    }
+    for (const auto& [other, planned] : plans_) {
+      if (other.uid == job.uid && !(other == job) && !reserved_by_job_.contains(other)) {
+        mine += planned;
+      }
+    }
+    if (mine > options_.uid_quota_bytes) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "job '%s' plans %s of host memory; with what uid %d's other jobs hold or planned that "
+          "is %s, over the uid's %s quota (of the daemon's %s budget). Plan for less (e.g. bf16 "
+          "moments), end another of your jobs, or raise --uid_quota",
+          job.job_id, Gib(bytes), job.uid, Gib(mine), Gib(options_.uid_quota_bytes),
+          Gib(options_.budget_bytes)));
+    }
+  }
   if (bytes == 0) {
     plans_.erase(job);
   } else {

@@ -294,10 +294,17 @@ void BaseStore::RunLoad(std::shared_ptr<Base> base) {
     while (true) {
       {
         absl::MutexLock lock(&mu_);
-        if (stopping_) {
+        // Stopped at the next tensor when the daemon stops, or when every session that asked
+        // for the base has gone (a client that gave up, or was killed): no CPU is spent on a
+        // base nobody will map.
+        const bool abandoned = base->users.empty() && base->mappers.empty();
+        if (stopping_ || abandoned) {
           absl::MutexLock report(&report_mu);
           if (status.ok()) {
-            status = absl::CancelledError("the daemon stopped while the base was loading");
+            status = absl::CancelledError(
+                stopping_ ? "the daemon stopped while the base was loading"
+                          : "every session that asked for it ended or detached while it "
+                            "loaded: the load stopped");
           }
           return;
         }

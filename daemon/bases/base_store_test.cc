@@ -203,6 +203,36 @@ TEST_F(BaseStoreTest, ABaseIsKeptWarmAfterItsLastUserThenFreed) {
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "base.freed"), kinds.end());
 }
 
+TEST_F(BaseStoreTest, ALoadEveryAskerLeftIsStoppedAndItsMemoryFreed) {
+  // 256 tensors of 64K floats, quantized one at a time: long enough that the asker's session
+  // ends while most of it is unread.
+  std::vector<test_checkpoints::Entry> entries;
+  for (int i = 0; i < 256; ++i) {
+    entries.push_back({absl::StrCat("model.layers.", i, ".weight"), "F32", {256, 256},
+                       Bytes(Normal(65536, 100 + i))});
+  }
+  WriteFile(Path("large.safetensors"), entries);
+  BaseStore::Options options;
+  options.load_threads = 1;
+  store_ = std::make_unique<BaseStore>(options, arena_.get(), events_.get());
+  const Session a = MakeSession("s-a", 1000, "job-a");
+  const BaseSnapshot base = *store_->Load(a, Request(Path("large.safetensors"), "nf4"));
+  store_->OnSessionEnded(a);  // the client was killed, or gave up
+  const BaseSnapshot stopped = WaitLoaded(base.id);
+  EXPECT_EQ(stopped.state, BaseState::kFailed);
+  EXPECT_THAT(stopped.error, HasSubstr("ended or detached while it loaded"));
+  EXPECT_LT(stopped.read_bytes, stopped.read_total / 2) << "the load ran on";
+  EXPECT_EQ(BaseBytesInArena(), 0u);
+  // Asked again, it loads afresh (and stops again when that asker detaches).
+  const Session b = MakeSession("s-b", 1000, "job-b");
+  const BaseSnapshot again = *store_->Load(b, Request(Path("large.safetensors"), "nf4"));
+  EXPECT_NE(again.id, base.id);
+  EXPECT_EQ(again.state, BaseState::kLoading);
+  ASSERT_TRUE(store_->Detach(b, again.id).ok());
+  EXPECT_EQ(WaitLoaded(again.id).state, BaseState::kFailed);
+  EXPECT_EQ(BaseBytesInArena(), 0u);
+}
+
 TEST_F(BaseStoreTest, AMappedBaseStaysUntilItsMappersEndEvenDetached) {
   BaseStore& store = Store(absl::ZeroDuration());
   const Session a = MakeSession("s-a", 1000, "job-a");

@@ -119,9 +119,11 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("memory_budget must be above zero");
   }
-  std::string quota =
-      flags.uid_quota.value_or(config.uid_quota().empty() ? "0" : config.uid_quota());
-  ASSIGN_OR_RETURN(options.uid_quota_bytes, ParseByteSize(quota, machine_bytes));
+  // A share of the budget ("90%"), not of the machine: by default one uid may reserve 90% of
+  // it, so another user's job always finds room to start ("0": no quota).
+  std::string quota = flags.uid_quota.value_or(
+      config.uid_quota().empty() ? kDefaultUidQuota : config.uid_quota());
+  ASSIGN_OR_RETURN(options.uid_quota_bytes, ParseByteSize(quota, options.budget_bytes));
   options.threads = flags.threads.value_or(config.threads());
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   options.log_level = flags.log_level.value_or(

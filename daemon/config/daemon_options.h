@@ -13,6 +13,9 @@
 
 namespace trainstream::daemon {
 
+// One uid's share of the memory budget unless configured: room is left for another user.
+inline constexpr char kDefaultUidQuota[] = "90%";
+
 // Everything trainstreamd is told, after the config file and the flags are merged.
 struct DaemonOptions {
   std::string socket_path;

@@ -44,6 +44,22 @@ TEST(LoadDaemonOptionsTest, FlagsOverrideTheFile) {
   EXPECT_GT(options->threads, 0u);
 }
 
+TEST(LoadDaemonOptionsTest, EachUidMayTakeAShareOfTheBudgetByDefault) {
+  // Unset: 90% of the budget, so that another user's job finds room to start.
+  DaemonFlags flags;
+  flags.memory_budget = "10G";
+  absl::StatusOr<DaemonOptions> options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->uid_quota_bytes, uint64_t{9} << 30);
+  // A share is of the budget, not of the machine; a size is a size; "0" is no quota.
+  flags.uid_quota = "25%";
+  EXPECT_EQ(LoadDaemonOptions(flags)->uid_quota_bytes, (uint64_t{10} << 30) / 4);
+  flags.uid_quota = "3G";
+  EXPECT_EQ(LoadDaemonOptions(flags)->uid_quota_bytes, uint64_t{3} << 30);
+  flags.uid_quota = "0";
+  EXPECT_EQ(LoadDaemonOptions(flags)->uid_quota_bytes, 0u);
+}
+
 TEST(LoadDaemonOptionsTest, ErrorsNameTheProblem) {
   DaemonFlags flags;
   flags.config_path = WriteFile("memory_budjet: \"1G\"\n");

@@ -133,7 +133,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
   }
   const uint64_t data_start = 8 + header_bytes;
   const uint64_t data_bytes = file.file_bytes_ - data_start;
-  for (const auto& [name, value] : root.fields()) {
+  for (const auto& field : root.fields()) {
+    // Named, not structured bindings: the lambda below captures the name (clang 14 can't).
+    const std::string& name = field.first;
+    const google::protobuf::Value& value = field.second;
     if (name == "__metadata__") {
       if (value.kind_case() != google::protobuf::Value::kStructValue) {
         return bad("__metadata__ is not an object");

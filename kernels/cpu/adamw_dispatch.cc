@@ -1,4 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -18,12 +20,22 @@ const char* ScalarTypeName(ScalarType type) {
   return "unknown";
 }
 
+namespace {
+
+// CPUID leaf 1, ECX bit 29 (clang's __builtin_cpu_supports has no "f16c").
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+
+}  // namespace
+
 bool IsaSupported(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return true;
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt");
+             HasF16c() && __builtin_cpu_supports("popcnt");
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("popcnt");

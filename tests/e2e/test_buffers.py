@@ -114,6 +114,18 @@ def test_budget_refusal_is_clear_and_an_event(daemon):
         client.allocate("fits", 1 << 20)  # and the daemon keeps serving
 
 
+def test_one_user_leaves_room_for_others_by_default(daemon):
+    # No --uid_quota: one uid may reserve 90% of the 256 MiB budget, so another user's job
+    # always finds room; the refusal says which limit it met and how to raise it.
+    with trainstream.connect(daemon.socket) as client:
+        assert client.memory()["uid_quota_bytes"] == int(0.9 * (256 << 20))
+        client.allocate("most", 160 << 20)
+        with pytest.raises(trainstream.ResourceExhaustedError, match="per-user quota") as e:
+            client.allocate("more", 80 << 20)  # 240 MiB: within the budget, over the quota
+        assert "--uid_quota" in str(e.value)
+        client.allocate("within", 64 << 20)
+
+
 def test_memory_report_by_session_and_tag(daemon):
     with trainstream.connect(daemon.socket) as client:
         client.allocate("g", 1000, tag="grad")

@@ -132,7 +132,10 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast):
     noise = max(abs(a - b) for a, b in zip(stock["losses"], other["losses"]))
     cap = 0.45 * max(stock["peak_reserved"]) / 2**30
     (ours,) = _run(preset, tune, "wrap", cap_gib=cap, autocast=autocast)
-    print(f"seconds: stock {stock['seconds']}, wrap {ours['seconds']}")
+    # Said before any assertion: under -s a run cut short still shows why a case failed.
+    print(f"seconds: stock {stock['seconds']}, wrap {ours['seconds']}; cap {cap:.2f} GiB; "
+          f"error {ours['error']}; settled at {ours['settled_at']}; last events "
+          f"{(ours.get('events') or [])[-4:]}", flush=True)
     assert ours["error"] is None, (ours["error"], ours.get("events"))
     assert ours["nonfinite"] == 0, ours["losses"]
     assert max(ours["peak_reserved"]) <= cap * 2**30

@@ -226,7 +226,9 @@ def test_weights_that_do_not_fit_stream_from_wrap_and_train_bit_identically(daem
 
 def test_blocks_streamed_to_make_room_for_the_probe_come_back_when_they_fit(start_daemon,
                                                                            monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=1G").socket)
+    # Two jobs of one user, each planning about half the budget: no per-uid quota.
+    monkeypatch.setenv("TRAINSTREAM_SOCKET",
+                       start_daemon("--memory_budget=1G", "--uid_quota=0").socket)
     DEVICE = "cpu"  # noqa: N806  (a budget between weights and activations, as above)
     torch.manual_seed(15)
     resident = TinyGPT(dim=512, heads=8, layers=8).to(DEVICE)
