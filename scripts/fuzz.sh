@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 seconds=${1:-20}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(safetensors_fuzz checkpoint_fuzz request_validation_fuzz doorbell_fuzz)
+((${#targets[@]})) \
+  || targets=(safetensors_fuzz checkpoint_fuzz request_validation_fuzz doorbell_fuzz)
 build=build/fuzz
 if [[ ! -f $build/build.ninja ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -4,7 +4,8 @@
 #   address  build/asan, ASan and UBSan: every ctest test but the GPU ones, the end-to-end
 #            tests with the instrumented trainstreamd they start;
 #   thread   build/tsan, TSan: the tests whose code shares memory across threads through
-#            atomics and std:: primitives (the doorbell ring, fd passing, the AdamW kernels' threads).
+#            atomics and std:: primitives (the doorbell ring, fd passing, the AdamW
+#            kernels' threads).
 # Code that locks with absl::Mutex runs under ASan here, not under TSan: Debian's abseil is not
 # built with TSan, whose reports would then be about the uninstrumented mutex, not our code.
 #   scripts/sanitize.sh [address|thread|all]   (default all)
@@ -21,7 +22,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [[ $what == address || $what == all ]]; then
   echo "== ASan + UBSan: build (build/asan)"
   configure build/asan address,undefined
-  ninja -C build/asan -j "$jobs" > build/asan/ninja.log 2>&1 || { tail -40 build/asan/ninja.log; exit 1; }
+  ninja -C build/asan -j "$jobs" > build/asan/ninja.log 2>&1 \
+    || { tail -40 build/asan/ninja.log; exit 1; }
   echo "== ASan + UBSan: ctest"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1 \
     ctest --test-dir build/asan --output-on-failure -j "$jobs" -LE gpu

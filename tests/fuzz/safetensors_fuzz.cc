@@ -40,9 +40,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const struct {
       StoredAs as;
       QuantFormat format;
-    } forms[] = {{StoredAs::kAsIs, QuantFormat::kInt8},     {StoredAs::kBFloat16, QuantFormat::kInt8},
-                 {StoredAs::kQuantized, QuantFormat::kInt8}, {StoredAs::kQuantized, QuantFormat::kNf4},
-                 {StoredAs::kQuantized, QuantFormat::kFp8},  {StoredAs::kQuantized, QuantFormat::kNvfp4}};
+    } forms[] = {{StoredAs::kAsIs, QuantFormat::kInt8},
+                 {StoredAs::kBFloat16, QuantFormat::kInt8},
+                 {StoredAs::kQuantized, QuantFormat::kInt8},
+                 {StoredAs::kQuantized, QuantFormat::kNf4},
+                 {StoredAs::kQuantized, QuantFormat::kFp8},
+                 {StoredAs::kQuantized, QuantFormat::kNvfp4}};
     for (const auto& form : forms) {
       absl::StatusOr<StoredLayout> layout = StoredLayoutFor(tensor, form.as, form.format);
       if (!layout.ok()) continue;

@@ -59,11 +59,13 @@ int main(int argc, char** argv) {
   }
   WriteBytes(root / "request_validation_fuzz" / "name",
              std::string("\x0a" "layer.0/w:1\x00\x00\x00\x00\x00\x00\x10\x00", 20));
-  WriteBytes(root / "request_validation_fuzz" / "session", std::string("\x12s-0123456789abcdef", 19));
+  WriteBytes(root / "request_validation_fuzz" / "session",
+             std::string("\x12s-0123456789abcdef", 19));
   // Sends from the client, a corrupt head, receives on the daemon's side.
   WriteBytes(root / "doorbell_fuzz" / "round_trip", std::string("\x01\x01\x08\x00\x02\x10", 6));
   WriteBytes(root / "doorbell_fuzz" / "corrupt_index",
-             std::string("\x01\x01\x08\x00\x00\x00\x08\xff\xff\xff\xff\x00\x00\x00\x00\x02\x10", 17));
+             std::string("\x01\x01\x08\x00\x00\x00\x08\xff\xff\xff\xff"
+                         "\x00\x00\x00\x00\x02\x10", 17));
   std::printf("seeds written under %s (checkpoint: %llu bytes)\n", root.c_str(),
               static_cast<unsigned long long>(*written));
   return 0;
