@@ -14,11 +14,12 @@ targets=("$@")
 ((${#targets[@]})) \
   || targets=(safetensors_fuzz checkpoint_fuzz request_validation_fuzz doorbell_fuzz)
 build=build/fuzz
+mkdir -p build
 if [[ ! -f $build/build.ninja ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DTRAINSTREAM_FUZZ=ON \
     -DTRAINSTREAM_BUILD_TESTS=OFF > "$build.configure.log" 2>&1 \
-    || { mkdir -p "$build"; tail -30 "$build.configure.log"; exit 1; }
+    || { tail -30 "$build.configure.log"; exit 1; }
 fi
 ninja -C "$build" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "${targets[@]}" > "$build/ninja.log" 2>&1 \
   || { tail -40 "$build/ninja.log"; exit 1; }

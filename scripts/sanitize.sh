@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+mkdir -p build
 configure() {  # build dir, sanitizers
   [[ -f $1/build.ninja ]] && return 0
   cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRAINSTREAM_SANITIZE="$2" \
