@@ -98,18 +98,16 @@ absl::StatusOr<PlanOutcome> Arena::Plan(const JobKey& job, uint64_t bytes, absl:
             : ""));
   }
   if (options_.uid_quota_bytes != 0) {
-    // The user's other jobs, what each holds or planned (the larger), and this plan: within
-    // the uid's quota, or the job would fail at an allocation midway instead of here.
-    uint64_t mine = std::max(bytes, UsedLocked(job));
-    for (const auto& [other, used] : reserved_by_job_) {
-      if (other.uid != job.uid || other == job) continue;
-      auto plan = plans_.find(other);
-      mine += std::max(used, plan == plans_.end() ? 0 : plan->second);
-    }
+    // What the uid holds, what its other jobs planned beyond that, and this plan: within the
+    // uid's quota, or the job would fail at an allocation midway instead of here.
+    const uint64_t used = UsedLocked(job);
+    const auto held = reserved_by_uid_.find(job.uid);
+    uint64_t mine = (held == reserved_by_uid_.end() ? 0 : held->second - used) +
+                    std::max(bytes, used);
     for (const auto& [other, planned] : plans_) {
-      if (other.uid == job.uid && !(other == job) && !reserved_by_job_.contains(other)) {
-        mine += planned;
-      }
+      if (other.uid != job.uid || other == job) continue;
+      const uint64_t other_used = UsedLocked(other);
+      if (planned > other_used) mine += planned - other_used;
     }
     if (mine > options_.uid_quota_bytes) {
       return absl::ResourceExhaustedError(absl::StrFormat(
