@@ -16,6 +16,8 @@
 #   scripts/gpu_check.sh bases_lora          LoRA per quantized format over a shared base
 #   scripts/gpu_check.sh pools               GPU pools: 1, 2, 4 processes on one pooled 14B base
 #   (each of the last four writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
+#   scripts/gpu_check.sh steps 'CMD' ...      after one build, each CMD in turn (its output in
+#                                            $OUT/step_N.log): several checks in one device call
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -83,6 +85,17 @@ if [[ $what == hf ]]; then
   PYTHONUNBUFFERED=1 python3 bench/hf_models.py --json "$OUT/hf_models.json" "$@" \
     > "$OUT/hf_models.txt" 2>&1 || status=1
 fi
+if [[ $what == steps ]]; then
+  shift
+  n=0
+  for step in "$@"; do
+    n=$((n + 1))
+    echo "== step $n: $step" > "$OUT/step_$n.log"
+    bash -c "$step" >> "$OUT/step_$n.log" 2>&1
+    rc=$?
+    (( rc == 0 )) || { status=1; echo "(exit $rc)" >> "$OUT/step_$n.log"; }
+  done
+fi
 if [[ $what == gpu ]]; then
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
@@ -132,4 +145,5 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
          dequantize.txt hf_models.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+for f in "$OUT"/step_*.log; do [[ -f $f ]] && { head -1 "$f" | cut -c1-200; tail -n 8 "$f"; }; done
 exit $status

@@ -42,6 +42,11 @@ _RESERVED_MARGIN = 0.03
 # VRAM held between steps growing this much a step, several steps running with one plan, is
 # something keeping each step's tensors: said once, never planned for.
 _GROWTH_BYTES, _GROWTH_STEPS = 32 << 20, 4
+# Before the probe has measured anything: the loss's bytes per logit at its peak (the fp32
+# upcast freed, its log-softmax kept, the gradients of both), and a transformer block's saved
+# activations per position and hidden unit (bf16; its MLP's wider intermediate included).
+_LOSS_BYTES_PER_LOGIT = 12
+_BLOCK_ACTIVATION_BYTES = 48
 
 
 class AdaptivePlan:
@@ -141,6 +146,15 @@ class AdaptivePlan:
     # -- the probe ------------------------------------------------------------------------------
 
     def _start_probe(self) -> None:
+        offload, again = self._probe_policy()
+        if self.cuda:
+            self._reset_peak()
+        self._say("plan.probe", f"probe step: block {self.probe_block} is measured, "
+                  f"{len(again)} blocks recompute and {len(offload)} page their activations "
+                  "meanwhile")
+
+    def _probe_policy(self) -> tuple[list, list]:
+        """The probe step's activations: streamed blocks page theirs, the others recompute."""
         last = self.probe_block
         streamed = set(self.pager.paged)
         offload = [b for b in range(last) if b in streamed]
@@ -148,10 +162,58 @@ class AdaptivePlan:
         self.recompute.set(again)
         self.pager.set_activation_blocks(offload)
         self.pager.measure = {last}
-        if self.cuda:
-            self._reset_peak()
-        self._say("plan.probe", f"probe step: block {last} is measured, {len(again)} blocks "
-                  f"recompute and {len(offload)} page their activations meanwhile")
+        return offload, again
+
+    def make_room_for_probe(self, tokens: int, vocab: int, hidden: int) -> None:
+        """Called as the probe step's forward starts, when its size is first known: the loss's
+        working memory (the logits of ``tokens`` positions over ``vocab``, upcast to fp32 with
+        their log-softmax and gradients: about 12 bytes each in backward) and a block's
+        activations may not fit beside the weights wrap() left in VRAM, which reserved only a
+        quarter of the budget for them. More blocks then stream their weights before any block
+        runs; a step that cannot fit even with every block streaming is refused here, with the
+        numbers, rather than ending in an out-of-memory error."""
+        if self.steps_since_plan >= 0 or tokens <= 0:
+            return
+        loss = _LOSS_BYTES_PER_LOGIT * tokens * vocab
+        # The measured block's activations, and the inputs the recomputed ones keep.
+        activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
+        sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
+        working = loss + activations
+        streamed = set(self.pager.paged)
+        resident = self._other_weights + sum(w for b, w in enumerate(sizes) if b not in streamed)
+        slots = (self._depth + 1) * max(sizes) if streamed else 0
+        if resident + slots + working <= self.budget:
+            return
+        from .block_memory import weight_plan_for_sizes
+
+        need = self._other_weights + (self._depth + 1) * max(sizes) + working
+        if self.weights_fixed or need > self.budget:
+            raise MemoryPlanError(
+                f"trainstream: the first step does not fit in the {size(self.budget)} VRAM "
+                f"budget: its loss works on {tokens} positions x {vocab} logits ({size(loss)} "
+                f"with the fp32 upcast and gradients), a block's activations take about "
+                f"{size(activations)}, and the weights outside the blocks with "
+                + (f"{self._depth + 1} device slots take {size(need - working)}"
+                   if not self.weights_fixed else
+                   f"the blocks param_offload keeps in VRAM take {size(resident)}")
+                + ". Train on fewer positions a step (a smaller batch with accumulation_steps, "
+                "shorter sequences), give the process more VRAM (vram_budget, vram_headroom), "
+                "or compute the loss in chunks so the logits never exist whole")
+        paged = weight_plan_for_sizes(sizes, self._other_weights, self.budget, self._depth,
+                                      probe=False, working=working)
+        added = [b for b in paged if b not in streamed]
+        if not added:
+            return
+        self._stream_weights(added)
+        offload, again = self._probe_policy()
+        self._say("plan.probe_room",
+                  f"the first step trains on {tokens} positions: its loss works on "
+                  f"{tokens} x {vocab} logits (about {size(loss)} in fp32 with gradients) and "
+                  f"a block's activations on about {size(activations)}, more than wrap() left "
+                  f"beside the weights; {len(added)} more blocks stream their weights for the "
+                  f"probe ({len(self.pager.paged)} of {len(self.blocks)}), and the plan made "
+                  "from its measurements keeps what fits",
+                  loss_bytes=loss, activation_bytes=activations, added_blocks=len(added))
 
     def _peak(self) -> int:
         """The VRAM peak since the last reset, a replay's own memory left out."""

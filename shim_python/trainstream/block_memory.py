@@ -67,13 +67,13 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
 
 
 def weight_plan_for_sizes(sizes: list, other: int, budget: int, depth: int,
-                          probe: bool) -> list:
+                          probe: bool, working: int = 0) -> list:
     """weight_plan() from the blocks' weight bytes (``sizes``) and those outside them
-    (``other``): the blocks that stream. MemoryPlanError when the weights do not fit even with
-    every block streaming."""
+    (``other``): the blocks that stream, with ``working`` bytes of working memory at least.
+    MemoryPlanError when the weights do not fit even with every block streaming."""
     from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
 
-    working = 2 * max(sizes)
+    working = max(working, 2 * max(sizes))
     if probe:
         working = max(working, budget // 4)
     inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
@@ -422,7 +422,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
             client.plan_host_memory(planned + activation_bytes +
                                     session.frozen.bytes - frozen_at_wrap)
 
-    return AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
+    plan = AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
                         stream_weights=lambda blocks: stream_weights(offload, pager, blocks),
                         unstream_weights=lambda blocks: unstream_weights(offload, pager, blocks),
                         plan_host=plan_host, host_free=host_free, note=session.note,
@@ -438,6 +438,39 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         staged_vram=slots_bytes(),
                         # Micro-steps add up in a staged parameter's own gradient.
                         staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0)
+    handle = _room_for_probe(model, plan)
+    if handle is not None:
+        offload._hooks.append(handle)  # unwrap() before any step removes it
+    return plan
+
+
+def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:
+    """For a model with an output head (a language model's logits), the probe step's size is
+    read as its forward starts and the plan makes room for its loss (see
+    AdaptivePlan.make_room_for_probe). Once, at the first forward with gradients."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    vocab, hidden = weight.shape
+
+    def before_forward(module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor):
+            tokens = ids.numel()
+        elif isinstance(embeds, torch.Tensor):
+            tokens = embeds.numel() // embeds.shape[-1]
+        else:
+            tokens = 0
+        plan.make_room_for_probe(tokens, int(vocab), int(hidden))  # may refuse the step
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    return handle
 
 
 def gpu_state(model: torch.nn.Module, blocks: list, offload: OffloadAdamW, count: int,

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 STARTED = time.perf_counter()
 import torch  # noqa: E402
@@ -68,6 +69,9 @@ def train(args, engine: str) -> dict:
                 out["settled_at"] = s + 1
     except torch.OutOfMemoryError as e:
         out["error"] = f"out of memory at step {len(out['losses'])}: {str(e)[:300]}"
+    except Exception as e:  # any other failure is reported the same way, with where it rose
+        where = traceback.format_exc(limit=-3)[-1200:]
+        out["error"] = f"{type(e).__name__} at step {len(out['losses'])}: {str(e)[:300]}\n{where}"
     out["nonfinite"] = sum(not math.isfinite(v) for v in out["losses"])
     if session is not None:
         out["events"] = [(e["kind"], e["message"][:300]) for e in session.events]
