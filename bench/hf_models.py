@@ -201,7 +201,9 @@ def _bound(rows: dict, bandwidth: dict) -> None:
         row["pcie_s"] = round(max(h2d, d2h, both), 4)
         row["compute_s"] = compute
         row["lower_bound_s"] = round(max(compute or 0.0, row["pcie_s"]), 4)
-        row["step_over_bound"] = round(row["step_s"] / row["lower_bound_s"], 3)
+        # Nothing crossed PCIe and no stock row ran: no bound to compare with.
+        row["step_over_bound"] = (round(row["step_s"] / row["lower_bound_s"], 3)
+                                  if row["lower_bound_s"] else None)
 
 
 def _referrers() -> list:

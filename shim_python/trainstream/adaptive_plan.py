@@ -178,27 +178,32 @@ class AdaptivePlan:
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
+        # Streamed blocks page their activations in the probe: copies still crossing to host
+        # memory hold device memory up to the pager's cap.
+        in_flight = self.pager.max_inflight_bytes if self.cuda else 0
         working = loss + activations
         streamed = set(self.pager.paged)
         resident = self._other_weights + sum(w for b, w in enumerate(sizes) if b not in streamed)
-        slots = (self._depth + 1) * max(sizes) if streamed else 0
-        if resident + slots + working <= self.budget:
+        paging = (self._depth + 1) * max(sizes) + in_flight if streamed else 0
+        if resident + paging + working <= self.budget:
             return
         from .block_memory import weight_plan_for_sizes
 
+        working += in_flight
         need = self._other_weights + (self._depth + 1) * max(sizes) + working
         if self.weights_fixed or need > self.budget:
             raise MemoryPlanError(
                 f"trainstream: the first step does not fit in the {size(self.budget)} VRAM "
                 f"budget: its loss works on {tokens} positions x {vocab} logits ({size(loss)} "
                 f"with the fp32 upcast and gradients), a block's activations take about "
-                f"{size(activations)}, and the weights outside the blocks with "
+                f"{size(activations)}" + (f", those crossing to host memory up to "
+                                          f"{size(in_flight)}" if in_flight else "")
+                + ", and the weights outside the blocks with "
                 + (f"{self._depth + 1} device slots take {size(need - working)}"
                    if not self.weights_fixed else
                    f"the blocks param_offload keeps in VRAM take {size(resident)}")
                 + ". Train on fewer positions a step (a smaller batch with accumulation_steps, "
-                "shorter sequences), give the process more VRAM (vram_budget, vram_headroom), "
-                "or compute the loss in chunks so the logits never exist whole")
+                "shorter sequences) or give the process more VRAM (vram_budget, vram_headroom)")
         paged = weight_plan_for_sizes(sizes, self._other_weights, self.budget, self._depth,
                                       probe=False, working=working)
         added = [b for b in paged if b not in streamed]

@@ -174,15 +174,16 @@ def test_a_first_step_that_cannot_fit_is_refused_with_the_numbers():
 
 # -- on a GPU, under a VRAM cap ---------------------------------------------------------------
 
-# (preset, tune, bf16 autocast, positions a sequence, expandable segments): the tied Qwen2 head
-# fully fine-tuned in fp32 without autocast is the case whose loss went NaN on the H200
-# (bench/README.md); Phi-3's LoRA ran out of memory in its first step before the plan made room
-# for its logits.
-GPU_CASES = [("small-qwen2", "full", 1, 512, 0), ("small-qwen2", "full", 0, 512, 0),
-             ("small-llama", "full", 1, 512, 0), ("small-phi3", "lora", 0, 512, 0),
-             ("small-qwen2", "lora", 0, 512, 0), ("small-llama", "lora", 0, 2048, 0),
-             ("small-qwen2", "full", 1, 512, 1)]
-
+# (preset, tune, bf16 autocast, positions a sequence, expandable segments, the cap as a share of
+# what stock reserves): the tied Qwen2 head fully fine-tuned in fp32 without autocast is the case
+# whose loss went NaN on the H200 (bench/README.md). Phi-3's LoRA ran out of memory in its first
+# step at 45% (1.26 GiB): its loss alone works on 0.73 GiB of logits, and with every block
+# streaming, the copies in flight and the headroom it cannot fit; the probe refuses it there now
+# (the CPU tests show the refusal), and it trains at 55%.
+GPU_CASES = [("small-qwen2", "full", 1, 512, 0, 0.45), ("small-qwen2", "full", 0, 512, 0, 0.45),
+             ("small-llama", "full", 1, 512, 0, 0.45), ("small-phi3", "lora", 0, 512, 0, 0.55),
+             ("small-qwen2", "lora", 0, 512, 0, 0.45), ("small-llama", "lora", 0, 2048, 0, 0.45),
+             ("small-qwen2", "full", 1, 512, 1, 0.45)]
 
 def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1, seq=512, expandable=0):
     """The JSON lines hf_run.py prints: one per engine it ran (stock_pair runs two)."""
@@ -200,9 +201,9 @@ def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1, seq=512, expan
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("preset,tune,autocast,seq,expandable", GPU_CASES)
-def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandable):
-    """Under a cap at 45% of what stock PyTorch reserves, wrap()'s defaults train 60 steps
+@pytest.mark.parametrize("preset,tune,autocast,seq,expandable,share", GPU_CASES)
+def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandable, share):
+    """Under a cap at 45% of what stock PyTorch reserves (55% for one, see GPU_CASES), wrap()'s defaults train 60 steps
     through every transition of the plan: no out-of-memory error, no non-finite loss, every
     step's reserved peak under the cap, the plan settled within 12 steps, no VRAM held between
     steps growing once settled, and losses within the tolerance that two stock optimizers
@@ -213,7 +214,7 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandab
     stock, other = _run(preset, tune, "stock_pair", **shape)
     assert stock["error"] is None and other["error"] is None
     noise = max(abs(a - b) for a, b in zip(stock["losses"], other["losses"]))
-    cap = 0.45 * max(stock["peak_reserved"]) / 2**30
+    cap = share * max(stock["peak_reserved"]) / 2**30
     (ours,) = _run(preset, tune, "wrap", cap_gib=cap, **shape)
     # Said before any assertion: under -s a run cut short still shows why a case failed.
     print(f"seconds: stock {stock['seconds']}, wrap {ours['seconds']}; cap {cap:.2f} GiB; "
