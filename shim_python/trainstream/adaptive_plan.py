@@ -141,6 +141,7 @@ class AdaptivePlan:
         # grew past the budget, and the next one measures what grew.
         self._measure_next: str | None = None
         self._unfixable_peak = 0  # a watchdog peak no plan could hold: not measured again
+        self._release_cache_after_step = False
         self._start_probe()
 
     # -- the probe ------------------------------------------------------------------------------
@@ -336,8 +337,14 @@ class AdaptivePlan:
             self._plan_from_probe()
             return
         self.steps_since_plan += 1
-        if self._measure_next is not None and self._measured_again():
-            return
+        if self._measure_next is not None:
+            if self._measured_again():
+                return
+            if self.cuda:
+                # The measured step replayed a block and kept its activations where the next
+                # steps page or recompute them: its cached blocks, laid out for that step, go
+                # back rather than fragment the steps after it.
+                self._release_cache_after_step = True
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
         peak = self._peak() - self.others if self.cuda else 0
         fragmented = self._reserved_over() if self.cuda else 0
@@ -416,6 +423,9 @@ class AdaptivePlan:
             # Each settling step is read alone; once settled the counter is the user's again
             # and the watchdog reads the peak since then (it only grows).
             self._reset_peak()
+        if self._release_cache_after_step:
+            self._release_cache_after_step = False
+            torch.cuda.empty_cache()
 
     # -- the staging trial ----------------------------------------------------------------------
 
