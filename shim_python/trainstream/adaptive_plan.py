@@ -165,17 +165,19 @@ class AdaptivePlan:
         self.pager.measure = {last}
         return offload, again
 
-    def make_room_for_probe(self, tokens: int, vocab: int, hidden: int) -> None:
+    def make_room_for_probe(self, tokens: int, vocab: int, hidden: int,
+                            loss_bytes: int | None = None) -> None:
         """Called as the probe step's forward starts, when its size is first known: the loss's
-        working memory (the logits of ``tokens`` positions over ``vocab``, upcast to fp32 with
-        their log-softmax and gradients: about 12 bytes each in backward) and a block's
-        activations may not fit beside the weights wrap() left in VRAM, which reserved only a
-        quarter of the budget for them. More blocks then stream their weights before any block
+        working memory (``loss_bytes``; by default that of transformers' own loss: the logits
+        of ``tokens`` positions over ``vocab``, upcast to fp32 with their log-softmax and
+        gradients, about 12 bytes each in backward) and a block's activations may not fit
+        beside the weights wrap() left in VRAM, which reserved only a quarter of the budget
+        for them. More blocks then stream their weights before any block
         runs; a step that cannot fit even with every block streaming is refused here, with the
         numbers, rather than ending in an out-of-memory error."""
         if self.steps_since_plan >= 0 or tokens <= 0:
             return
-        loss = _LOSS_BYTES_PER_LOGIT * tokens * vocab
+        loss = _LOSS_BYTES_PER_LOGIT * tokens * vocab if loss_bytes is None else int(loss_bytes)
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
@@ -196,7 +198,7 @@ class AdaptivePlan:
             raise MemoryPlanError(
                 f"trainstream: the first step does not fit in the {size(self.budget)} VRAM "
                 f"budget: its loss works on {tokens} positions x {vocab} logits ({size(loss)} "
-                f"with the fp32 upcast and gradients), a block's activations take about "
+                f"with their gradients), a block's activations take about "
                 f"{size(activations)}" + (f", those crossing to host memory up to "
                                           f"{size(in_flight)}" if in_flight else "")
                 + ", and the weights outside the blocks with "
@@ -214,7 +216,7 @@ class AdaptivePlan:
         offload, again = self._probe_policy()
         self._say("plan.probe_room",
                   f"the first step trains on {tokens} positions: its loss works on "
-                  f"{tokens} x {vocab} logits (about {size(loss)} in fp32 with gradients) and "
+                  f"{tokens} x {vocab} logits (about {size(loss)} with their gradients) and "
                   f"a block's activations on about {size(activations)}, more than wrap() left "
                   f"beside the weights; {len(added)} more blocks stream their weights for the "
                   f"probe ({len(self.pager.paged)} of {len(self.blocks)}), and the plan made "

@@ -444,6 +444,19 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     return plan
 
 
+def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) -> int | None:
+    """The loss's working memory when wrap() computes it in chunks (chunked_loss), for the
+    logits' dtype this forward makes (autocast's when it is on); None: transformers' own."""
+    from .chunked_loss import causal_lm_loss, working_bytes
+
+    if not any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules()):
+        return None
+    kind = head_weight.device.type
+    dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+             else head_weight.dtype)
+    return working_bytes(tokens, head_weight.shape[0], dtype)
+
+
 def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:
     """For a model with an output head (a language model's logits), the probe step's size is
     read as its forward starts and the plan makes room for its loss (see
@@ -466,7 +479,8 @@ def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:
             tokens = embeds.numel() // embeds.shape[-1]
         else:
             tokens = 0
-        plan.make_room_for_probe(tokens, int(vocab), int(hidden))  # may refuse the step
+        plan.make_room_for_probe(tokens, int(vocab), int(hidden),  # may refuse the step
+                                 _loss_bytes(model, weight, tokens))
         handle.remove()
 
     handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)

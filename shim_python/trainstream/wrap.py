@@ -20,6 +20,7 @@ from .errors import FailedPreconditionError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
 from .gpu_pools import gpu_pools
+from .chunked_loss import LossSwitch
 from .kv_cache import CacheSwitch
 from .offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
 from .planner import staged_block_indices
@@ -66,6 +67,7 @@ _ACCEPTED = {
     "staged_state_blocks": "'auto', or an integer >= 0: that many of the blocks after those "
                            "are updated on the GPU with their moments staged from the "
                            "daemon's memory (0: none)",
+    "chunked_loss": (True, False),
 }
 
 
@@ -81,6 +83,7 @@ class TrainStreamSession:
     plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
     frozen: Any = None  # host copies of frozen weights that stream
     cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
+    loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
 
     @property
     def adapting(self) -> bool:
@@ -243,7 +246,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
-              "gpu_state_blocks": "auto", "staged_state_blocks": "auto"}
+              "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
+              "chunked_loss": True}
     config.update(options)
     events: list = []
 
@@ -260,12 +264,22 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                        "step holds every layer's keys to the step's end, and a recomputed "
                        "layer's checkpoint would keep each step's graph alive through it; "
                        "unwrap() turns it back on"))
+    loss_switch = LossSwitch(model) if config["chunked_loss"] else None
+    if loss_switch is not None and loss_switch.switched:
+        events.append(("wrap.loss", "the causal-LM loss is computed from the logits in chunks "
+                       "of positions: backward keeps the logits and their gradient in their "
+                       "own dtype instead of the whole fp32 log-softmax and its gradients "
+                       "(about 12 bytes a logit); the loss and gradients are the same sums; "
+                       "chunked_loss=False keeps transformers' own"))
     try:
         model, offload = _wrap_on(model, optimizer, config, events)
     except BaseException:
         cache_switch.restore()
+        if loss_switch is not None:
+            loss_switch.restore()
         raise
     model._trainstream_session.cache_switch = cache_switch
+    model._trainstream_session.loss_switch = loss_switch
     return model, offload
 
 
@@ -605,6 +619,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             module.note = None
     if session.cache_switch is not None:
         session.cache_switch.restore()
+    if session.loss_switch is not None:
+        session.loss_switch.restore()
     del model._trainstream_session
     return model
 

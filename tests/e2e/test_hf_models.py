@@ -132,8 +132,9 @@ def test_the_first_step_streams_weights_to_make_room_for_its_logits():
     assert budget - weights < tokens_logits < budget - outside - 2 * block
     ours = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # transformers' own loss: the one whose fp32 working memory the estimate is about
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3),
-                                 device="cpu", vram_budget=budget)
+                                 device="cpu", vram_budget=budget, chunked_loss=False)
     session = ours._trainstream_session
     assert "wrap.plan" not in [e["kind"] for e in session.events]  # nothing streams at wrap()
     expected, got = [], []
@@ -159,7 +160,7 @@ def test_a_first_step_that_cannot_fit_is_refused_with_the_numbers():
     model, weights, outside, block = _wide_vocab_llama()
     budget = int(1.4 * weights)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  device="cpu", vram_budget=budget)
+                                  device="cpu", vram_budget=budget, chunked_loss=False)
     x = _wide_batch(4, 256, 0)
     with pytest.raises(trainstream.MemoryPlanError,
                        match=r"1024 positions x 2048 logits.*fewer positions a step"):
