@@ -70,13 +70,14 @@ def proto_modules():
 class Daemon:
     """A trainstreamd process on a private socket."""
 
-    def __init__(self, binary: str, args: list[str], socket_mode: str = "0600"):
+    def __init__(self, binary: str, args: list[str], socket_mode: str = "0600",
+                 config: str = ""):
         self.directory = tempfile.mkdtemp(prefix="tsd-")
         os.chmod(self.directory, 0o755)
         self.socket = os.path.join(self.directory, "d.sock")
         self.config = os.path.join(self.directory, "d.conf")
         with open(self.config, "w") as f:
-            f.write(f'socket_mode: "{socket_mode}"\ndrain_timeout_s: 5\n')
+            f.write(f'socket_mode: "{socket_mode}"\ndrain_timeout_s: 5\n{config}')
         self.log_path = os.path.join(self.directory, "d.log")
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
@@ -126,8 +127,9 @@ class Daemon:
 def start_daemon(trainstreamd_binary):
     started: list[Daemon] = []
 
-    def start(*args: str, socket_mode: str = "0600") -> Daemon:
-        d = Daemon(trainstreamd_binary, list(args), socket_mode)
+    def start(*args: str, socket_mode: str = "0600", config: str = "") -> Daemon:
+        """A daemon with these flags; ``config``: more lines of its config file."""
+        d = Daemon(trainstreamd_binary, list(args), socket_mode, config)
         started.append(d)
         return d
 
