@@ -172,9 +172,10 @@ class AdaptivePlan:
         of ``tokens`` positions over ``vocab``, upcast to fp32 with their log-softmax and
         gradients, about 12 bytes each in backward) and a block's activations may not fit
         beside the weights wrap() left in VRAM, which reserved only a quarter of the budget
-        for them. More blocks then stream their weights before any block
-        runs; a step that cannot fit even with every block streaming is refused here, with the
-        numbers, rather than ending in an out-of-memory error."""
+        for them. More blocks then stream their weights before any block runs; a step that
+        cannot fit even with every block streaming is refused here, with the numbers, rather
+        than ending in an out-of-memory error. With the streamed blocks chosen by the user
+        (param_offload), an estimate is not a reason to refuse: an event says it looks tight."""
         if self.steps_since_plan >= 0 or tokens <= 0:
             return
         loss = _LOSS_BYTES_PER_LOGIT * tokens * vocab if loss_bytes is None else int(loss_bytes)
@@ -194,19 +195,25 @@ class AdaptivePlan:
 
         working += in_flight
         need = self._other_weights + (self._depth + 1) * max(sizes) + working
-        if self.weights_fixed or need > self.budget:
+        if self.weights_fixed:
+            self._say("plan.probe_tight",
+                      f"the first step trains on {tokens} positions: its loss ({size(loss)}) and "
+                      f"a block's activations ({size(activations)}) beside the weights kept in "
+                      f"VRAM ({size(resident)}) may not fit in the {size(self.budget)} budget; "
+                      "param_offload chose the streamed blocks, so none more stream",
+                      loss_bytes=loss, activation_bytes=activations)
+            return
+        if need > self.budget:
             raise MemoryPlanError(
                 f"trainstream: the first step does not fit in the {size(self.budget)} VRAM "
                 f"budget: its loss works on {tokens} positions x {vocab} logits ({size(loss)} "
                 f"with their gradients), a block's activations take about "
                 f"{size(activations)}" + (f", those crossing to host memory up to "
                                           f"{size(in_flight)}" if in_flight else "")
-                + ", and the weights outside the blocks with "
-                + (f"{self._depth + 1} device slots take {size(need - working)}"
-                   if not self.weights_fixed else
-                   f"the blocks param_offload keeps in VRAM take {size(resident)}")
-                + ". Train on fewer positions a step (a smaller batch with accumulation_steps, "
-                "shorter sequences) or give the process more VRAM (vram_budget, vram_headroom)")
+                + f", and the weights outside the blocks with {self._depth + 1} device slots "
+                f"take {size(need - working)}. Train on fewer positions a step (a smaller "
+                "batch with accumulation_steps, shorter sequences) or give the process more "
+                "VRAM (vram_budget, vram_headroom)")
         paged = weight_plan_for_sizes(sizes, self._other_weights, self.budget, self._depth,
                                       probe=False, working=working)
         added = [b for b in paged if b not in streamed]

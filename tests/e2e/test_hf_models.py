@@ -173,6 +173,22 @@ def test_a_first_step_that_cannot_fit_is_refused_with_the_numbers():
     trainstream.unwrap(model)
 
 
+def test_with_the_streamed_blocks_chosen_a_tight_first_step_is_said_not_refused():
+    """param_offload=False: the user chose what streams; the estimate that would refuse the
+    step under "auto" only says it looks tight, and the step runs."""
+    model, weights, _, _ = _wide_vocab_llama()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  device="cpu", vram_budget=int(1.4 * weights),
+                                  chunked_loss=False, param_offload=False)
+    x = _wide_batch(4, 256, 0)
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    kinds = [e["kind"] for e in model._trainstream_session.events]
+    assert "plan.probe_tight" in kinds and "plan.probe_room" not in kinds, kinds
+    trainstream.unwrap(model)
+
+
 # -- on a GPU, under a VRAM cap ---------------------------------------------------------------
 
 # (preset, tune, bf16 autocast, positions a sequence, expandable segments, the cap as a share of
@@ -204,13 +220,13 @@ def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1, seq=512, expan
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset,tune,autocast,seq,expandable,share", GPU_CASES)
 def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandable, share):
-    """Under a cap at 45% of what stock PyTorch reserves (55% for one, see GPU_CASES), wrap()'s defaults train 60 steps
-    through every transition of the plan: no out-of-memory error, no non-finite loss, every
-    step's reserved peak under the cap, the plan settled within 12 steps, no VRAM held between
-    steps growing once settled, and losses within the tolerance that two stock optimizers
-    (fused and foreach, on the same batches) differ by under bf16 autocast. 2,048 positions a
-    sequence keep 2,048 a step (one sequence); expandable segments run the allocator the other
-    way people set it."""
+    """Under a cap at 45% of what stock PyTorch reserves (55% for one, see GPU_CASES),
+    wrap()'s defaults train 60 steps through every transition of the plan: no out-of-memory
+    error, no non-finite loss, every step's reserved peak under the cap, the plan settled within
+    12 steps, no VRAM held between steps growing once settled, and losses within the tolerance
+    that two stock optimizers (fused and foreach, on the same batches) differ by under bf16
+    autocast. 2,048 positions a sequence keep 2,048 a step (one sequence); expandable segments
+    run the allocator the other way people set it."""
     shape = dict(autocast=autocast, seq=seq, expandable=expandable)
     stock, other = _run(preset, tune, "stock_pair", **shape)
     assert stock["error"] is None and other["error"] is None
