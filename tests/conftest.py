@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import shutil
 import signal
@@ -42,8 +43,9 @@ def tsctl_binary() -> str:
 def proto_modules():
     """trainstream.v1 Python stubs generated from proto/, in a world-readable folder (tests
     run code as another user too)."""
-    protoc = pytest.importorskip(
-        "grpc_tools.protoc", reason="grpcio-tools is not installed (scripts/bootstrap.sh installs it)")
+    # Looked for, not imported (see below).
+    if importlib.util.find_spec("grpc_tools") is None:
+        pytest.skip("grpcio-tools is not installed (scripts/bootstrap.sh installs it)")
 
     # Generated under the module name `tsapi` so it cannot shadow the trainstream package.
     out = tempfile.mkdtemp(prefix="ts-proto-")
@@ -51,9 +53,12 @@ def proto_modules():
     src = os.path.join(out, "src", "tsapi")
     os.makedirs(src)
     shutil.copy(REPO / "proto/trainstream/v1/trainstream.proto", src)
-    rc = protoc.main(["protoc", f"-I{os.path.join(out, 'src')}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", os.path.join(src, "trainstream.proto")])
-    assert rc == 0
+    # In a process of its own: with grpc_tools' compiler loaded in this one (beside grpc,
+    # google.protobuf and torch), importing trainstream's native module afterwards aborted on a
+    # corrupted mutex (grpcio-tools 1.85), and a test may import it after this fixture.
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{os.path.join(out, 'src')}",
+                    f"--python_out={out}", f"--grpc_python_out={out}",
+                    os.path.join(src, "trainstream.proto")], check=True)
     shutil.rmtree(os.path.join(out, "src"))
     for root, dirs, files in os.walk(out):
         for d in dirs:

@@ -18,8 +18,6 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 
-import trainstream  # noqa: F401 - before the generated stubs (see tests/README.md)
-
 # What a malformed request may get back: the daemon refused it, and said why.
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -142,8 +140,6 @@ def test_mutated_requests_get_client_errors_and_the_daemon_keeps_serving(daemon,
         request_class, streaming, call = calls[name]
         request = request_class()
         mutator.fill(request)
-        if os.environ.get("TS_TRACE"):
-            print(n, name, str(request)[:200].replace("\n", " "), flush=True)
         try:
             if streaming:
                 # Read until the deadline ends the stream: an open stream is not a hang.
