@@ -209,7 +209,29 @@ absl::StatusOr<BufferRecord> Arena::AllocateWithRetired(
   names_[request.job][request.name] = record.buffer_id;
   buffer_jobs_[record.buffer_id] = request.job;
   buffers_[record.buffer_id] = record;
+  CountBufferLocked(record, request.job.uid, /*added=*/true);
   return record;
+}
+
+void Arena::CountBufferLocked(const BufferRecord& record, uid_t uid, bool added) {
+  for (auto* rows : {&buffers_by_session_, &buffers_by_tag_}) {
+    const std::string& key = rows == &buffers_by_session_ ? record.session_id : record.tag;
+    UsageRow& row = (*rows)[key];
+    row.key = key;
+    if (added) {
+      row.bytes += record.bytes;
+      ++row.buffers;
+    } else {
+      row.bytes -= record.bytes;
+      if (--row.buffers == 0) rows->erase(key);
+    }
+  }
+  uint32_t& count = buffer_count_by_uid_[uid];
+  if (added) {
+    ++count;
+  } else if (--count == 0) {
+    buffer_count_by_uid_.erase(uid);
+  }
 }
 
 absl::StatusOr<BufferRecord> Arena::Lookup(const JobKey& job, const std::string& name) const {
@@ -241,6 +263,7 @@ void Arena::ReleaseBufferLocked(uint64_t buffer_id,
                                 std::vector<std::unique_ptr<Segment>>& retired) {
   BufferRecord record = buffers_.at(buffer_id);
   JobKey job = buffer_jobs_.at(buffer_id);
+  CountBufferLocked(record, job.uid, /*added=*/false);
   buffers_.erase(buffer_id);
   buffer_jobs_.erase(buffer_id);
   auto names = names_.find(job);
@@ -369,25 +392,18 @@ ArenaUsage Arena::Usage() const {
   std::sort(usage.plans.begin(), usage.plans.end(), [](const auto& a, const auto& b) {
     return std::tie(a.job.uid, a.job.job_id) < std::tie(b.job.uid, b.job.job_id);
   });
-  std::map<std::string, UsageRow> by_uid, by_session, by_tag;
+  std::map<std::string, UsageRow> by_uid;
   for (const auto& [uid, bytes] : reserved_by_uid_) {
     by_uid[std::to_string(uid)] = UsageRow{std::to_string(uid), bytes, 0};
   }
-  for (const auto& [id, record] : buffers_) {
-    std::string uid = std::to_string(buffer_jobs_.at(id).uid);
-    by_uid[uid].key = uid;
-    ++by_uid[uid].buffers;
-    for (auto* rows : {&by_session, &by_tag}) {
-      const std::string& key = rows == &by_session ? record.session_id : record.tag;
-      UsageRow& row = (*rows)[key];
-      row.key = key;
-      row.bytes += record.bytes;
-      ++row.buffers;
-    }
+  for (const auto& [uid, count] : buffer_count_by_uid_) {
+    UsageRow& row = by_uid[std::to_string(uid)];
+    row.key = std::to_string(uid);
+    row.buffers = count;
   }
   for (auto& [key, row] : by_uid) usage.by_uid.push_back(row);
-  for (auto& [key, row] : by_session) usage.by_session.push_back(row);
-  for (auto& [key, row] : by_tag) usage.by_tag.push_back(row);
+  for (const auto& [key, row] : buffers_by_session_) usage.by_session.push_back(row);
+  for (const auto& [key, row] : buffers_by_tag_) usage.by_tag.push_back(row);
   return usage;
 }
 

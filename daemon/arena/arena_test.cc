@@ -234,6 +234,41 @@ TEST(ArenaTest, UsageIsAccountedBySessionTagAndUid) {
   EXPECT_TRUE(totals.by_tag.empty() && totals.by_session.empty() && totals.by_uid.empty());
 }
 
+TEST(ArenaTest, UsageRowsFollowBuffersFreedAndSessionsReleased) {
+  // The rows are kept as buffers come and go (not counted per report): a freed buffer and a
+  // released session leave no row behind, and what stays is counted once.
+  auto arena = MakeArena();
+  AllocationRequest a = Request("a", 1000, 1000, "s1");
+  a.tag = "grad";
+  AllocationRequest b = Request("b", 3000, 1000, "s1");
+  b.tag = "grad";
+  AllocationRequest c = Request("c", 500, 1000, "s2");
+  BufferRecord first = *arena->Allocate(a);
+  ASSERT_TRUE(arena->Allocate(b).ok());
+  ASSERT_TRUE(arena->Allocate(c).ok());
+  ASSERT_TRUE(arena->Free({1000, "job"}, "s1", first.buffer_id).ok());
+  ArenaUsage usage = arena->Usage();
+  ASSERT_EQ(usage.by_session.size(), 2u);
+  EXPECT_EQ(usage.by_session[0].key, "s1");
+  EXPECT_EQ(usage.by_session[0].bytes, 3000u);
+  EXPECT_EQ(usage.by_session[0].buffers, 1u);
+  ASSERT_EQ(usage.by_tag.size(), 2u);
+  EXPECT_EQ(usage.by_tag[0].bytes, 3000u);
+  ASSERT_EQ(usage.by_uid.size(), 1u);
+  EXPECT_EQ(usage.by_uid[0].buffers, 2u);
+  arena->ReleaseSession({1000, "job"}, "s1");
+  usage = arena->Usage();
+  ASSERT_EQ(usage.by_session.size(), 1u);
+  EXPECT_EQ(usage.by_session[0].key, "s2");
+  ASSERT_EQ(usage.by_tag.size(), 1u);
+  EXPECT_EQ(usage.by_tag[0].key, "untagged");
+  EXPECT_EQ(usage.by_uid[0].buffers, 1u);
+  arena->ReleaseSession({1000, "job"}, "s2");
+  usage = arena->Usage();
+  EXPECT_TRUE(usage.by_session.empty() && usage.by_tag.empty());
+  for (const UsageRow& row : usage.by_uid) EXPECT_EQ(row.buffers, 0u);
+}
+
 }  // namespace
 }  // namespace trainstream::daemon
 
