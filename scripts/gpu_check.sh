@@ -18,6 +18,8 @@
 #   (each of the last four writes or reuses a 29.5 GB checkpoint in /var/tmp: one call each)
 #   scripts/gpu_check.sh steps 'CMD' ...      after one build, each CMD in turn (its output in
 #                                            $OUT/step_N.log): several checks in one device call
+#   scripts/gpu_check.sh hf_matrix           the Hugging Face GPU tests (the model matrix, -s:
+#                                            each case's reasons) and bench/chunked_loss.py
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -96,6 +98,12 @@ if [[ $what == steps ]]; then
     (( rc == 0 )) || { status=1; echo "(exit $rc)" >> "$OUT/step_$n.log"; }
   done
 fi
+if [[ $what == hf_matrix ]]; then
+  timeout 120 python3 bench/chunked_loss.py --json "$OUT/chunked_loss.json" \
+    > "$OUT/chunked_loss.txt" 2>&1 || status=1
+  timeout 480 python3 -m pytest -s -ra -m gpu tests/e2e/test_hf_models.py \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
+fi
 if [[ $what == gpu ]]; then
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
@@ -144,6 +152,6 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt hf_models.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
+         dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
 for f in "$OUT"/step_*.log; do [[ -f $f ]] && { head -1 "$f" | cut -c1-200; tail -n 8 "$f"; }; done
 exit $status
