@@ -152,6 +152,11 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
   [[ -f $OUT/$f ]] && { grep -E "^(FAILED|ERROR)" "$OUT/$f" | cut -c1-300 | head -15; tail -2 "$OUT/$f"; }
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
-         dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt base_lora.txt gpu_pool.txt; do [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"; done
-for f in "$OUT"/step_*.log; do [[ -f $f ]] && { head -1 "$f" | cut -c1-200; tail -n 8 "$f"; }; done
+         dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt \
+         base_lora.txt gpu_pool.txt; do
+  [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"
+done
+for f in "$OUT"/step_*.log; do
+  [[ -f $f ]] && { head -1 "$f" | cut -c1-200; tail -n 8 "$f"; }
+done
 exit $status
