@@ -23,7 +23,7 @@ from conftest import wait_until
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, train_steps  # noqa: E402
 
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models")
 
@@ -72,18 +72,6 @@ def _kill_on(word: str, victim: subprocess.Popen, rng: random.Random) -> bool:
     return False
 
 
-def _train(model, opt, steps, first=0):
-    losses = []
-    for i in range(first, first + steps):
-        x, y = batch(i, device="cpu")
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _storm(socket: str, kills: int, at_once: int, stages: dict) -> None:
     """Starts ``at_once`` victims at a time and kills each on its stage word."""
     rng = random.Random(28)
@@ -121,7 +109,7 @@ def test_a_kill_storm_costs_the_daemon_and_a_survivor_nothing(start_daemon):
     storm.start()
     beside = []
     while storm.is_alive():  # the survivor trains through the whole storm
-        beside += _train(model, opt, 1, first=len(beside))
+        beside += train_steps(model, opt, 1, start=len(beside))
     storm.join()
     seconds = time.monotonic() - started
     # Their sockets close or their leases end (1.5 s), their jobs' state a second later.
@@ -138,7 +126,7 @@ def test_a_kill_storm_costs_the_daemon_and_a_survivor_nothing(start_daemon):
     torch.manual_seed(0)
     alone_model, alone_opt = trainstream.wrap(TinyGPT(layers=2), lr=1e-3, device="cpu",
                                               offload=True, socket=daemon.socket, job_id="alone")
-    alone = _train(alone_model, alone_opt, len(beside))
+    alone = train_steps(alone_model, alone_opt, len(beside))
     trainstream.unwrap(alone_model)
     assert beside == alone
     if long_run or os.environ.get("TS_SHOW"):
