@@ -170,10 +170,11 @@ void RemoveAbandonedTemporaries(const std::string& path) {
   }
 }
 
-}  // namespace
+// The write itself, on the calling thread (WriteCheckpoint gives it a thread of its own).
+absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
+                                             const CheckpointContents& contents);
 
-static absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
-                                                    const CheckpointContents& contents);
+}  // namespace
 
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
                                          const CheckpointContents& contents) {
@@ -189,8 +190,10 @@ absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
   return written;
 }
 
-static absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
-                                                    const CheckpointContents& contents) {
+namespace {
+
+absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
+                                             const CheckpointContents& contents) {
   if (path.empty() || path[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint path '", path, "' must be absolute"));
@@ -241,6 +244,8 @@ static absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
   if (dir.valid()) ::fsync(dir.get());
   return 8 + header_size + offset;
 }
+
+}  // namespace
 
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
                                                   const CheckpointContents& expected) {

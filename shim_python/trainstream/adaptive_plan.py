@@ -42,10 +42,8 @@ _RESERVED_MARGIN = 0.03
 # VRAM held between steps growing this much a step, several steps running with one plan, is
 # something keeping each step's tensors: said once, never planned for.
 _GROWTH_BYTES, _GROWTH_STEPS = 32 << 20, 4
-# Before the probe has measured anything: the loss's bytes per logit at its peak (the fp32
-# upcast freed, its log-softmax kept, the gradients of both), and a transformer block's saved
-# activations per position and hidden unit (bf16; its MLP's wider intermediate included).
-_LOSS_BYTES_PER_LOGIT = 12
+# Before the probe has measured anything: a transformer block's saved activations per
+# position and hidden unit (bf16; its MLP's wider intermediate included).
 _BLOCK_ACTIVATION_BYTES = 48
 
 
@@ -166,11 +164,10 @@ class AdaptivePlan:
         return offload, again
 
     def make_room_for_probe(self, tokens: int, vocab: int, hidden: int,
-                            loss_bytes: int | None = None) -> None:
+                            loss_bytes: int) -> None:
         """Called as the probe step's forward starts, when its size is first known: the loss's
-        working memory (``loss_bytes``; by default that of transformers' own loss: the logits
-        of ``tokens`` positions over ``vocab``, upcast to fp32 with their log-softmax and
-        gradients, about 12 bytes each in backward) and a block's activations may not fit
+        working memory (``loss_bytes``, for the logits of ``tokens`` positions over ``vocab``:
+        chunked_loss.working_bytes) and a block's activations may not fit
         beside the weights wrap() left in VRAM, which reserved only a quarter of the budget
         for them. More blocks then stream their weights before any block runs; a step that
         cannot fit even with every block streaming is refused here, with the numbers, rather
@@ -178,7 +175,7 @@ class AdaptivePlan:
         (param_offload), an estimate is not a reason to refuse: an event says it looks tight."""
         if self.steps_since_plan >= 0 or tokens <= 0:
             return
-        loss = _LOSS_BYTES_PER_LOGIT * tokens * vocab if loss_bytes is None else int(loss_bytes)
+        loss = int(loss_bytes)
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]

@@ -444,17 +444,17 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     return plan
 
 
-def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) -> int | None:
-    """The loss's working memory when wrap() computes it in chunks (chunked_loss), for the
-    logits' dtype this forward makes (autocast's when it is on); None: transformers' own."""
+def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) -> int:
+    """The loss's working memory for the logits this forward makes (autocast's dtype when it is
+    on): computed in chunks when wrap() put its loss on the model (chunked_loss), else
+    transformers' own."""
     from .chunked_loss import causal_lm_loss, working_bytes
 
-    if not any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules()):
-        return None
+    chunked = any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules())
     kind = head_weight.device.type
     dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
              else head_weight.dtype)
-    return working_bytes(tokens, head_weight.shape[0], dtype)
+    return working_bytes(tokens, head_weight.shape[0], dtype, chunked)
 
 
 def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:

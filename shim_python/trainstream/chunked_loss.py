@@ -39,9 +39,18 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
     return 2 * torch.empty((), dtype=dtype).element_size()
 
 
-def working_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
-    """The loss's VRAM at its peak for ``positions`` over ``vocab`` logits of ``dtype``: those
-    of :func:`bytes_per_logit`, and a chunk's fp32 copy and its probabilities in backward."""
+# transformers' own loss at its peak, for each logit: the fp32 upcast freed, its log-softmax
+# kept, and the gradients of both.
+STOCK_BYTES_PER_LOGIT = 12
+
+
+def working_bytes(positions: int, vocab: int, dtype: torch.dtype, chunked: bool = True) -> int:
+    """The loss's VRAM at its peak for ``positions`` over ``vocab`` logits of ``dtype``: with
+    this module's loss, those of :func:`bytes_per_logit` and a chunk's fp32 copy and its
+    probabilities in backward; with transformers' own (``chunked=False``),
+    STOCK_BYTES_PER_LOGIT each."""
+    if not chunked:
+        return STOCK_BYTES_PER_LOGIT * positions * vocab
     chunk = 4 * vocab * min(positions, chunk_rows(vocab))
     copies = 1 if dtype == torch.float32 else 2  # fp32 logits are their own fp32 copy
     return positions * vocab * bytes_per_logit(dtype) + copies * chunk
