@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The causal-LM loss wrap() computes in chunks (shim_python/trainstream/chunked_loss.py)
+"""The causal-LM loss wrap() puts on Hugging Face models (shim_python/trainstream/chunked_loss.py)
 against transformers' ForCausalLMLoss, on bf16 logits as a model under autocast or in bf16
 makes them: the VRAM each needs beyond the logits (forward and backward), its time, and the
-differences in loss and gradient. Bounds: memory, the gradient itself (2 bytes a logit); time,
-the bytes the chunked loss must move (the logits read twice, the gradient written) over a
-device-to-device copy's bandwidth measured in the same run.
+differences in loss and gradient. Two of ours: the CUDA kernels (kernels/cuda/cross_entropy.cu,
+what runs on a GPU) and the same chunks in torch operations (what runs where the kernels do not
+apply). Bounds: memory, the gradient itself (2 bytes a logit); time, the bytes the kernels must
+move (the logits read twice, the gradient written) over a device-to-device copy's bandwidth
+measured in the same run.
 
-Needs only torch and transformers (the module is loaded from its file, not from an installed
-package), so it runs without building trainstream.
+Needs the built package (pip install .) for the kernels.
 
     python bench/chunked_loss.py [--positions 2048] [--vocab 32064 152064] [--json out.json]
 """
@@ -15,7 +16,6 @@ package), so it runs without building trainstream.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -25,14 +25,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _chunked_module():
-    path = os.path.join(HERE, "..", "shim_python", "trainstream", "chunked_loss.py")
-    spec = importlib.util.spec_from_file_location("ts_chunked_loss", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sync(device: torch.device) -> None:
@@ -87,7 +79,16 @@ def main() -> None:
     args = parser.parse_args()
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    chunked = _chunked_module()
+    from trainstream import chunked_loss
+
+    def torch_chunks(logits, labels, vocab):
+        kernels = chunked_loss._kernels
+        chunked_loss._kernels = lambda: None
+        try:
+            return chunked_loss.causal_lm_loss(logits, labels, vocab)
+        finally:
+            chunked_loss._kernels = kernels
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gbps = _copy_gbps(device) if device.type == "cuda" else 0.0
     rows = []
@@ -97,28 +98,40 @@ def main() -> None:
             torch.bfloat16)
         labels = torch.randint(0, vocab, (1, args.positions), generator=g, device=device)
         stock = _measure(ForCausalLMLoss, logits, labels, vocab, args.repeats)
-        ours = _measure(chunked.causal_lm_loss, logits, labels, vocab, args.repeats)
+        ours = {"kernel": _measure(chunked_loss.causal_lm_loss, logits, labels, vocab,
+                                   args.repeats),
+                "chunked": _measure(torch_chunks, logits, labels, vocab, args.repeats)}
         logit_count = args.positions * vocab
         row = {"positions": args.positions, "vocab": vocab, "logits_gib": 2 * logit_count / 2**30,
                "grad_bound_gib": 2 * logit_count / 2**30,
                "time_bound_s": 6 * logit_count / (gbps * 1e9) if gbps else None,
-               "loss_diff": abs(stock["loss"] - ours["loss"]).item(),
-               "grad_max_diff": (stock["grad"].float() - ours["grad"].float()).abs().max().item()}
-        for name, m in (("stock", stock), ("chunked", ours)):
+               "kernels_applied": chunked_loss.kernels_apply(device, torch.bfloat16),
+               "stock_s": stock["seconds"], "stock_peak_gib": stock["peak_beyond_logits"] / 2**30}
+        for name, m in ours.items():
             row[f"{name}_s"] = m["seconds"]
             row[f"{name}_peak_gib"] = m["peak_beyond_logits"] / 2**30
+            row[f"{name}_loss_diff"] = abs(stock["loss"] - m["loss"]).item()
+            row[f"{name}_grad_max_diff"] = (stock["grad"].float()
+                                            - m["grad"].float()).abs().max().item()
         rows.append(row)
         del logits, labels, stock, ours
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''})"
           f", device copy {gbps:.0f} GB/s")
-    print(f"{'positions x vocab':>20} {'HF peak GiB':>11} {'ours GiB':>9} {'bound GiB':>9} "
-          f"{'HF ms':>7} {'ours ms':>7} {'bound ms':>8} {'dloss':>9} {'dgrad':>9}")
+    print(f"{'positions x vocab':>20} {'engine':>9} {'peak GiB':>9} {'bound GiB':>9} "
+          f"{'ms':>7} {'bound ms':>8} {'x bound':>7} {'dloss':>9} {'dgrad':>9}")
     for r in rows:
-        bound_ms = f"{1e3 * r['time_bound_s']:.2f}" if r["time_bound_s"] else "-"
-        print(f"{r['positions']:>9} x {r['vocab']:<8} {r['stock_peak_gib']:>11.3f} "
-              f"{r['chunked_peak_gib']:>9.3f} {r['grad_bound_gib']:>9.3f} "
-              f"{1e3 * r['stock_s']:>7.2f} {1e3 * r['chunked_s']:>7.2f} {bound_ms:>8} "
-              f"{r['loss_diff']:>9.2e} {r['grad_max_diff']:>9.2e}")
+        bound = r["time_bound_s"]
+        for name in ("stock", "kernel", "chunked"):
+            if name == "kernel" and not r["kernels_applied"]:
+                continue  # no CUDA kernels here: the same chunks as "chunked"
+            seconds = r[f"{name}_s"]
+            times = f"{seconds / bound:.1f}" if bound else "-"
+            diffs = (f"{r[name + '_loss_diff']:>9.2e} {r[name + '_grad_max_diff']:>9.2e}"
+                     if name != "stock" else f"{'':>9} {'':>9}")
+            print(f"{r['positions']:>9} x {r['vocab']:<8} {name:>9} "
+                  f"{r[name + '_peak_gib']:>9.3f} {r['grad_bound_gib']:>9.3f} "
+                  f"{1e3 * seconds:>7.2f} {f'{1e3 * bound:.2f}' if bound else '-':>8} "
+                  f"{times:>7} {diffs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "chunked_loss", "date": time.strftime("%Y-%m-%d"),

@@ -10,6 +10,7 @@
 
 #include "cpu/quantize.h"
 #ifdef TRAINSTREAM_HAVE_CUDA
+#include "cuda/cross_entropy.h"
 #include "cuda/dequantize.h"
 #endif
 #include "status_exceptions.h"
@@ -162,6 +163,49 @@ PYBIND11_MODULE(_trainstream, m) {
         tensor_scale, reinterpret_cast<void*>(out),
         bf16 ? k::DeviceOutput::kBFloat16 : k::DeviceOutput::kFloat32,
         reinterpret_cast<void*>(stream)));
+#else
+    OkOrThrow(absl::FailedPreconditionError(
+        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+#endif
+  });
+  // The causal-LM cross-entropy kernels (kernels/cuda/cross_entropy.h), on device pointers,
+  // queued on `stream`.
+  m.attr("has_cuda_kernels") = py::bool_(
+#ifdef TRAINSTREAM_HAVE_CUDA
+      true
+#else
+      false
+#endif
+  );
+  m.def("cross_entropy_forward", [](const std::string& dtype, int64_t rows, int64_t vocab,
+                                    uintptr_t logits, uintptr_t targets, int64_t ignore_index,
+                                    uintptr_t lse, uintptr_t loss, uintptr_t stream) {
+#ifdef TRAINSTREAM_HAVE_CUDA
+    namespace k = trainstream::kernels;
+    const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
+                                ValueOrThrow(k::ParseLogitType(dtype)), rows, vocab,
+                                reinterpret_cast<const int64_t*>(targets), ignore_index};
+    OkOrThrow(k::CrossEntropyForwardOnDevice(r, reinterpret_cast<float*>(lse),
+                                             reinterpret_cast<float*>(loss),
+                                             reinterpret_cast<void*>(stream)));
+#else
+    OkOrThrow(absl::FailedPreconditionError(
+        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+#endif
+  });
+  m.def("cross_entropy_backward", [](const std::string& dtype, int64_t rows, int64_t vocab,
+                                     uintptr_t logits, uintptr_t targets, int64_t ignore_index,
+                                     uintptr_t lse, uintptr_t scale, uintptr_t grad,
+                                     uintptr_t stream) {
+#ifdef TRAINSTREAM_HAVE_CUDA
+    namespace k = trainstream::kernels;
+    const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
+                                ValueOrThrow(k::ParseLogitType(dtype)), rows, vocab,
+                                reinterpret_cast<const int64_t*>(targets), ignore_index};
+    OkOrThrow(k::CrossEntropyBackwardOnDevice(r, reinterpret_cast<const float*>(lse),
+                                              reinterpret_cast<const float*>(scale),
+                                              reinterpret_cast<void*>(grad),
+                                              reinterpret_cast<void*>(stream)));
 #else
     OkOrThrow(absl::FailedPreconditionError(
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));

@@ -47,6 +47,25 @@ _GROWTH_BYTES, _GROWTH_STEPS = 32 << 20, 4
 _BLOCK_ACTIVATION_BYTES = 48
 
 
+def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) -> int:
+    """The working memory settling adds after a step over the budget so that the next step,
+    under the plan made with it, fits: its peak within ``budget`` and its reserved peak within
+    the margin of the process's limit (``fragmented``: how far past that margin it came).
+
+    The plan's ``estimate`` (with the working memory added so far) missed the measured
+    ``peak`` by ``peak - estimate``, and the next plan's step misses its own estimate by as
+    much while the planner holds that estimate to the budget: the peak fits with
+    ``peak - estimate`` more, and the reserved peak (the peak plus what was reserved but free,
+    taken to be the same next step) comes down by ``fragmented`` with
+    ``budget - estimate + fragmented`` more. Adding only the overshoot past the budget left a
+    plan estimated under the budget unmoved while its steps' reserved peaks stayed at the
+    limit, and a later step ran out of memory (the GPU model matrix, 2026-12-02)."""
+    grew = peak - estimate
+    if fragmented:
+        grew = max(grew, budget - estimate + fragmented)
+    return max(int(grew), int(peak - budget), 1 << 20)
+
+
 class AdaptivePlan:
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
@@ -361,7 +380,9 @@ class AdaptivePlan:
         needed = max(peak, self.budget + fragmented if fragmented else 0)
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
         if needed > limit and self.adapting:
-            grew = int(needed - self.budget)
+            grew = settling_correction(
+                peak, self.plan.vram_bytes if self.plan is not None else self.budget,
+                self.budget, fragmented)
             self._largest_overshoot = max(self._largest_overshoot, grew)
             last = self.corrections >= _MAX_CORRECTIONS
             if last:

@@ -454,7 +454,7 @@ def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) 
     kind = head_weight.device.type
     dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
              else head_weight.dtype)
-    return working_bytes(tokens, head_weight.shape[0], dtype, chunked)
+    return working_bytes(tokens, head_weight.shape[0], dtype, chunked, head_weight.device)
 
 
 def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:

@@ -11,6 +11,9 @@ gradient chunk by chunk in the logits' dtype: 2 bytes each way for bf16 logits, 
 chunk's fp32 working memory. The loss is the same sum, in fp32, divided the same way
 (``num_items_in_batch`` when the Trainer passes it, else the positions that count); the
 gradient is the same softmax-minus-one-hot, computed in fp32 and cast as autograd casts it.
+On a CUDA device the chunks are one kernel each way (kernels/cuda/cross_entropy.cu): forward
+reads the logits once and keeps a log-sum-exp a position, backward reads them once more and
+writes the gradient; no fp32 copy of any chunk is made.
 
 :class:`LossSwitch` puts this loss in place of ``ForCausalLMLoss`` on the models of a wrapped
 module that use it (and only those: a model with a loss of its own keeps it), and puts theirs
@@ -44,16 +47,69 @@ def bytes_per_logit(dtype: torch.dtype) -> int:
 STOCK_BYTES_PER_LOGIT = 12
 
 
-def working_bytes(positions: int, vocab: int, dtype: torch.dtype, chunked: bool = True) -> int:
-    """The loss's VRAM at its peak for ``positions`` over ``vocab`` logits of ``dtype``: with
-    this module's loss, those of :func:`bytes_per_logit` and a chunk's fp32 copy and its
-    probabilities in backward; with transformers' own (``chunked=False``),
-    STOCK_BYTES_PER_LOGIT each."""
+def _kernels() -> Any:
+    """The native module when it was built with the CUDA kernels, else None."""
+    try:
+        from . import _trainstream
+    except ImportError:  # the module file loaded on its own (bench/chunked_loss.py --no-kernels)
+        return None
+    return _trainstream if getattr(_trainstream, "has_cuda_kernels", False) else None
+
+
+# The logits' dtypes the kernels read.
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether logits of ``dtype`` on ``device`` go through the CUDA kernels (else the chunks
+    are computed with torch operations)."""
+    return device.type == "cuda" and dtype in _KERNEL_DTYPES and _kernels() is not None
+
+
+def working_bytes(positions: int, vocab: int, dtype: torch.dtype, chunked: bool = True,
+                  device: torch.device | None = None) -> int:
+    """The loss's VRAM at its peak for ``positions`` over ``vocab`` logits of ``dtype`` on
+    ``device``: with this module's loss, those of :func:`bytes_per_logit`, plus (where the
+    kernels do not apply) a chunk's fp32 copy and its probabilities in backward; with
+    transformers' own (``chunked=False``), STOCK_BYTES_PER_LOGIT each."""
     if not chunked:
         return STOCK_BYTES_PER_LOGIT * positions * vocab
+    kept = positions * vocab * bytes_per_logit(dtype)
+    if device is not None and kernels_apply(device, dtype):
+        return kept + 8 * positions  # a log-sum-exp and a loss a position
     chunk = 4 * vocab * min(positions, chunk_rows(vocab))
     copies = 1 if dtype == torch.float32 else 2  # fp32 logits are their own fp32 copy
-    return positions * vocab * bytes_per_logit(dtype) + copies * chunk
+    return kept + copies * chunk
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _forward_kernel(logits: torch.Tensor, targets: torch.Tensor,
+                    ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the counted positions' losses, each position's log-sum-exp), fp32."""
+    rows, vocab = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    with torch.cuda.device(logits.device):
+        _kernels().cross_entropy_forward(_KERNEL_DTYPES[logits.dtype], rows, vocab,
+                                         logits.data_ptr(), targets.data_ptr(), ignore_index,
+                                         lse.data_ptr(), loss.data_ptr(), _stream(logits))
+    return loss.sum(), lse
+
+
+def _backward_kernel(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                     lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    scale = scale.to(torch.float32).contiguous()
+    with torch.cuda.device(logits.device):
+        _kernels().cross_entropy_backward(_KERNEL_DTYPES[logits.dtype], rows, vocab,
+                                          logits.data_ptr(), targets.data_ptr(), ignore_index,
+                                          lse.data_ptr(), scale.data_ptr(), grad.data_ptr(),
+                                          _stream(logits))
+    return grad
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -62,6 +118,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                 divisor: torch.Tensor) -> torch.Tensor:
+        ctx.ignore_index = ignore_index
+        if kernels_apply(logits.device, logits.dtype):
+            logits, targets = logits.contiguous(), targets.to(torch.int64).contiguous()
+            total, lse = _forward_kernel(logits, targets, ignore_index)
+            ctx.save_for_backward(logits, targets, lse, divisor)
+            return total / divisor
         rows = chunk_rows(logits.shape[1])
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -75,15 +137,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 picked = chunk.gather(1, torch.where(counted, target, 0).unsqueeze(1))
                 total += torch.where(counted, chunk_lse - picked.squeeze(1), 0.0).sum()
         ctx.save_for_backward(logits, targets, lse, divisor)
-        ctx.ignore_index = ignore_index
         return total / divisor
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         logits, targets, lse, divisor = ctx.saved_tensors
+        scale = (grad_out.float() / divisor).reshape(1)
+        if kernels_apply(logits.device, logits.dtype):
+            return _backward_kernel(logits, targets, ctx.ignore_index, lse, scale), None, None, None
         grad = torch.empty_like(logits)
         rows = chunk_rows(logits.shape[1])
-        scale = (grad_out.float() / divisor).reshape(1)
         with torch.autocast(logits.device.type, enabled=False):
             for start in range(0, logits.shape[0], rows):
                 chunk = logits[start:start + rows].float()

@@ -66,6 +66,78 @@ def test_its_working_memory_is_the_logits_and_their_gradient_beyond_a_chunk():
     assert bf16 < 0.55 * 12 * 2048 * 32000  # transformers' own: about 12 bytes a logit
 
 
+def test_on_a_cuda_device_the_kernels_keep_only_the_logits_and_their_gradient():
+    cuda = torch.device("cuda")
+    if not chunked_loss.kernels_apply(cuda, torch.bfloat16):
+        pytest.skip("this build has no CUDA kernels (built without a CUDA toolkit)")
+    assert chunked_loss.working_bytes(2048, 32000, torch.bfloat16, device=cuda) == (
+        2048 * 32000 * 4 + 8 * 2048)
+    assert not chunked_loss.kernels_apply(torch.device("cpu"), torch.bfloat16)
+    assert not chunked_loss.kernels_apply(cuda, torch.float64)  # the torch chunks take those
+
+
+def _cuda_pair(dtype, vocab, labels_fn=None):
+    """(transformers' loss and gradient, ours) for logits on the GPU: 3 x 37 positions, a
+    prompt of ignored labels, and one position whose first ten logits are -inf (a masked part
+    of the vocabulary)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = (4 * torch.randn(3, 37, vocab, generator=g, device="cuda")).to(dtype)
+    base[1, 3, :10] = float("-inf")
+    labels = torch.randint(10, vocab, (3, 37), generator=g, device="cuda")
+    labels[0, :5] = -100
+    if labels_fn is not None:
+        labels_fn(labels)
+    out = []
+    for loss_fn in (ForCausalLMLoss, chunked_loss.causal_lm_loss):
+        logits = base.clone().requires_grad_(True)
+        loss = loss_fn(logits, labels, vocab)
+        loss.backward()
+        out.append((loss.detach(), logits.grad))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [1000, 32064, 1003])  # 1003: rows of odd bytes, scalar reads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cuda_kernels_give_transformers_loss_and_gradients(dtype, vocab):
+    assert chunked_loss.kernels_apply(torch.device("cuda"), dtype), (
+        "the package on this GPU machine was built without its CUDA kernels")
+    (ref_loss, ref_grad), (loss, grad) = _cuda_pair(dtype, vocab)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert torch.allclose(loss, ref_loss, rtol=2e-6, atol=2e-6), (loss, ref_loss)
+    assert grad.dtype == dtype and grad.is_contiguous()
+    # One rounding of the same fp32 value apart at most (fp32: the exp's last bits).
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    diff = (grad.float() - ref_grad.float()).abs()
+    assert (diff <= ulp * ref_grad.float().abs() + 1e-7).all(), diff.max()
+    assert grad[0, :4].abs().max().item() == 0.0  # positions whose next label is ignored
+    assert grad[1, 3, :10].abs().max().item() == 0.0  # exp(-inf) is 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_kernels_hold_no_fp32_copy_and_survive_a_bad_label():
+    vocab = 32064
+    logits = torch.randn(1, 2048, vocab, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True)
+    labels = torch.randint(0, vocab, (1, 2048), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    chunked_loss.causal_lm_loss(logits, labels, vocab).backward()
+    torch.cuda.synchronize()
+    beyond = torch.cuda.max_memory_allocated() - before
+    # The gradient (the logits' size) and a few bytes a position; transformers' loss: ~6x.
+    assert beyond <= logits.numel() * 2 + (1 << 20), beyond
+    # A label outside the vocabulary: a NaN loss (which the non-finite guard reports), not a
+    # device-side assertion that would end the process's CUDA context.
+    labels[0, 100] = vocab + 3
+    loss = chunked_loss.causal_lm_loss(logits.detach(), labels, vocab)
+    assert torch.isnan(loss).item()
+    assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context still works
+
+
 def _tiny(tune="full"):
     import os
     import sys

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import trainstream
+from trainstream.adaptive_plan import settling_correction
 from trainstream.planner import fetch_bytes, spread_order
 
 torch = pytest.importorskip("torch")
@@ -463,3 +464,27 @@ def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch)
     policy = trainstream.memory_report(model)["activations"]["policy"]
     assert policy.count("keep") < len(policy)
     trainstream.unwrap(model)
+
+
+def test_settling_corrects_a_plan_by_what_its_estimate_missed():
+    """The case of the GPU model matrix that ran out of memory after settling: a plan estimated
+    at 1.78 GiB of a 1.86 GiB budget whose steps peaked at 1.84 GiB with 0.21 GiB reserved
+    but free, under a 2.06 GiB limit. After the correction, the worst next step (the planner
+    fills the budget, the step misses the estimate by as much again) fits both ways."""
+    gib = 2**30
+    budget, limit, free = int(1.86 * gib), int(2.06 * gib), int(0.21 * gib)
+    estimate, peak = int(1.78 * gib), int(1.84 * gib)
+    margin_limit = int(0.97 * limit)
+    fragmented = peak + free - margin_limit
+    assert fragmented > 0 and peak <= budget
+    grew = settling_correction(peak, estimate, budget, fragmented)
+    worst = budget - grew + (peak - estimate)
+    assert worst <= budget and worst + free <= margin_limit
+    # Adding only the overshoot past the limit's margin would have left the plan as it was.
+    assert estimate + fragmented <= budget
+    # Over the budget, nothing reserved past the margin: the peak comes within the budget.
+    over = int(1.95 * gib)
+    assert budget - settling_correction(over, estimate, budget, 0) + (over - estimate) <= budget
+    # A peak under an estimate (the plan overestimated) still adds the overshoot itself.
+    assert settling_correction(over, budget, budget, 0) == over - budget
+
