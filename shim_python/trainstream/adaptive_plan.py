@@ -159,6 +159,11 @@ class AdaptivePlan:
         self._measure_next: str | None = None
         self._unfixable_peak = 0  # a watchdog peak no plan could hold: not measured again
         self._release_cache_after_step = False
+        # The loss's working memory for the step's logits (make_room_for_probe): its logits and
+        # their gradient live together with every kept activation as backward starts, so no
+        # working memory read off a peak is less (a probe whose peak came elsewhere read less,
+        # and the plan's first step ran out of memory: small Phi-3 LoRA, 2026-12-02).
+        self.loss_floor = 0
         self._start_probe()
 
     # -- the probe ------------------------------------------------------------------------------
@@ -195,6 +200,7 @@ class AdaptivePlan:
         if self.steps_since_plan >= 0 or tokens <= 0:
             return
         loss = int(loss_bytes)
+        self.loss_floor = loss
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
@@ -340,7 +346,7 @@ class AdaptivePlan:
         # The moments held in VRAM; their gradients, which appear only as backward ends, may or
         # may not be in the peak and stay in the working memory read here.
         state = 8 * self.gpu_state_elements + (self._staged_vram if self.staged_elements else 0)
-        return max(0, peak - resident - slots - saved - in_flight - state)
+        return max(self.loss_floor, peak - resident - slots - saved - in_flight - state)
 
     # -- after every step -----------------------------------------------------------------------
 
