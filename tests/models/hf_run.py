@@ -48,6 +48,10 @@ def train(args, engine: str) -> dict:
         model, opt = trainstream.wrap(model, opt, device="cuda")
         session = model._trainstream_session
     wrapped_at = time.perf_counter()
+    if args.memory_snapshot:
+        # Every allocation from here on with its Python stack: on an out-of-memory error the
+        # snapshot says what was live (tests/models/snapshot_summary.py reads it).
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     out = {"engine": engine, "losses": [], "peak_allocated": [], "peak_reserved": [],
            "held": [], "settled_at": None, "error": None}
     try:
@@ -69,6 +73,8 @@ def train(args, engine: str) -> dict:
                 out["settled_at"] = s + 1
     except torch.OutOfMemoryError as e:
         out["error"] = f"out of memory at step {len(out['losses'])}: {str(e)[:300]}"
+        if args.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
     except Exception as e:  # any other failure is reported the same way, with where it rose
         where = traceback.format_exc(limit=-3)[-1200:]
         out["error"] = f"{type(e).__name__} at step {len(out['losses'])}: {str(e)[:300]}\n{where}"
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--autocast", type=int, default=1)
+    parser.add_argument("--memory-snapshot", default="",
+                        help="on an out-of-memory error, write torch's memory snapshot here")
     args = parser.parse_args()
     engines = ["stock", "stock_foreach"] if args.engine == "stock_pair" else [args.engine]
     for engine in engines:
