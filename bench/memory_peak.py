@@ -3,6 +3,7 @@
 to the moment of the highest allocated total, and what was live then, grouped by the Python
 frame that allocated it (the first frame in trainstream, transformers, peft, torch.optim or the
 benchmark). Memory allocated before the recording started is one bucket ("before recording").
+After an out-of-memory error, the same at the failed allocation, with the size it asked for.
 
     memory_peak.start()        # before the steps to look at
     ...steps...
@@ -16,7 +17,7 @@ import collections
 import torch
 
 _OWNERS = ("trainstream/", "transformers/", "peft/", "torch/optim", "torch/utils/checkpoint",
-           "bench/", "examples/")
+           "bench/", "examples/", "tests/models/")
 _base = 0
 
 
@@ -36,8 +37,16 @@ def _owner(frames: list) -> str:
     return "elsewhere"
 
 
+def _by_owner(live: dict, top: int) -> list:
+    owners: collections.Counter = collections.Counter()
+    for size, owner in live.values():
+        owners[owner] += size
+    return [(k, round(v / 2**30, 3)) for k, v in owners.most_common(top)]
+
+
 def report(top: int = 14) -> dict:
-    """The peak since start(), what was live at it by owner (GiB), and what is live now."""
+    """The peak since start(), what was live at it by owner (GiB), and what is live now; after
+    an out-of-memory error, what was live when it came."""
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -47,8 +56,14 @@ def report(top: int = 14) -> dict:
     total = best = _base
     best_live: dict = {}
     best_before = before
+    oom = None
     for entry in trace:
         action, addr, size = entry["action"], entry["addr"], entry["size"]
+        if action == "oom" and oom is None:
+            oom = {"asked_gib": round(size / 2**30, 3), "allocated_gib": round(total / 2**30, 2),
+                   "live": [("before recording", round(before / 2**30, 2))]
+                   + _by_owner(live, top)}
+            continue
         if action == "alloc":
             live[addr] = (size, _owner(entry.get("frames", [])))
             total += size
@@ -63,16 +78,13 @@ def report(top: int = 14) -> dict:
         if total > best:
             best, best_before = total, before
             best_live = dict(live)
-    by_owner: collections.Counter = collections.Counter()
-    for size, owner in best_live.values():
-        by_owner[owner] += size
-    now: collections.Counter = collections.Counter()
-    for size, owner in live.values():
-        now[owner] += size
     gib = 2**30
-    return {"peak_gib": round(best / gib, 2),
-            "at_peak": [("before recording", round(best_before / gib, 2))] +
-                       [(k, round(v / gib, 3)) for k, v in by_owner.most_common(top)],
-            "live_now_gib": round(torch.cuda.memory_allocated() / gib, 2),
-            "live_now_recorded": [(k, round(v / gib, 3)) for k, v in now.most_common(top)],
-            "trace_entries": len(trace)}
+    result = {"peak_gib": round(best / gib, 2),
+              "at_peak": [("before recording", round(best_before / gib, 2))]
+              + _by_owner(best_live, top),
+              "live_now_gib": round(torch.cuda.memory_allocated() / gib, 2),
+              "live_now_recorded": _by_owner(live, top),
+              "trace_entries": len(trace)}
+    if oom is not None:
+        result["at_oom"] = oom
+    return result

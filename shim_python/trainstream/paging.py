@@ -43,7 +43,6 @@ from .weak_hooks import weak_hook
 
 # Forwards timed when a measured block is replayed (after one warm-up).
 _REPLAYS = 2
-# Keyword arguments Hugging Face decoder layers take a key/value cache by.
 
 
 def _plain(value: Any) -> bool:
@@ -56,6 +55,21 @@ def _plain(value: Any) -> bool:
     if isinstance(value, dict):
         return all(_plain(v) for v in value.values())
     return False
+
+
+def _storages_of(values: Any) -> set:
+    """The storage addresses of the tensors among ``values`` (in tuples, lists and dicts too)."""
+    found: set = set()
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            found.add(v.untyped_storage().data_ptr())
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return found
 
 
 class _Slot:
@@ -83,7 +97,23 @@ class _Offloaded:
         self.copied = copied        # event: the block's copies to host landed (CUDA)
         self.device: torch.Tensor | None = None
         self.returned: Any = None   # event: the copy back (with its batch) landed
-        self.used = False           # backward has unpacked it
+        self.used = False           # backward has unpacked every view of it
+        self.views = 0              # the saved tensors that are views of it
+        self.left = 0               # of them, those this backward has not unpacked yet
+
+
+class _SavedView:
+    """What autograd holds for one saved tensor of a paging block: its layout over the storage
+    an _Offloaded item pages. Tensors saved from one storage share the item (q, k and v sliced
+    from one fused projection's output, a gate and its up projection: views that keep the whole
+    storage alive), so that paging them frees that storage and copies it once."""
+
+    __slots__ = ("item", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, item: _Offloaded, t: torch.Tensor):
+        self.item = item
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        self.stride, self.offset = tuple(t.stride()), t.storage_offset()
 
 
 class BlockPager:
@@ -150,6 +180,9 @@ class BlockPager:
         self.activation_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.placeholders: dict[int, torch.Tensor] = {}
         self.weight_storages: dict[int, set] = {}
+        # Per block whose forward runs now: the storages its saved tensors page, by address
+        # (held until the forward ends, so that an address is not reused meanwhile).
+        self._paged_storages: dict[int, dict] = {}
         self.position: dict[int, int] = {}  # weight-paged blocks only
         self.pending_grads: dict[int, int] = {}
         self._grad_hooks: dict[int, list] = {}
@@ -410,8 +443,14 @@ class BlockPager:
                 if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
                     self.arena.reset()  # a new step: the last one's backward is over
             if b in self.saved or b in self.measure:
+                # Storages a saved tensor may come from that paging it would not free: the
+                # block's weights, and what it was called with besides its input (rotary
+                # tables, a mask: the model holds them for every block).
                 self.weight_storages[b] = {p.untyped_storage().data_ptr()
                                            for p in self.blocks[b].parameters()}
+                called_with = {k: v for k, v in kwargs.items() if args or k != "hidden_states"}
+                self.weight_storages[b].update(_storages_of((*args[1:], *called_with.values())))
+                self._paged_storages[b] = {}
             if b in self.measure and torch.is_grad_enabled():
                 first = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 start = torch.cuda.Event(enable_timing=True) if self.cuda else None
@@ -440,6 +479,7 @@ class BlockPager:
                     # (LoRA's base) are still read for the input gradient after it.
                     trained = [p.requires_grad for p in self.params[b]]
                     self.pending_grads[b] = sum(trained) if all(trained) else -1
+            self._paged_storages.pop(b, None)
             measuring = self._measuring.pop(b, None)
             if measuring is not None:
                 end = None
@@ -533,10 +573,16 @@ class BlockPager:
                     measuring["storages"].add(key)
                     measuring["saved_bytes"] += t.untyped_storage().nbytes()
         # Saved weights arrive detached, not as Parameters: told apart by their storage.
-        if (b in self.saved and t.nbytes >= self.min_offload_bytes and t.is_contiguous()
-                and t.device == self.device
-                and t.untyped_storage().data_ptr() not in self.weight_storages.get(b, ())):
-            return self._offload(b, t)
+        if b in self.saved and t.device == self.device:
+            storage = t.untyped_storage()
+            if (storage.nbytes() >= self.min_offload_bytes
+                    and storage.nbytes() % t.element_size() == 0
+                    and storage.data_ptr() not in self.weight_storages.get(b, ())):
+                item = self._offload(b, t, storage)
+                if item is not None:
+                    item.views += 1
+                    item.left = item.views
+                    return _SavedView(item, t)
         # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
         return t.detach()
 
@@ -549,12 +595,19 @@ class BlockPager:
             self.arena_refused = str(e)
             return None
 
-    def _offload(self, b: int, t: torch.Tensor) -> Any:
-        nbytes = t.numel() * t.element_size()
+    def _offload(self, b: int, t: torch.Tensor, storage: Any) -> _Offloaded | None:
+        """The item paging ``t``'s whole storage (None: no host memory for it, and ``t`` stays
+        on the device): made, and its copy queued, for the first tensor saved from it."""
+        known = self._paged_storages.setdefault(b, {}).get(storage.data_ptr())
+        if known is not None:
+            return known[0]
+        t = t.as_strided((storage.nbytes() // t.element_size(),), (1,), 0)
+        nbytes = storage.nbytes()
         host = self._host_for(t)
         if host is None:
-            return t.detach()
+            return None
         item = _Offloaded(b, host, None)
+        self._paged_storages[b][storage.data_ptr()] = (item, t)
         if self.cuda:
             if self._unissued and (self._inflight_bytes + self._unissued_bytes + nbytes
                                    > self.max_inflight_bytes):
@@ -643,29 +696,45 @@ class BlockPager:
             item.device.record_stream(self.activation_stream)
             item.returned = returned
 
+    def _arrived(self, item: _Offloaded) -> torch.Tensor:
+        """``item``'s storage on the device, for backward to use on the current stream: brought
+        back if it was not yet, with its block's predecessor's storages after it the first
+        time backward reaches the block."""
+        if item.device is None:
+            self._bring_back([item])
+        if item.block not in self._predecessor_asked:
+            # Backward reached this block: its predecessor's activations come back now (those
+            # backward has not used yet), in one batch.
+            self._predecessor_asked.add(item.block)
+            k = self.offloading.index(item.block)
+            if k > 0:
+                self._bring_back([other for other in self.saved[self.offloading[k - 1]]
+                                  if not other.used])
+        if self.cuda:
+            compute = cuda_streams.current(self._device_index)
+            # A batch's event once per stream: later waits on it would add nothing.
+            if self._compute_waited != (compute, item.returned):
+                compute.wait_event(item.returned)
+                self._compute_waited = (compute, item.returned)
+        return item.device
+
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Offloaded):
-            if packed.device is None:
-                self._bring_back([packed])
-            if packed.block not in self._predecessor_asked:
-                # Backward reached this block: its predecessor's activations come back now
-                # (those backward has not used yet), in one batch.
-                self._predecessor_asked.add(packed.block)
-                k = self.offloading.index(packed.block)
-                if k > 0:
-                    self._bring_back([item for item in self.saved[self.offloading[k - 1]]
-                                      if not item.used])
-            if self.cuda:
-                compute = cuda_streams.current(self._device_index)
-                # A batch's event once per stream: later waits on it would add nothing.
-                if self._compute_waited != (compute, packed.returned):
-                    compute.wait_event(packed.returned)
-                    self._compute_waited = (compute, packed.returned)
-            # Backward owns it now: once used it is freed, rather than kept until the next
-            # forward (the host copy stays, for retain_graph).
-            device, packed.device = packed.device, None
-            packed.used = True
-            return device
+        if isinstance(packed, _SavedView):
+            item = packed.item
+            storage = self._arrived(item)
+            if packed.dtype != storage.dtype:
+                storage = storage.view(packed.dtype)
+            # The host copy may be a slice of the arena's storage (on a CPU "device" it is what
+            # comes back): the layout's offset counts from where the copy starts.
+            view = storage.as_strided(packed.shape, packed.stride,
+                                      storage.storage_offset() + packed.offset)
+            item.left -= 1
+            if item.left <= 0:
+                # Backward owns its views now: the storage is freed with the last of them
+                # rather than kept until the next forward (the host copy stays, for
+                # retain_graph, which unpacks every view again).
+                item.device, item.used, item.left = None, True, item.views
+            return view
         if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
             return packed
         _, b, dtype, shape, stride, offset = packed

@@ -19,6 +19,7 @@ from trainstream.planner import fetch_bytes
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from tiny_gpt import TinyGPT, train_steps  # noqa: E402
+from tiny_gpt import batch as tiny_gpt_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -142,6 +143,57 @@ def test_paged_activations_train_bit_identical_to_resident(daemon_socket, page_w
     for a, b in zip(weights(resident), weights(streamed)):
         assert torch.equal(a, b)
     assert not pager.hooks  # unwrap took the paging hooks away
+
+
+def _saved_storage_bytes(block, x) -> int:
+    """The bytes of the distinct storages ``block``'s forward on ``x`` saves for backward, its
+    weights left out: what paging its activations has to move off the device to free them."""
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(seen.values())
+
+
+def test_views_of_one_storage_are_paged_once_and_whole(daemon_socket):
+    """Attention saves q, k and v, permuted views of one fused projection's output (as Phi-3's
+    qkv_proj and gate_up_proj make them): paging them pages that storage, once, so that it
+    leaves the device; views kept as they were held the whole output in VRAM for every paging
+    block (the GPU model matrix's Phi-3 case ran out of memory on that, 2026-12-02)."""
+    torch.manual_seed(6)
+    model = TinyGPT(layers=4).to(DEVICE)
+    reference = copy.deepcopy(model)
+    x, _ = tiny_gpt_batch(0, device=DEVICE)
+    inputs = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
+             for b in reference.blocks]
+    with torch.no_grad():
+        reference(x)
+    for h in hooks:
+        h.remove()
+    expected = sum(_saved_storage_bytes(reference.blocks[b], inputs[b].requires_grad_())
+                   for b in range(3))
+    resident, r_opt = trainstream.wrap(reference, offload=True, device=DEVICE, lr=3e-3)
+    paged, p_opt = trainstream.wrap(model, offload=True, device=DEVICE, lr=3e-3,
+                                    activation_offload=True, recompute=False,
+                                    min_offload_bytes=0)
+    pager = paged._trainstream_session.pager
+    assert pager.activation_policy() == ["offload"] * 3 + ["keep"]
+    assert train(resident, r_opt, 1) == train(paged, p_opt, 1)
+    assert pager.bytes_offloaded == expected
+    # One host copy of the fused projection's output, a view of it for each of q, k and v.
+    qkv_bytes = x.numel() * 3 * model.blocks[0].attn.qkv.in_features * 4
+    assert sum(item.host.nbytes == qkv_bytes for item in pager.saved[0]) == 1
+    assert train(resident, r_opt, 3, start=1) == train(paged, p_opt, 3, start=1)
+    for a, b in zip(weights(resident), weights(paged)):
+        assert torch.equal(a, b)
 
 
 def test_offload_choices_are_checked(daemon_socket):

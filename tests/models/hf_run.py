@@ -48,10 +48,14 @@ def train(args, engine: str) -> dict:
         model, opt = trainstream.wrap(model, opt, device="cuda")
         session = model._trainstream_session
     wrapped_at = time.perf_counter()
-    if args.memory_snapshot:
-        # Every allocation from here on with its Python stack: on an out-of-memory error the
-        # snapshot says what was live (tests/models/snapshot_summary.py reads it).
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    if args.memory_peak:
+        # Every allocation from here on with its Python stack: what was live at the peak, and
+        # at an out-of-memory error, by the code that allocated it.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "..", "bench"))
+        import memory_peak
+
+        memory_peak.start(entries=2_000_000)
     out = {"engine": engine, "losses": [], "peak_allocated": [], "peak_reserved": [],
            "held": [], "settled_at": None, "error": None}
     try:
@@ -73,12 +77,12 @@ def train(args, engine: str) -> dict:
                 out["settled_at"] = s + 1
     except torch.OutOfMemoryError as e:
         out["error"] = f"out of memory at step {len(out['losses'])}: {str(e)[:300]}"
-        if args.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
     except Exception as e:  # any other failure is reported the same way, with where it rose
         where = traceback.format_exc(limit=-3)[-1200:]
         out["error"] = f"{type(e).__name__} at step {len(out['losses'])}: {str(e)[:300]}\n{where}"
     out["nonfinite"] = sum(not math.isfinite(v) for v in out["losses"])
+    if args.memory_peak:
+        out["memory_peak"] = memory_peak.report(top=25)
     if session is not None:
         out["events"] = [(e["kind"], e["message"][:300]) for e in session.events]
         import trainstream
@@ -103,8 +107,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--autocast", type=int, default=1)
-    parser.add_argument("--memory-snapshot", default="",
-                        help="on an out-of-memory error, write torch's memory snapshot here")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="say what was live at the peak (and at an out-of-memory error) "
+                             "by the code that allocated it (bench/memory_peak.py)")
     args = parser.parse_args()
     engines = ["stock", "stock_foreach"] if args.engine == "stock_pair" else [args.engine]
     for engine in engines:
