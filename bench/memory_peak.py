@@ -86,5 +86,13 @@ def report(top: int = 14) -> dict:
               "live_now_recorded": _by_owner(live, top),
               "trace_entries": len(trace)}
     if oom is not None:
+        # How the reserved memory was laid out: a request fails with room reserved but free
+        # when no free block in it is large enough (each segment: MiB reserved, allocated, and
+        # its largest free block).
+        oom["segments_mib"] = sorted(
+            ((round(seg["total_size"] / 2**20, 1), round(seg["allocated_size"] / 2**20, 1),
+              round(max((b["size"] for b in seg["blocks"] if b["state"] == "inactive"),
+                        default=0) / 2**20, 1))
+             for seg in snapshot["segments"]), reverse=True)[:top]
         result["at_oom"] = oom
     return result

@@ -153,7 +153,8 @@ def _saved_storage_bytes(block, x) -> int:
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
+        # (attention's random-number offsets live on the CPU: nothing to page)
+        if storage.data_ptr() not in weights and t.device == x.device:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
