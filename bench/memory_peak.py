@@ -58,7 +58,7 @@ def report(top: int = 14) -> dict:
     best_before = before
     oom = None
     for entry in trace:
-        action, addr, size = entry["action"], entry["addr"], entry["size"]
+        action, addr, size = entry["action"], entry.get("addr"), entry.get("size", 0)
         if action == "oom" and oom is None:
             oom = {"asked_gib": round(size / 2**30, 3), "allocated_gib": round(total / 2**30, 2),
                    "live": [("before recording", round(before / 2**30, 2))]

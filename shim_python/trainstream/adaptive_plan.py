@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from .allocator_split import LargeBlocksWhole
 from .planner import (BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory,
                       size)
 
@@ -164,6 +165,7 @@ class AdaptivePlan:
         # working memory read off a peak is less (a probe whose peak came elsewhere read less,
         # and the plan's first step ran out of memory: small Phi-3 LoRA, 2026-12-02).
         self.loss_floor = 0
+        self.large_blocks = LargeBlocksWhole()  # taken back by unwrap()
         self._start_probe()
 
     # -- the probe ------------------------------------------------------------------------------
@@ -201,6 +203,17 @@ class AdaptivePlan:
             return
         loss = int(loss_bytes)
         self.loss_floor = loss
+        if self.cuda:
+            # The logits and their gradient, half the loss's working memory each.
+            limit = self.large_blocks.apply(loss // 2)
+            if limit:
+                self._say("plan.allocator",
+                          f"the caching allocator no longer splits blocks of {limit} MiB or more "
+                          f"(max_split_size_mb, process-wide until unwrap()): the step's logits "
+                          f"({size(loss // 2)}, and as much for their gradient) come back to "
+                          "blocks of their own each step, rather than to reserved memory cut "
+                          "up by smaller tensors; set PYTORCH_CUDA_ALLOC_CONF to choose "
+                          "otherwise", max_split_mib=limit)
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]

@@ -621,6 +621,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.cache_switch.restore()
     if session.loss_switch is not None:
         session.loss_switch.restore()
+    if getattr(session, "plan", None) is not None:
+        session.plan.large_blocks.restore()
     del model._trainstream_session
     return model
 

@@ -211,6 +211,31 @@ GPU_CASES = [("small-qwen2", "full", 1, 512, 0, 0.45), ("small-qwen2", "full", 0
              ("small-qwen2", "lora", 0, 512, 0, 0.45), ("small-llama", "lora", 0, 2048, 0, 0.45),
              ("small-qwen2", "full", 1, 512, 1, 0.45)]
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("user_conf", ["", "max_split_size_mb:512"])
+def test_logits_blocks_are_kept_whole_unless_the_user_set_the_allocator(monkeypatch, user_conf):
+    """At the probe step the plan has the caching allocator keep blocks of half the logits' size
+    whole (max_split_size_mb), says so, and unwrap() takes it back; a user's own
+    PYTORCH_CUDA_ALLOC_CONF is left alone."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_conf)
+    before = torch.cuda.memory_stats().get("max_split_size", -1)
+    model, _ = hf_models.build("tiny-llama", "full")
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  device="cuda")
+    _train(model, opt, "tiny-llama", 2)
+    said = [e for e in model._trainstream_session.events if e["kind"] == "plan.allocator"]
+    limit = torch.cuda.memory_stats().get("max_split_size", -1)
+    trainstream.unwrap(model)
+    after = torch.cuda.memory_stats().get("max_split_size", -1)
+    if user_conf:
+        assert not said and limit == before
+        return
+    assert len(said) == 1 and "max_split_size_mb" in said[0]["message"], said
+    assert limit == said[0]["max_split_mib"] << 20
+    assert after >= 1 << 50 or after == before
+
+
 def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1, seq=512, expandable=0):
     """The JSON lines hf_run.py prints: one per engine it ran (stock_pair runs two)."""
     cmd = [sys.executable, os.path.join(HERE, "..", "models", "hf_run.py"), "--preset", preset,

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Keeps torch's caching allocator from splitting the blocks the step's largest tensors (the
+logits and their gradient) come back to. Left to itself the allocator hands part of a freed
+logits block to a smaller request (an activation brought back for backward), and the next step's
+logits find room reserved but no piece of it large enough: under a tight cap that is an
+out-of-memory error with a fifth of the reserved memory free (the GPU model matrix's small LoRA
+cases, 2026-12-02). torch's own remedy is ``max_split_size_mb``: blocks at least that large are
+never split. It is process-wide, so it is set only where the user chose no allocator settings of
+their own, and taken back when the last wrapped model that asked for it is unwrapped."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# What "no limit" is set back to: torch's default is the largest size_t, which its parser
+# cannot take back in MiB; a pebibyte is as good as none.
+_NO_LIMIT_MIB = 1 << 30
+# torch refuses limits at or below its large-buffer size (20 MiB).
+_SMALLEST_MIB = 21
+_holders: dict[int, int] = {}  # id of the holder: the limit it asked for, in MiB
+
+
+def _user_chose_settings() -> bool:
+    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                     "PYTORCH_ALLOC_CONF"))
+    return any(k in conf for k in ("max_split_size_mb", "expandable_segments:True",
+                                   "expandable_segments:true", "cudaMallocAsync"))
+
+
+def _set(mib: int) -> None:
+    torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{mib}")
+
+
+class LargeBlocksWhole:
+    """One wrapped model's request that blocks the size of its step's largest tensors stay
+    whole."""
+
+    def __init__(self) -> None:
+        self.mib = 0  # the limit this holder asked for (0: none)
+
+    def apply(self, largest_bytes: int) -> int:
+        """Blocks of half ``largest_bytes`` and more are not split from now on; returns the limit
+        in MiB, or 0 where nothing was set (the user's settings stand, or no CUDA allocator
+        setting can be changed in this torch)."""
+        if (self.mib or _user_chose_settings() or not torch.cuda.is_available()
+                or not hasattr(torch.cuda.memory, "_set_allocator_settings")):
+            return 0
+        mib = max(_SMALLEST_MIB, (int(largest_bytes) // 2) >> 20)
+        _holders[id(self)] = mib
+        _set(min(_holders.values()))
+        self.mib = mib
+        return mib
+
+    def restore(self) -> None:
+        if not self.mib:
+            return
+        _holders.pop(id(self), None)
+        self.mib = 0
+        _set(min(_holders.values()) if _holders else _NO_LIMIT_MIB)
