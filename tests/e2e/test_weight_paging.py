@@ -7,7 +7,6 @@ training is bit-identical to the all-resident run. CPU here (the
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import sys
 import time
@@ -29,15 +28,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def daemon_socket(daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
     return daemon.socket
-
-
-@pytest.fixture(autouse=True)
-def _dropped_wraps_return_their_memory():
-    """Each test starts with the daemon's host memory its predecessors' dropped wraps held given
-    back (a wrap in a reference cycle lives until the collector runs), so that the daemon's
-    per-user quota is each test's alone."""
-    yield
-    gc.collect()
 
 
 def train(model, opt, steps, start=0):
@@ -420,9 +410,13 @@ def test_paging_options_are_checked(daemon_socket):
 
 
 @pytest.mark.gpu
-def test_copies_in_flight_are_capped_and_training_stays_exact(daemon_socket):
+def test_copies_in_flight_are_capped_and_training_stays_exact(start_daemon, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: copies in flight are CUDA events")
+    # Two jobs whose activations both page: four 64 MiB segments, within the per-user quota
+    # (90% of the budget) of a 320 MiB daemon, not of the usual 256 MiB one.
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=320M",
+                                                          "--lease_ms=1500").socket)
     options = dict(activation_offload=True, recompute=False, min_offload_bytes=0)
     resident, r_opt, paged, p_opt = twins(9, 4, options, device="cuda",
                                           max_inflight_bytes=1, **options)
