@@ -211,6 +211,23 @@ GPU_CASES = [("small-qwen2", "full", 1, 512, 0, 0.45), ("small-qwen2", "full", 0
              ("small-qwen2", "lora", 0, 512, 0, 0.45), ("small-llama", "lora", 0, 2048, 0, 0.45),
              ("small-qwen2", "full", 1, 512, 1, 0.45)]
 
+@pytest.mark.parametrize("variable,conf,chosen", [
+    ("PYTORCH_CUDA_ALLOC_CONF", "", False),
+    ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8", False),
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", True),
+    ("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4,max_split_size_mb:256", True),
+    ("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync", True)])
+def test_the_users_allocator_settings_are_theirs(monkeypatch, variable, conf, chosen):
+    """The split limit is the plan's to set only where the user chose nothing that decides how
+    blocks are split (a limit of their own, expandable segments, another backend)."""
+    from trainstream import allocator_split
+
+    for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(variable, conf)
+    assert allocator_split._user_chose_settings() == chosen
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("user_conf", ["", "max_split_size_mb:512"])
