@@ -8,6 +8,9 @@ one run, each configuration in a fresh process:
   qwen14b_512  LoRA r=16 on a Qwen2.5-14B-shaped model (its config, random bf16 weights), 1x512
   qwen14b_2k   the same at 1x2048
   gpt3.6b      a 3.6B-parameter GPT, fp32 weights, full fine-tune, batch 4x512
+  hf_<case>    each case of hf_models.py: Hugging Face transformers models (Qwen2.5, Llama 3,
+               Phi-3; full fine-tunes under bf16 autocast, PEFT LoRA), handed to wrap() with a
+               torch.optim.AdamW as users do, the loss the model's own (labels=)
 
 Modes: ``wrap`` (under the cap, every option "auto"), ``wrap_paged`` (the 3.6B case: every
 block streams its weights, ``param_offload=True``), ``stock`` (no cap: fused AdamW on the GPU),
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import platform
@@ -66,6 +70,21 @@ CASES = {
     "gpt3.6b": dict(kind="gpt", preset="3.6b", batch=4, seq=512, vram_gb=24,
                     modes=["compute", "wrap", "wrap_paged", "stock"]),
 }
+
+
+def _load(name: str, path: str):
+    """A module by its file: bench/hf_models.py and examples/hf_models.py share a name."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# The Hugging Face cases are hf_models.py's own (one table for both benchmarks).
+CASES.update({f"hf_{name}": dict(kind="hf", vram_gb=24, **case) for name, case in _load(
+    "hf_models_bench", os.path.join(HERE, "hf_models.py")).CASES.items()})
 WARMUP_AFTER_SETTLED, MEASURED = 1, 4
 
 
@@ -92,6 +111,18 @@ def build(case: dict, device: str):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
 
         return model, loss, config.parameters
+    if case["kind"] == "hf":
+        models = _load("hf_models_examples", os.path.join(HERE, "..", "examples", "hf_models.py"))
+        model, trainable = models.build(case["preset"], case["tune"],
+                                        getattr(torch, case["dtype"]), device=device,
+                                        init_device="cuda")
+
+        def loss(s):
+            x = models.batch(case["preset"], case["batch"], case["seq"], s, "cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(case["autocast"])):
+                return model(input_ids=x, labels=x).loss
+
+        return model, loss, trainable
     from qwen_shape import CONFIGS, add_lora, build as build_decoder, lm_loss
 
     config = CONFIGS[case["preset"]]
@@ -129,7 +160,13 @@ def worker(mode: str, case: dict) -> dict:
             # Named, so that this job's host memory is read apart from earlier cases' (the
             # daemon keeps an ended job's state a while for a restarted process).
             job = f"memory-plan-{case['preset']}-{case['batch']}x{case['seq']}-{mode}"
-            model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", job_id=job, **options)
+            if case["kind"] == "hf":  # as users do: their own torch optimizer
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                        lr=case["lr"])
+                model, opt = trainstream.wrap(model, opt, device="cuda", job_id=job, **options)
+            else:
+                model, opt = trainstream.wrap(model, lr=1e-5, device="cuda", job_id=job,
+                                              **options)
             row["wrap_s"] = round(time.perf_counter() - began, 1)
             session = model._trainstream_session
             s = 0
@@ -144,7 +181,7 @@ def worker(mode: str, case: dict) -> dict:
             opt = None
             if mode == "stock":
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                        lr=1e-5, fused=True)
+                                        lr=case.get("lr", 1e-5), fused=True)
             else:  # compute: every gradient dropped as it lands
                 for p in model.parameters():
                     if p.requires_grad:
@@ -322,8 +359,9 @@ def main() -> None:
     with private_daemon("85%", *flags) as socket:
         for name in args.cases:
             case = CASES[name]
+            full = case["kind"] == "gpt" or case.get("tune") == "full"
             modes = args.modes or case.get("modes") or (
-                ["stock", "compute", "wrap"] if case["kind"] == "gpt" else ["stock", "wrap"])
+                ["stock", "compute", "wrap"] if full else ["stock", "wrap"])
             by_mode = {}
             for mode in modes:
                 row = run_worker(__file__, mode, name, socket if mode.startswith("wrap") else None,
