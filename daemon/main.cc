@@ -10,6 +10,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "config/daemon_options.h"
 #include "daemon.h"
 #include "trainstream/version.h"
@@ -34,7 +36,22 @@ ABSL_FLAG(int, parent_pid, 0,
           "embedded mode: shut down when this process (the one that started us) is gone");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("trainstreamd: the trainstream host-memory and optimizer daemon");
+  absl::SetProgramUsageMessage(
+      "the trainstream host-memory and optimizer daemon\n"
+      "usage: trainstreamd [--config=FILE] [--socket=PATH] [flags]; a flag given here wins over "
+      "the config file");
+  // Abseil's --help lists the flags of files named after the program by default, and ours live
+  // in main.cc: it printed "No flags matched". It lists ours (not Abseil's own) instead, and
+  // --version prints the release.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "daemon/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] {
+    return std::string("trainstreamd ") + trainstream::kTrainStreamVersion + "\n";
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 
   trainstream::daemon::DaemonFlags flags;

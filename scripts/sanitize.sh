@@ -17,7 +17,7 @@ mkdir -p build
 configure() {  # build dir, sanitizers
   [[ -f $1/build.ninja ]] && return 0
   cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRAINSTREAM_SANITIZE="$2" \
-    > "$1.configure.log" 2>&1 || { tail -30 "$1.configure.log"; exit 1; }
+    -DTRAINSTREAM_WERROR=ON > "$1.configure.log" 2>&1 || { tail -30 "$1.configure.log"; exit 1; }
 }
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [[ $what == address || $what == all ]]; then

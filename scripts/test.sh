@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+# The tests build with warnings as errors (a user's build only shows them).
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DTRAINSTREAM_WERROR=ON"
 echo "== build (pip install . drives CMake; build tree: build/py)"
 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps .
 echo "== ctest"

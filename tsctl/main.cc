@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "control_channel.h"
 #include "ipc/unix_socket.h"
+#include "trainstream/version.h"
 
 namespace {
 
@@ -22,6 +23,7 @@ enum ExitCode { kOk = 0, kDaemonError = 1, kUsage = 2, kNoDaemon = 3 };
 struct CommandLine {
   const Command* command = nullptr;
   bool help = false;
+  bool version = false;
   bool json = false;
   std::string socket_path;
   absl::Duration timeout = absl::Seconds(5);
@@ -51,7 +53,8 @@ std::string Usage(const std::string& socket_path) {
                   ")\n"
                   "  --json              print the reply as JSON (events: one object a line)\n"
                   "  --timeout=DURATION  how long to wait for an answer (default 5s)\n"
-                  "  -h, --help          this text\n\n"
+                  "  -h, --help          this text\n"
+                  "  --version           tsctl's release\n\n"
                   "exit codes: 0 ok, 1 the daemon answered with an error, 2 usage error,\n"
                   "            3 no daemon answered\n");
   return out;
@@ -76,6 +79,8 @@ absl::Status ParseCommandLine(int argc, char** argv, CommandLine* out) {
     std::string value;
     if (arg == "-h" || arg == "--help") {
       out->help = true;
+    } else if (arg == "--version") {
+      out->version = true;
     } else if (arg == "--json") {
       out->json = true;
     } else if (value_of("--socket", &value)) {
@@ -112,6 +117,10 @@ int main(int argc, char** argv) {
   if (!status.ok()) {
     std::cerr << "tsctl: " << status.message() << "\n\n" << Usage(line.socket_path);
     return kUsage;
+  }
+  if (line.version) {
+    std::cout << "tsctl " << trainstream::kTrainStreamVersion << "\n";
+    return kOk;
   }
   if (line.help || line.command == nullptr) {
     (line.help ? std::cout : std::cerr) << Usage(line.socket_path);

@@ -55,3 +55,19 @@ def test_optimizers_shows_each_jobs_figures(daemon, tsctl_binary):
         (info,) = listed["optimizers"]
         assert int(info["step"]) == 1 and int(info["params"]) == 1000
         assert float(info["last_step"]["gbps"]) > 0
+
+
+def test_both_binaries_say_their_release_and_their_flags(tsctl_binary, trainstreamd_binary):
+    """--version on both binaries; trainstreamd's --help lists its own flags (Abseil's default
+    listed none: "No flags matched"), not Abseil's."""
+    release = trainstream.__version__
+    for binary, name in ((tsctl_binary, "tsctl"), (trainstreamd_binary, "trainstreamd")):
+        version = tsctl(binary, "--version")
+        assert version.returncode == 0 and version.stdout.strip() == f"{name} {release}", version
+    helped = tsctl(trainstreamd_binary, "--help")
+    text = helped.stdout + helped.stderr
+    assert "No flags matched" not in text
+    for flag in ("--memory_budget", "--uid_quota", "--socket", "--config", "--lease_ms"):
+        assert flag in text, text
+    assert "--flagfile" not in text  # Abseil's own flags stay out of it
+    assert "--version" in tsctl(tsctl_binary, "--help").stdout
