@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,16 +211,23 @@ def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_si
     """Opens a session with trainstreamd.
 
     Tries ``socket`` (default: ``$TRAINSTREAM_SOCKET`` or the per-user default). If no daemon
-    answers and ``embedded`` is true, starts a private daemon for this process (once) and uses
-    it exactly as it would a shared one; it stops when the process exits.
+    answers at the default socket and ``embedded`` is true, starts a private daemon for this
+    process (once) and uses it exactly as it would a shared one; it stops when the process
+    exits. A socket named (``socket=``, ``$TRAINSTREAM_SOCKET``) where no daemon answers is an
+    error: the job was meant for that daemon, and a private one would train apart from it.
     """
     global _embedded_daemon
-    path = socket or _trainstream.default_socket_path()
+    named = socket or os.environ.get("TRAINSTREAM_SOCKET") or None
+    path = named or _trainstream.default_socket_path()
     daemon = None
     try:
         _trainstream.ping_daemon(path)
-    except DaemonUnavailableError:
-        if not embedded or socket is not None:
+    except DaemonUnavailableError as e:
+        if socket is None and named is not None:
+            raise DaemonUnavailableError(
+                f"{e} (the socket TRAINSTREAM_SOCKET names; unset it to let this process start "
+                "a private daemon)") from e
+        if not embedded or named is not None:
             raise
         if _embedded_daemon is None or _embedded_daemon.process.poll() is not None:
             _embedded_daemon = EmbeddedDaemon()

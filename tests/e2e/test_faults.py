@@ -113,7 +113,7 @@ def test_no_daemon_message_names_the_socket(tmp_path):
 
 EMBEDDED = textwrap.dedent("""
     import os, sys, trainstream
-    os.environ["TRAINSTREAM_SOCKET"] = sys.argv[1]
+    os.environ.pop("TRAINSTREAM_SOCKET", None)
     c = trainstream.connect()
     assert c.embedded, "expected a private daemon"
     b = c.allocate("x", 1 << 20)
@@ -124,9 +124,30 @@ EMBEDDED = textwrap.dedent("""
 """)
 
 
+def test_a_named_socket_without_a_daemon_is_an_error_not_a_private_daemon(tmp_path,
+                                                                         monkeypatch):
+    """TRAINSTREAM_SOCKET names the daemon a job is meant for: where none answers, connect()
+    says so, naming the variable, rather than starting a private daemon that trains apart."""
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", str(tmp_path / "meant.sock"))
+    with pytest.raises(trainstream.DaemonUnavailableError, match="meant.sock.*TRAINSTREAM_SOCKET"):
+        trainstream.connect()
+    assert not list(tmp_path.iterdir())  # no daemon was started there or beside it
+
+
+def _default_socket_answers() -> bool:
+    try:
+        trainstream.connect(embedded=False).close()
+        return True
+    except trainstream.DaemonUnavailableError:
+        return False
+
+
 @pytest.mark.parametrize("ending", ["exit", "kill"])
-def test_embedded_daemon_starts_and_stops_with_the_process(tmp_path, ending):
-    out = subprocess.run([sys.executable, "-c", EMBEDDED, str(tmp_path / "none.sock"), ending],
+def test_embedded_daemon_starts_and_stops_with_the_process(monkeypatch, ending):
+    monkeypatch.delenv("TRAINSTREAM_SOCKET", raising=False)
+    if _default_socket_answers():
+        pytest.skip("a daemon answers at the default socket: connect() uses it, starting none")
+    out = subprocess.run([sys.executable, "-c", EMBEDDED, "unused", ending],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout, out.stderr
     socket_path, pid = out.stdout.split()
