@@ -92,7 +92,13 @@ absl::Status RunEvents(const Invocation& invocation) {
     // Someone is watching (or piping into grep): show each event as it arrives.
     if (args.follow) std::cout.flush();
   }
-  return invocation.channel->Explain(reader->Finish());
+  absl::Status finished = invocation.channel->Explain(reader->Finish());
+  if (args.follow && finished.ok()) {
+    // A followed stream has no end of its own: the daemon ended it, stopping or draining.
+    // Scripts that wait on `tsctl events -f` must see that as a failure, not as success.
+    return absl::UnavailableError("the daemon ended the event stream (it stopped or drains)");
+  }
+  return finished;
 }
 
 }  // namespace trainstream::tsctl

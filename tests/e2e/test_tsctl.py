@@ -71,3 +71,19 @@ def test_both_binaries_say_their_release_and_their_flags(tsctl_binary, trainstre
         assert flag in text, text
     assert "--flagfile" not in text  # Abseil's own flags stay out of it
     assert "--version" in tsctl(tsctl_binary, "--help").stdout
+
+
+def test_following_events_fails_when_the_daemon_goes_away(daemon, tsctl_binary):
+    """`tsctl events -f` streams until the daemon ends the stream: then it exits 3 (no daemon)
+    with the reason, so that a script waiting on it sees a failure, not a clean exit."""
+    follower = subprocess.Popen([tsctl_binary, f"--socket={daemon.socket}", "events", "-f"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout.readline()  # it is following (the daemon's first event came)
+        daemon.stop()
+        code = follower.wait(timeout=20)
+        said = follower.stderr.read()
+    finally:
+        follower.kill()
+    assert code == 3, (code, said)
+    assert said.startswith("tsctl: "), said
