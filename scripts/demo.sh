@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+# Built as command 2 builds it (warnings as errors), so that running both rebuilds nothing.
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DTRAINSTREAM_WERROR=ON"
 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps .
 export PATH="$VENV/bin:$PATH"
 run_dir=$(mktemp -d /tmp/trainstream-demo.XXXXXX)
