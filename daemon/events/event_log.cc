@@ -1,11 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "events/event_log.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "events/logger.h"
 
 namespace trainstream::daemon {
+
+LogLevel LogLevelOfEvent(absl::string_view kind) {
+  for (absl::string_view failure : {"failed", "error", "exhausted"}) {
+    if (absl::StrContains(kind, failure)) return LogLevel::kError;
+  }
+  for (absl::string_view caution : {"refused", "nonfinite", "skipped", "fallback"}) {
+    if (absl::StrContains(kind, caution)) return LogLevel::kWarning;
+  }
+  return LogLevel::kInfo;
+}
 
 EventLog::EventLog(size_t capacity) : capacity_(capacity == 0 ? 1 : capacity) {}
 
@@ -27,14 +37,14 @@ uint64_t EventLog::Emit(std::string kind, std::string message,
     absl::StrAppend(&line, " ", key, "=",
                     whole ? absl::StrCat(static_cast<int64_t>(value)) : absl::StrCat(value));
   }
-  const bool refusal = event.kind.find("refused") != std::string::npos;
+  const LogLevel level = LogLevelOfEvent(event.kind);
   {
     absl::MutexLock lock(&mu_);
     event.seq = next_seq_++;
     ring_.push_back(std::move(event));
     while (ring_.size() > capacity_) ring_.pop_front();
   }
-  Log(refusal ? LogLevel::kWarning : LogLevel::kInfo, line);
+  Log(level, line);
   absl::MutexLock lock(&mu_);
   return next_seq_ - 1;
 }

@@ -14,9 +14,15 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "events/logger.h"
 
 namespace trainstream::daemon {
+
+// The level an event's log line takes: errors for failures ("optimizer.failed",
+// "doorbell.protocol_error"), warnings for refusals, skipped steps and fallbacks, info else.
+LogLevel LogLevelOfEvent(absl::string_view kind);
 
 // One decision, fallback or refusal, with the numbers behind it.
 struct Event {

@@ -44,5 +44,27 @@ TEST(EventLogTest, WaiterWakesOnNewEvent) {
   writer.join();
 }
 
+TEST(EventLogTest, FailuresLogAsErrorsAndRefusalsAsWarnings) {
+  EXPECT_EQ(LogLevelOfEvent("optimizer.failed"), LogLevel::kError);
+  EXPECT_EQ(LogLevelOfEvent("base.failed"), LogLevel::kError);
+  EXPECT_EQ(LogLevelOfEvent("optimizer.notify_failed"), LogLevel::kError);
+  EXPECT_EQ(LogLevelOfEvent("doorbell.protocol_error"), LogLevel::kError);
+  EXPECT_EQ(LogLevelOfEvent("daemon.descriptors_exhausted"), LogLevel::kError);
+  EXPECT_EQ(LogLevelOfEvent("session.refused"), LogLevel::kWarning);
+  EXPECT_EQ(LogLevelOfEvent("optimizer.step_skipped"), LogLevel::kWarning);
+  EXPECT_EQ(LogLevelOfEvent("pool.fallback"), LogLevel::kWarning);
+  EXPECT_EQ(LogLevelOfEvent("session.open"), LogLevel::kInfo);
+  EXPECT_EQ(LogLevelOfEvent("daemon.start"), LogLevel::kInfo);
+}
+
+TEST(LoggerTest, JournalLinesCarryTheSyslogPriority) {
+  EXPECT_EQ(FormatLogLine(LogLevel::kError, "job 'a' failed", true),
+            "<3>trainstreamd error: job 'a' failed\n");
+  EXPECT_EQ(FormatLogLine(LogLevel::kWarning, "x", true), "<4>trainstreamd warning: x\n");
+  EXPECT_EQ(FormatLogLine(LogLevel::kInfo, "x", true), "<6>trainstreamd info: x\n");
+  EXPECT_EQ(FormatLogLine(LogLevel::kDebug, "x", true), "<7>trainstreamd debug: x\n");
+  EXPECT_EQ(FormatLogLine(LogLevel::kInfo, "x", false), "trainstreamd info: x\n");
+}
+
 }  // namespace
 }  // namespace trainstream::daemon

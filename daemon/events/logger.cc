@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "events/logger.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 
@@ -22,11 +26,28 @@ absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view name) {
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
+std::string FormatLogLine(LogLevel level, absl::string_view message, bool journal) {
+  // syslog priorities (sd-daemon(3)): err 3, warning 4, info 6, debug 7.
+  constexpr const char* kPriorities[] = {"<7>", "<6>", "<4>", "<3>"};
+  const int i = static_cast<int>(level);
+  return absl::StrCat(journal ? kPriorities[i] : "", "trainstreamd ", kNames[i], ": ", message,
+                      "\n");
+}
+
+bool StderrIsJournal() {
+  const char* stream = std::getenv("JOURNAL_STREAM");
+  unsigned long long device = 0, inode = 0;  // NOLINT(runtime/int): strtoull's width
+  if (stream == nullptr || std::sscanf(stream, "%llu:%llu", &device, &inode) != 2) return false;
+  struct stat st{};
+  return ::fstat(STDERR_FILENO, &st) == 0 && st.st_dev == device && st.st_ino == inode;
+}
+
 void Log(LogLevel level, absl::string_view message) {
   if (static_cast<int>(level) < g_level.load()) return;
-  // One fprintf per line keeps lines from different threads whole.
-  std::fprintf(stderr, "trainstreamd %s: %.*s\n", kNames[static_cast<int>(level)],
-               static_cast<int>(message.size()), message.data());
+  static const bool journal = StderrIsJournal();
+  // One write per line keeps lines from different threads whole.
+  const std::string line = FormatLogLine(level, message, journal);
+  std::fwrite(line.data(), 1, line.size(), stderr);
 }
 
 }  // namespace trainstream::daemon
