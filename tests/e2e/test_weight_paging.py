@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from tiny_gpt import TinyGPT, train_steps  # noqa: E402
 from tiny_gpt import batch as tiny_gpt_batch  # noqa: E402
+from tiny_gpt import loss_fn as tiny_gpt_loss  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -195,6 +196,29 @@ def test_views_of_one_storage_are_paged_once_and_whole(daemon_socket):
     assert train(resident, r_opt, 3, start=1) == train(paged, p_opt, 3, start=1)
     for a, b in zip(weights(resident), weights(paged)):
         assert torch.equal(a, b)
+
+
+def test_paged_storages_come_back_for_a_second_backward():
+    """retain_graph=True: the first backward frees each paged storage with the last of its
+    views; the second brings every one back from its host copy, and the gradients (summed over
+    both) are the unpaged model's exactly."""
+    from trainstream.paging import BlockPager
+
+    torch.manual_seed(8)
+    reference = TinyGPT(layers=3)
+    model = copy.deepcopy(reference)
+    pager = BlockPager(model.blocks, [], host_copy=lambda p: p, activations=[0, 1],
+                       min_offload_bytes=0, device="cpu")
+    x, y = tiny_gpt_batch(0)
+    for m in (reference, model):
+        loss = tiny_gpt_loss(m, x, y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert pager.bytes_offloaded > 0
+    assert all(item.device is None and item.views >= 1 for b in (0, 1)
+               for item in pager.saved[b])
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_offload_choices_are_checked(daemon_socket):
