@@ -79,9 +79,13 @@ grpc::Status TrainStreamService::OpenSession(grpc::ServerContext* context,
     return ToGrpcStatus(session.status());
   }
   const Session& s = **session;
+  const std::string in_namespace =
+      s.pid_in_namespace == 0 ? ""
+                              : absl::StrFormat(" (pid %d in its own PID namespace)",
+                                                s.pid_in_namespace);
   events_->Emit("session.open",
-                absl::StrFormat("pid %d opened rank %d/%d of job '%s'", s.owner.pid, s.rank,
-                                s.world_size, s.job.job_id),
+                absl::StrFormat("pid %d%s opened rank %d/%d of job '%s'", s.owner.pid,
+                                in_namespace, s.rank, s.world_size, s.job.job_id),
                 {{"pid", s.owner.pid}, {"rank", s.rank}, {"world_size", s.world_size}}, s.id,
                 s.owner.uid);
   reply->set_session_id(s.id);

@@ -19,6 +19,9 @@ struct Session {
   std::string id;           // "s-" and 16 random hex digits
   std::string attach_token; // 32 random bytes, proves ownership on the data socket
   PeerCredentials owner;    // uid and pid as the kernel saw them at OpenSession
+  // The pid the client reported where it differs from the kernel's: its own, in a PID
+  // namespace of its own (a container). Said, never trusted (0: the same, or none reported).
+  pid_t pid_in_namespace = 0;
   JobKey job;
   uint32_t rank = 0;
   uint32_t world_size = 1;

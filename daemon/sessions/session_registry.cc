@@ -52,17 +52,18 @@ SessionRegistry::SessionRegistry(const Options& options, EndCallback on_end)
 
 absl::StatusOr<std::shared_ptr<const Session>> SessionRegistry::Open(
     const PeerCredentials& caller, const OpenSessionParams& params) {
-  if (params.claimed_pid != 0 && params.claimed_pid != caller.pid) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "pid %d in the request is not the caller's pid %d as seen by the kernel",
-        params.claimed_pid, caller.pid));
-  }
+  // Identity is the kernel's (SO_PEERCRED, translated into this daemon's PID namespace). A
+  // client in a container reports the pid its own namespace gives it: kept, to be said beside
+  // the kernel's, and never required to match (that refused every containerized client).
   ASSIGN_OR_RETURN(std::string id_bytes, RandomBytes(8));
   ASSIGN_OR_RETURN(std::string token, RandomBytes(32));
   auto session = std::make_shared<Session>();
   session->id = "s-" + absl::BytesToHexString(id_bytes);
   session->attach_token = std::move(token);
   session->owner = caller;
+  if (params.claimed_pid != 0 && params.claimed_pid != caller.pid) {
+    session->pid_in_namespace = params.claimed_pid;
+  }
   session->job = JobKey{caller.uid, params.job_id};
   session->rank = params.rank;
   session->world_size = params.world_size == 0 ? 1 : params.world_size;

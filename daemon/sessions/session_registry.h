@@ -20,7 +20,7 @@ struct OpenSessionParams {
   std::string job_id;
   uint32_t rank = 0;
   uint32_t world_size = 1;
-  pid_t claimed_pid = 0;  // 0: not claimed
+  pid_t claimed_pid = 0;  // what the client says its pid is (0: nothing said); never trusted
 };
 
 struct SessionSnapshot {
