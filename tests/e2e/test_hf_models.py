@@ -277,10 +277,10 @@ def _run(preset, tune, engine, cap_gib=0.0, steps=60, autocast=1, seq=512, expan
 def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandable, share):
     """Under a cap at 45% of what stock PyTorch reserves (55% for one, see GPU_CASES),
     wrap()'s defaults train 60 steps through every transition of the plan: no out-of-memory
-    error, no non-finite loss or gradient, every step's reserved peak under the cap, the plan settled within
-    12 steps, no VRAM held between steps growing once settled, and losses within the tolerance
-    that two stock optimizers (fused and foreach, on the same batches) differ by under bf16
-    autocast. 2,048 positions a sequence keep 2,048 a step (one sequence); expandable segments
+    error, no non-finite loss or gradient, every step's reserved peak under the cap, the plan
+    settled within 12 steps, no VRAM held between steps growing once settled, and losses within
+    the tolerance that two stock optimizers (fused and foreach, on the same batches) differ by
+    under bf16 autocast. 2,048 positions a sequence keep 2,048 a step (one sequence); expandable segments
     run the allocator the other way people set it."""
     shape = dict(autocast=autocast, seq=seq, expandable=expandable)
     stock, other = _run(preset, tune, "stock_pair", **shape)
