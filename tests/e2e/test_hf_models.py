@@ -280,8 +280,8 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandab
     error, no non-finite loss or gradient, every step's reserved peak under the cap, the plan
     settled within 12 steps, no VRAM held between steps growing once settled, and losses within
     the tolerance that two stock optimizers (fused and foreach, on the same batches) differ by
-    under bf16 autocast. 2,048 positions a sequence keep 2,048 a step (one sequence); expandable segments
-    run the allocator the other way people set it."""
+    under bf16 autocast. 2,048 positions a sequence keep 2,048 a step (one sequence);
+    expandable segments run the allocator the other way people set it."""
     shape = dict(autocast=autocast, seq=seq, expandable=expandable)
     stock, other = _run(preset, tune, "stock_pair", **shape)
     assert stock["error"] is None and other["error"] is None
