@@ -29,8 +29,15 @@ def _user_chose_settings() -> bool:
                                    "expandable_segments:true", "cudaMallocAsync"))
 
 
+def _setter():
+    """torch's call that changes the allocator's settings at run time (renamed, the
+    old name deprecated), or None where this torch has neither."""
+    return (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+
+
 def _set(mib: int) -> None:
-    torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{mib}")
+    _setter()(f"max_split_size_mb:{mib}")
 
 
 class LargeBlocksWhole:
@@ -45,7 +52,7 @@ class LargeBlocksWhole:
         in MiB, or 0 where nothing was set (the user's settings stand, or no CUDA allocator
         setting can be changed in this torch)."""
         if (self.mib or _user_chose_settings() or not torch.cuda.is_available()
-                or not hasattr(torch.cuda.memory, "_set_allocator_settings")):
+                or _setter() is None):
             return 0
         mib = max(_SMALLEST_MIB, (int(largest_bytes) // 2) >> 20)
         _holders[id(self)] = mib

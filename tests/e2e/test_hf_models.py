@@ -253,7 +253,7 @@ def test_logits_blocks_are_kept_whole_unless_the_user_set_the_allocator(monkeypa
         assert not said and limit == before
         return
     assert len(said) == 1 and "max_split_size_mb" in said[0]["message"], said
-    assert limit == said[0]["max_split_mib"] << 20
+    assert limit == said[0]["numbers"]["max_split_mib"] << 20
     assert after >= 1 << 50 or after == before
 
 
