@@ -107,6 +107,7 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
     peak_from = int(os.environ.get("TS_HF_PEAK_FROM", "-1"))  # memory_peak.py from this step
     tail_from = steps - min(8, max(1, steps // 3))  # the steps step_s is the median of
     pcie_at_tail = None
+    nan_params = os.environ.get("TS_HF_NAN_PARAMS") == "1"  # diagnostics: where NaN starts
     try:
         for s in range(steps):
             if s == tail_from and session is not None:
@@ -133,6 +134,10 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
             peaks.append((round(max(alloc, torch.cuda.max_memory_allocated()) / 2**30, 2),
                           round(max(reserved, torch.cuda.max_memory_reserved()) / 2**30, 2),
                           round(torch.cuda.memory_allocated() / 2**30, 2)))
+            if nan_params and "first_nonfinite_params" not in row:
+                bad = _nonfinite_params(model, opt)
+                if bad:
+                    row["first_nonfinite_params"] = {"after_step": s, **bad}
             if session is not None:
                 for e in session.events[seen_events:]:
                     events.append({"step": s, "kind": e["kind"], "message": e["message"][:400]})
@@ -180,6 +185,32 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         except Exception as e:  # noqa: BLE001
             row["report_error"] = str(e)[:300]
     return row
+
+
+def _nonfinite_params(model, opt) -> dict:
+    """Diagnostics: the parameters holding a NaN or an infinity after a step, counted by where
+    their update ran (wrap()'s optimizer: VRAM state, staged moments, or the daemon), with the
+    first few names; {} when every parameter is finite."""
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = getattr(opt, "_params", None) or [p for g in opt.param_groups for p in g["params"]]
+    staged = getattr(opt, "_staged_indices", set())
+    held = getattr(opt, "_device_indices", set()) - staged
+    by_place: dict = {}
+    first: list = []
+    for i, p in enumerate(params):
+        if bool(torch.isfinite(p.detach()).all()):
+            continue
+        place = "staged" if i in staged else "vram_state" if i in held else "daemon"
+        by_place[place] = by_place.get(place, 0) + 1
+        if len(first) < 6:
+            first.append(f"{names.get(id(p), i)} ({place})")
+    if not by_place:
+        return {}
+    places = {"staged": len(staged), "vram_state": len(held),
+              "daemon": len(params) - len(staged) - len(held)}
+    return {"nonfinite_by_place": by_place, "params_by_place": places, "first": first}
 
 
 def _pcie_bytes(model) -> tuple:
@@ -336,7 +367,8 @@ def main() -> None:
                 short = {k: row.get(k) for k in ("case", "mode", "error", "step_s", "wrap_s",
                                                  "settled_at", "peak_reserved_gib",
                                                  "peak_allocated_gib", "nonfinite_losses",
-                                                 "guarded_steps", "host_job_bytes")}
+                                                 "guarded_steps", "host_job_bytes",
+                                                 "first_nonfinite_params")}
                 print(json.dumps(short), flush=True)
             _compare(rows)
             _bound(rows, bandwidth)
