@@ -112,8 +112,16 @@ class StagedAdamW:
         if not pieces:
             return
         if not self._slots:
-            self._slots = [torch.empty(3 * self._slot_elements, dtype=torch.float32,
-                                       device=self._device) for _ in range(self._slot_count)]
+            # From the producer's pool, which hands out memory its queued kernels may still
+            # use (freed by backward an instant ago): the up stream writes the first moments
+            # only after that work. Without this wait a kernel still running there could
+            # overwrite moments just loaded (NaN weights from step 2 of a Qwen2.5-1.5B run,
+            # 2026-12-02), or the load could overwrite its tensors.
+            with torch.cuda.stream(producer):
+                self._slots = [torch.empty(3 * self._slot_elements, dtype=torch.float32,
+                                           device=self._device)
+                               for _ in range(self._slot_count)]
+            self._up.wait_stream(producer)
         k = self._turn
         self._turn = (k + 1) % self._slot_count
         slot, size = self._slots[k], self._slot_elements
