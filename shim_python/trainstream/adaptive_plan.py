@@ -220,7 +220,11 @@ class AdaptivePlan:
         # Streamed blocks page their activations in the probe: copies still crossing to host
         # memory hold device memory up to the pager's cap.
         in_flight = self.pager.max_inflight_bytes if self.cuda else 0
-        working = loss + activations
+        # Backward holds a block's gradients while the one before it computes its own (the
+        # first are still crossing to the optimizer): beside the loss and the activations, as
+        # in wrap()'s plan for the probe (block_memory.weight_plan).
+        grads = 2 * max(int(self._trained_share(b) * w) for b, w in enumerate(sizes))
+        working = loss + activations + grads
         streamed = set(self.pager.paged)
         resident = self._other_weights + sum(w for b, w in enumerate(sizes) if b not in streamed)
         paging = (self._depth + 1) * max(sizes) + in_flight if streamed else 0
@@ -243,8 +247,10 @@ class AdaptivePlan:
                 f"trainstream: the first step does not fit in the {size(self.budget)} VRAM "
                 f"budget: its loss works on {tokens} positions x {vocab} logits ({size(loss)} "
                 f"with their gradients), a block's activations take about "
-                f"{size(activations)}" + (f", those crossing to host memory up to "
-                                          f"{size(in_flight)}" if in_flight else "")
+                f"{size(activations)}" + (f", two blocks' gradients {size(grads)}"
+                                          if grads else "")
+                + (f", those crossing to host memory up to {size(in_flight)}"
+                   if in_flight else "")
                 + f", and the weights outside the blocks with {self._depth + 1} device slots "
                 f"take {size(need - working)}. Train on fewer positions a step (a smaller "
                 "batch with accumulation_steps, shorter sequences) or give the process more "

@@ -35,9 +35,18 @@ class PagingChoice:
         return [p for b in self.paged for p in self.blocks[b].parameters()]
 
 
+# The least VRAM the budget leaves free, whatever share vram_headroom names: what the caching
+# allocator's rounding can strand in reserved but unusable memory, a few of the 20 MiB
+# segments it cuts tensors of 1 to 10 MiB from. Under a 296 MiB cap a TinyGPT step ran out of
+# memory asking for 20 MiB with 28 MiB reserved but free: the 10% headroom is 30 MiB there
+# (H200, 2026-12-03).
+_ALLOCATOR_SLACK_BYTES = 64 << 20
+
+
 def vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int | None:
     """The VRAM this run may plan for: vram_budget= if given; on CUDA, what this process may use
-    (torch's per-process fraction, and what other processes leave free) less the headroom."""
+    (torch's per-process fraction, and what other processes leave free) less the headroom
+    (vram_headroom's share, 64 MiB at least)."""
     if config["vram_budget"] is not None:
         return int(config["vram_budget"])
     if device.type != "cuda":
@@ -47,10 +56,24 @@ def vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int
     limit = total * (float(getter(device)) if getter is not None else 1.0)
     free, _ = torch.cuda.mem_get_info(device)
     limit = min(limit, free + torch.cuda.memory_reserved(device))
+    _make_matmul_workspaces(device)
     # Tensors this process holds besides the model's (another model, a cache) stay where they are.
     others = max(0, torch.cuda.memory_allocated(device) - model_bytes)
     config["_others_bytes"] = others
-    return max(0, int((1.0 - float(config["vram_headroom"])) * limit - others))
+    headroom = max(float(config["vram_headroom"]) * limit, _ALLOCATOR_SLACK_BYTES)
+    return max(0, int(limit - headroom - others))
+
+
+def _make_matmul_workspaces(device: torch.device) -> None:
+    """cuBLAS takes a workspace (32 MiB on Hopper) from the caching allocator for each handle
+    and stream at their first matmul, and keeps it: made here, on the stream the model will run
+    on, the forward's and backward's are counted with what the process already holds instead
+    of appearing in the first step (a fresh process's first backward under a 263 MiB cap asked
+    for one and ran out of memory, H200, 2026-12-03)."""
+    x = torch.ones(8, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
+    # Forward on this thread's cuBLAS handle, backward on autograd's device thread's: a
+    # workspace each.
+    torch.nn.functional.linear(x, x, x[0]).float().sum().backward()
 
 
 def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
@@ -62,20 +85,29 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
     vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
     more blocks, or fewer."""
     sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
+    trained = [sum(p.numel() * p.element_size() for p in blk.parameters() if p.requires_grad)
+               for blk in blocks]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weight_plan_for_sizes(sizes, total - sum(sizes), budget, depth, probe)
+    return weight_plan_for_sizes(sizes, total - sum(sizes), budget, depth, probe,
+                                 probe_grad_bytes=2 * max(trained, default=0))
 
 
 def weight_plan_for_sizes(sizes: list, other: int, budget: int, depth: int,
-                          probe: bool, working: int = 0) -> list:
+                          probe: bool, working: int = 0, probe_grad_bytes: int = 0) -> list:
     """weight_plan() from the blocks' weight bytes (``sizes``) and those outside them
-    (``other``): the blocks that stream, with ``working`` bytes of working memory at least.
+    (``other``): the blocks that stream, with ``working`` bytes of working memory at least
+    (two blocks' weights at least: gradients in flight, or as much of other working memory).
+    With a probe step to come, its quarter of the budget, and ``probe_grad_bytes`` beside it.
     MemoryPlanError when the weights do not fit even with every block streaming."""
     from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
 
     working = max(working, 2 * max(sizes))
     if probe:
-        working = max(working, budget // 4)
+        # The quarter of the budget is the probe's guess at activations and working memory;
+        # the gradients backward holds come on top of it (a 16-block TinyGPT full fine-tune
+        # under a 231 MiB cap ran out of memory in the probe's backward with them inside it,
+        # H200, 2026-12-03).
+        working = max(working, int(probe_grad_bytes) + budget // 4)
     inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
                         other_weight_bytes=other, other_trainable=0, working_bytes=working,
                         vram_budget=budget, host_budget=1 << 62, grad_bytes=0,

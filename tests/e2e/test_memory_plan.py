@@ -327,6 +327,27 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
     trainstream.unwrap(resident)
 
 
+def test_wrap_leaves_the_probe_room_for_the_gradients_backward_holds(daemon_socket):
+    """The probe step's quarter of the budget is for its activations and working memory; the
+    gradients of two blocks, which a full fine-tune's backward holds, come beside it. A budget
+    that holds the weights and the quarter, but not those gradients too, streams blocks for a
+    full fine-tune, and none for the same model with frozen blocks (whose backward holds no
+    block gradients)."""
+    model = TinyGPT(layers=8)
+    weights, block = nbytes(model.parameters()), nbytes(model.blocks[0].parameters())
+    budget = int((weights + block) / 0.75)
+    assert weights + budget // 4 <= budget < weights + 2 * block + budget // 4
+    full, _ = trainstream.wrap(copy.deepcopy(model), device="cpu", vram_budget=budget, lr=1e-3)
+    assert full._trainstream_session.pager.paged
+    trainstream.unwrap(full)
+    frozen = copy.deepcopy(model)
+    frozen.blocks.requires_grad_(False)
+    frozen, _ = trainstream.wrap(frozen, device="cpu", vram_budget=budget, lr=1e-3)
+    pager = frozen._trainstream_session.pager
+    assert pager is None or not pager.paged
+    trainstream.unwrap(frozen)
+
+
 def test_a_refused_wrap_leaves_the_model_its_weights(start_daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", start_daemon("--memory_budget=32M").socket)
     model = TinyGPT(layers=8)
