@@ -105,8 +105,8 @@ def weight_plan_for_sizes(sizes: list, other: int, budget: int, depth: int,
     if probe:
         # The quarter of the budget is the probe's guess at activations and working memory;
         # the gradients backward holds come on top of it (a 16-block TinyGPT full fine-tune
-        # under a 231 MiB cap ran out of memory in the probe's backward with them inside it,
-        # H200, 2026-12-03).
+        # under a 231 MiB cap ran out of memory in the probe's backward while they were
+        # counted inside it, H200, 2026-12-03).
         working = max(working, int(probe_grad_bytes) + budget // 4)
     inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
                         other_weight_bytes=other, other_trainable=0, working_bytes=working,
