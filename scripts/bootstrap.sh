@@ -34,7 +34,8 @@ fi
 py="$VENV/bin/python"
 need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
-for mod in pytest grpc_tools scikit_build_core pybind11 numpy safetensors transformers peft; do
+for mod in pytest grpc_tools grpc_health grpc_reflection scikit_build_core pybind11 numpy \
+           safetensors transformers peft; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then
@@ -42,6 +43,9 @@ if ((${#need_pip[@]})); then
   for m in "${need_pip[@]}"; do
     case "$m" in
       grpc_tools) pkgs+=(grpcio grpcio-tools "protobuf>=4.21") ;;
+      # The standard clients of the daemon's health and reflection services (the tests).
+      grpc_health) pkgs+=(grpcio-health-checking) ;;
+      grpc_reflection) pkgs+=(grpcio-reflection) ;;
       scikit_build_core) pkgs+=(scikit-build-core) ;;
       *) pkgs+=("$m") ;;
     esac

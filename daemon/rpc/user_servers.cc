@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_format.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -24,6 +25,9 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
                                                        shared_.credentials, shared_.optimizers,
                                                        shared_.bases, shared_.gpu_pools);
   grpc::EnableDefaultHealthCheckService(true);
+  // Reflection: generic clients (grpcurl, grpcio-reflection) learn the API from the server.
+  // It describes the schema alone, the same for every uid.
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(entry.service.get());
   entry.server = builder.BuildAndStart();
