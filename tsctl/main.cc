@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tsctl: global flags, the subcommand looked up by name, its status turned into an exit code.
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -8,10 +9,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "commands.h"
 #include "control_channel.h"
-#include "ipc/unix_socket.h"
+#include "ipc/daemon_discovery.h"
 #include "trainstream/version.h"
 
 namespace {
@@ -110,12 +112,22 @@ int ExitCodeFor(const absl::Status& status) {
 
 }  // namespace
 
+// The socket tsctl talks to when --socket names none: $TRAINSTREAM_SOCKET, else the first of the
+// system and per-user sockets with a daemon listening.
+std::vector<std::string> DefaultCandidates() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return {env};
+  }
+  return trainstream::ipc::SocketCandidates();
+}
+
 int main(int argc, char** argv) {
   CommandLine line;
-  line.socket_path = trainstream::ipc::DefaultSocketPath();
+  const std::vector<std::string> candidates = DefaultCandidates();
+  const std::string default_help = absl::StrJoin(candidates, ", then ");
   absl::Status status = ParseCommandLine(argc, argv, &line);
   if (!status.ok()) {
-    std::cerr << "tsctl: " << status.message() << "\n\n" << Usage(line.socket_path);
+    std::cerr << "tsctl: " << status.message() << "\n\n" << Usage(default_help);
     return kUsage;
   }
   if (line.version) {
@@ -123,8 +135,16 @@ int main(int argc, char** argv) {
     return kOk;
   }
   if (line.help || line.command == nullptr) {
-    (line.help ? std::cout : std::cerr) << Usage(line.socket_path);
+    (line.help ? std::cout : std::cerr) << Usage(default_help);
     return line.help ? kOk : kUsage;
+  }
+  if (line.socket_path.empty()) {
+    absl::StatusOr<std::string> found = trainstream::ipc::FindDaemonSocket(candidates);
+    if (!found.ok()) {
+      std::cerr << "tsctl: " << found.status().message() << "\n";
+      return kNoDaemon;
+    }
+    line.socket_path = *found;
   }
 
   trainstream::client::ControlChannel channel(line.socket_path, line.timeout);

@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "ipc/daemon_discovery.h"
 #include "ipc/socket_trust.h"
 #include "trainstream/status_macros.h"
 
@@ -31,15 +32,18 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
 
 }  // namespace
 
-std::string DefaultSocketPath() {
-  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  if (::getuid() == 0) return "/run/trainstream/trainstreamd.sock";
+std::string UserSocketPath() {
   if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
     return absl::StrCat(xdg, "/trainstream/trainstreamd.sock");
   }
   return absl::StrCat("/tmp/trainstream-", ::getuid(), "/trainstreamd.sock");
+}
+
+std::string DefaultSocketPath() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return ::getuid() == 0 ? SystemSocketPath() : UserSocketPath();
 }
 
 std::string DataSocketPath(const std::string& control_socket_path) {

@@ -11,10 +11,14 @@
 
 namespace trainstream::ipc {
 
-// The control socket a client tries first: $TRAINSTREAM_SOCKET if set; else, for root,
-// /run/trainstream/trainstreamd.sock; else $XDG_RUNTIME_DIR/trainstream/trainstreamd.sock, or
-// /tmp/trainstream-<uid>/trainstreamd.sock without XDG_RUNTIME_DIR.
+// The socket a daemon listens on when none is named: $TRAINSTREAM_SOCKET if set; else, for
+// root, the system socket (SystemSocketPath); else the per-user one (UserSocketPath). Clients
+// look further (daemon_discovery.h).
 std::string DefaultSocketPath();
+
+// $XDG_RUNTIME_DIR/trainstream/trainstreamd.sock, or /tmp/trainstream-<uid>/trainstreamd.sock
+// without XDG_RUNTIME_DIR.
+std::string UserSocketPath();
 
 // The data socket that belongs to a control socket.
 std::string DataSocketPath(const std::string& control_socket_path);

@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "session_impl.h"
 
+#include <cstdlib>
+
+#include "ipc/daemon_discovery.h"
+
 namespace trainstream::client {
 
 BufferInfo FromProto(const v1::Buffer& b) {
@@ -22,7 +26,10 @@ Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Session::~Session() = default;
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(const SessionOptions& options) {
-  std::string path = options.socket_path.empty() ? ipc::DefaultSocketPath() : options.socket_path;
+  std::string path = options.socket_path;
+  if (path.empty()) {
+    ASSIGN_OR_RETURN(path, FindDaemonSocket());
+  }
   auto impl = std::make_unique<Impl>(options, path);
   RETURN_IF_ERROR(impl->Open());
   return std::unique_ptr<Session>(new Session(std::move(impl)));
@@ -102,6 +109,13 @@ absl::StatusOr<uint64_t> Session::ReportEvent(
 }
 
 std::string DefaultSocketPath() { return ipc::DefaultSocketPath(); }
+
+absl::StatusOr<std::string> FindDaemonSocket() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return ipc::FindDaemonSocket({env});
+  }
+  return ipc::FindDaemonSocket(ipc::SocketCandidates());
+}
 
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path) {
   ControlChannel channel(socket_path, absl::Seconds(5));

@@ -82,6 +82,7 @@ PYBIND11_MODULE(_trainstream, m) {
   m.doc() = "trainstream client library (C++), used by the trainstream package";
   m.attr("__version__") = trainstream::kTrainStreamVersion;
   m.def("default_socket_path", &trainstream::client::DefaultSocketPath);
+  m.def("find_daemon_socket", [] { return Released(trainstream::client::FindDaemonSocket); });
   // The daemon's reference dequantizer, for checking the shim's own (and the GPU kernels)
   // against it: fp32 values from a quantized tensor's stored bytes.
   m.def("dequantize_reference", [](const std::string& format, int block, uint64_t numel,

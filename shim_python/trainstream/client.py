@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from . import _trainstream
 from ._embedded import EmbeddedDaemon
-from .errors import DaemonUnavailableError, InvalidArgumentError
+from .errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
 # Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
 _INT64_FIELDS = frozenset({
@@ -210,29 +211,40 @@ def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_si
             register_with_cuda: bool = True) -> Client:
     """Opens a session with trainstreamd.
 
-    Tries ``socket`` (default: ``$TRAINSTREAM_SOCKET`` or the per-user default). If no daemon
-    answers at the default socket and ``embedded`` is true, starts a private daemon for this
-    process (once) and uses it exactly as it would a shared one; it stops when the process
-    exits. A socket named (``socket=``, ``$TRAINSTREAM_SOCKET``) where no daemon answers is an
-    error: the job was meant for that daemon, and a private one would train apart from it.
+    Uses ``socket`` or ``$TRAINSTREAM_SOCKET`` when one is named; otherwise the system daemon
+    (``/run/trainstream/trainstreamd.sock``, which users of group ``trainstream`` may reach) and
+    then, for users other than root, the per-user one. If neither answers and ``embedded`` is
+    true, starts a private daemon for this process (once) and uses it exactly as it would a
+    shared one; it stops when the process exits. A system socket that refuses this user is said
+    in a warning, with the group to join. A socket named where no daemon answers is an error:
+    the job was meant for that daemon, and a private one would train apart from it.
     """
     global _embedded_daemon
     named = socket or os.environ.get("TRAINSTREAM_SOCKET") or None
-    path = named or _trainstream.default_socket_path()
     daemon = None
-    try:
-        _trainstream.ping_daemon(path)
-    except DaemonUnavailableError as e:
-        if socket is None and named is not None:
-            raise DaemonUnavailableError(
-                f"{e} (the socket TRAINSTREAM_SOCKET names; unset it to let this process start "
-                "a private daemon)") from e
-        if not embedded or named is not None:
+    if named is not None:
+        path = named
+        try:
+            _trainstream.ping_daemon(path)
+        except DaemonUnavailableError as e:
+            if socket is None:
+                raise DaemonUnavailableError(
+                    f"{e} (the socket TRAINSTREAM_SOCKET names; unset it to let this process "
+                    "start a private daemon)") from e
             raise
-        if _embedded_daemon is None or _embedded_daemon.process.poll() is not None:
-            _embedded_daemon = EmbeddedDaemon()
-        daemon = _embedded_daemon
-        path = daemon.socket_path
+    else:
+        try:
+            path = _trainstream.find_daemon_socket()
+        except (DaemonUnavailableError, PermissionDeniedError) as e:
+            if not embedded:
+                raise
+            if isinstance(e, PermissionDeniedError):
+                warnings.warn(f"trainstream: {e}; this process starts a private daemon instead",
+                              stacklevel=2)
+            if _embedded_daemon is None or _embedded_daemon.process.poll() is not None:
+                _embedded_daemon = EmbeddedDaemon()
+            daemon = _embedded_daemon
+            path = daemon.socket_path
     native = _trainstream.Session(path, job_id, rank, world_size, rpc_timeout_s,
                                   register_with_cuda)
     return Client(native, daemon)

@@ -16,7 +16,7 @@
 namespace trainstream::client {
 
 struct SessionOptions {
-  std::string socket_path;  // empty: ipc::DefaultSocketPath()
+  std::string socket_path;  // empty: FindDaemonSocket()
   std::string job_id;       // empty: "default"
   uint32_t rank = 0;
   uint32_t world_size = 1;
@@ -191,9 +191,17 @@ class Session {
   std::unique_ptr<Impl> impl_;
 };
 
-// The control socket tried when none is named: $TRAINSTREAM_SOCKET, else the system socket for
-// root, else the per-user one under $XDG_RUNTIME_DIR (or /tmp/trainstream-<uid>).
+// The socket a daemon started without --socket listens on: $TRAINSTREAM_SOCKET, else the
+// system socket for root, else the per-user one under $XDG_RUNTIME_DIR (or
+// /tmp/trainstream-<uid>).
 std::string DefaultSocketPath();
+
+// The daemon a client uses when no socket is named: the one $TRAINSTREAM_SOCKET names, else the
+// first with a daemon listening of the system socket (/run/trainstream/trainstreamd.sock, or
+// $TRAINSTREAM_SYSTEM_SOCKET) and, for users other than root, the per-user one. UNAVAILABLE
+// says why each was not used; PERMISSION_DENIED when a socket refused this user, naming its
+// group.
+absl::StatusOr<std::string> FindDaemonSocket();
 
 // The UUID of CUDA device `device` as the driver and nvidia-smi write it ("GPU-xxxxxxxx-...").
 absl::StatusOr<std::string> CudaDeviceUuid(int device);
