@@ -2,6 +2,7 @@
 // trainstreamd: flags into DaemonOptions, a signal thread, and the Daemon. Nothing else.
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include <sys/resource.h>
@@ -12,8 +13,10 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "config/daemon_options.h"
 #include "daemon.h"
+#include "service_notify.h"
 #include "trainstream/version.h"
 
 ABSL_FLAG(std::string, config, "", "config file (protobuf text format of DaemonConfig)");
@@ -89,9 +92,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "trainstreamd: %s\n", std::string(daemon.status().message()).c_str());
     return 1;
   }
+  trainstream::daemon::NotifyReady(absl::StrCat("serving ", options->socket_path));
   std::thread signal_waiter([&] {
     int signal = 0;
     sigwait(&stop_signals, &signal);
+    trainstream::daemon::NotifyStopping(absl::StrCat("draining (", strsignal(signal), ")"));
     (*daemon)->Shutdown();
   });
   // An embedded daemon must not outlive the training process that started it, even when that
@@ -103,6 +108,7 @@ int main(int argc, char** argv) {
       while (getppid() == parent_pid) {
         if ((*daemon)->WaitFor(absl::Milliseconds(250))) return;
       }
+      trainstream::daemon::NotifyStopping("draining (the parent process ended)");
       (*daemon)->Shutdown();
     });
   }
