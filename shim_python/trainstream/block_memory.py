@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidArgumentError
 from .offload_adamw import OffloadAdamW
 from .planner import staged_block_indices
 from .staged_adamw import slots_bytes
@@ -138,7 +139,7 @@ def paging_choice(model: torch.nn.Module, config: dict,
                             config["recompute"])
     depth = config["prefetch_depth"]
     if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
+        raise InvalidArgumentError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
 
     def is_auto(value: Any) -> bool:
         return isinstance(value, str) and value == "auto"
@@ -150,8 +151,9 @@ def paging_choice(model: torch.nn.Module, config: dict,
                         ("recompute", again)):
         if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
             lists = "" if name == "activation_offload" else " or a list of block indices"
-            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
-                             f"False, a fraction 0.0-1.0{lists}")
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                f"False, a fraction 0.0-1.0{lists}")
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == device)
     budget = vram_budget(device, config, on_device)
@@ -162,15 +164,16 @@ def paging_choice(model: torch.nn.Module, config: dict,
     blocks = list(config["blocks"]) if explicit else find_blocks(model)
     uncalled = [i for i, b in enumerate(blocks) if not has_forward(b)]
     if uncalled:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"trainstream.wrap: blocks[{uncalled[0]}] is a {type(blocks[uncalled[0]]).__name__} "
             "without a forward of its own: a block must be a module the model calls (its "
             "weights are bound and its activations paged around that call); pass the layers "
             "themselves")
     if not blocks:
         if not (is_off(weights) and is_off(acts) and is_off(again)):
-            raise ValueError("trainstream.wrap: param_offload, activation_offload and recompute "
-                             "need a repeated block stack; none was found (pass blocks=[...])")
+            raise InvalidArgumentError(
+                "trainstream.wrap: param_offload, activation_offload and recompute "
+                "need a repeated block stack; none was found (pass blocks=[...])")
         return None
 
     def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
@@ -180,15 +183,17 @@ def paging_choice(model: torch.nn.Module, config: dict,
             return list(range(count))
         if isinstance(value, float):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"trainstream.wrap: {name}={value} must be in [0, 1]")
+                raise InvalidArgumentError(f"trainstream.wrap: {name}={value} must be in [0, 1]")
             return list(range(round(value * count)))
         if not allow_list:
-            raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
-                             "False or a fraction")
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
+                "False or a fraction")
         picked = sorted(set(int(i) for i in value))
         if picked and not (0 <= picked[0] and picked[-1] < len(blocks)):
-            raise ValueError(f"trainstream.wrap: {name}={value!r} names blocks outside "
-                             f"0..{len(blocks) - 1}")
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {name}={value!r} names blocks outside "
+                f"0..{len(blocks) - 1}")
         return picked
 
     paged = chosen("param_offload", weights, len(blocks), True)
@@ -205,9 +210,10 @@ def paging_choice(model: torch.nn.Module, config: dict,
     recomputed = chosen("recompute", again, len(blocks), True)
     both = sorted((set(paged) | set(offloaded)) & set(recomputed))
     if both:
-        raise ValueError(f"trainstream.wrap: blocks {both} are both paged and recomputed; a "
-                         "recomputed block keeps no activations to page, and its weights are "
-                         "used again in backward: choose one")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: blocks {both} are both paged and recomputed; a "
+            "recomputed block keeps no activations to page, and its weights are "
+            "used again in backward: choose one")
     adaptive = budget is not None and is_auto(acts) and is_auto(again) and len(blocks) >= 2
     if not (paged or offloaded or recomputed or adaptive):
         return None

@@ -75,12 +75,13 @@ class HostOptimizer:
         import torch
 
         if kind not in _KINDS:
-            raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+            raise InvalidArgumentError(f"kind must be one of {_KINDS}, got {kind!r}")
         if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be one of {tuple(_NONFINITE)}, got {nonfinite!r}")
+            raise InvalidArgumentError(
+                f"nonfinite must be one of {tuple(_NONFINITE)}, got {nonfinite!r}")
         moment_dtype = moment_dtype or torch.float32
         if moment_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("moment_dtype must be torch.float32 or torch.bfloat16")
+            raise InvalidArgumentError("moment_dtype must be torch.float32 or torch.bfloat16")
         self.params = list(params)
         self._groups = [_group(g) for g in groups]
         self._max_grad_norm = float(max_grad_norm or 0.0)

@@ -73,12 +73,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                  on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
                  machine_group: Any = None, initial: dict | None = None):
         if moment_dtype not in MOMENT_DTYPES:
-            raise ValueError(f"moment_dtype {moment_dtype!r} is not one of 'float32', "
-                             "'bfloat16', torch.float32 or torch.bfloat16")
+            raise InvalidArgumentError(
+                f"moment_dtype {moment_dtype!r} is not one of 'float32', "
+                "'bfloat16', torch.float32 or torch.bfloat16")
         if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite {nonfinite!r} is not one of {NONFINITE}")
+            raise InvalidArgumentError(f"nonfinite {nonfinite!r} is not one of {NONFINITE}")
         if int(accumulation_steps) < 1:
-            raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
+            raise InvalidArgumentError(
+                f"accumulation_steps must be an integer >= 1, got {accumulation_steps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.accumulation_steps = int(accumulation_steps)
@@ -97,11 +99,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         names = names or {}
         if gradient_dtype is not None:
             if gradient_dtype not in GRADIENT_DTYPES:
-                raise ValueError(f"gradient_dtype {gradient_dtype!r} is not one of None, "
-                                 "'float32', 'bfloat16', torch.float32 or torch.bfloat16")
+                raise InvalidArgumentError(
+                    f"gradient_dtype {gradient_dtype!r} is not one of None, "
+                    "'float32', 'bfloat16', torch.float32 or torch.bfloat16")
             if not self._cuda:
-                raise ValueError("gradient_dtype applies to CUDA models (a CPU model's gradients "
-                                 "accumulate in place, in the parameters' dtype)")
+                raise InvalidArgumentError(
+                    "gradient_dtype applies to CUDA models (a CPU model's gradients "
+                    "accumulate in place, in the parameters' dtype)")
             gradient_dtype = GRADIENT_DTYPES[gradient_dtype]
         # The dtype gradients cross PCIe in and reach the host optimizer in (cast on the GPU,
         # on the copy stream); the master weights and moments keep their own precision.

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import _trainstream, cuda_streams
+from .errors import InvalidArgumentError
 from .hook_clock import HookClock
 from .kv_cache import CACHE_ARGUMENTS
 from .weak_hooks import weak_hook
@@ -131,7 +132,7 @@ class BlockPager:
                  arena: Any = None, device: Any = None, max_inflight_bytes: int = 1 << 30):
         self.blocks = list(blocks)
         if not self.blocks:
-            raise ValueError("no blocks to page")
+            raise InvalidArgumentError("no blocks to page")
         self.paged: list[int] = []
         self.offloading: list[int] = []
         self.depth = max(1, int(prefetch_depth))
@@ -237,7 +238,7 @@ class BlockPager:
                 host = self._host_copy(p)
                 if (host.dtype != p.dtype or host.shape != p.shape
                         or not host.is_contiguous()):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"the host copy of a {tuple(p.shape)} {p.dtype} parameter of block {b} "
                         f"is a {tuple(host.shape)} {host.dtype} tensor"
                         f"{'' if host.is_contiguous() else ' (not contiguous)'}: it must match "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ResourceExhaustedError
+from .errors import InvalidArgumentError, ResourceExhaustedError
 
 GiB = float(1 << 30)
 
@@ -349,9 +349,9 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
           staged_blocks: int = 0) -> MemoryPlan:
     n = len(inputs.blocks)
     if not 0 <= gpu_blocks <= n:
-        raise ValueError(f"gpu_state blocks {gpu_blocks} is not in [0, {n}]")
+        raise InvalidArgumentError(f"gpu_state blocks {gpu_blocks} is not in [0, {n}]")
     if not 0 <= staged_blocks <= n - gpu_blocks:
-        raise ValueError(f"staged blocks {staged_blocks} is not in [0, {n - gpu_blocks}]")
+        raise InvalidArgumentError(f"staged blocks {staged_blocks} is not in [0, {n - gpu_blocks}]")
     plan = MemoryPlan(activation_policy=["keep"] * n)
     say = plan.history.append
     on_gpu = gpu_state_elements(inputs, gpu_blocks)

@@ -16,7 +16,7 @@ import torch
 from . import client as _client
 from .block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
-from .errors import FailedPreconditionError, ResourceExhaustedError
+from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from .base_linear import BaseLinear, quantize_model
 from .blocks import find_blocks
 from .gpu_pools import gpu_pools
@@ -111,49 +111,58 @@ class TrainStreamSession:
 def _check_options(options: dict) -> None:
     for name, value in options.items():
         if name not in _ACCEPTED:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"trainstream.wrap: unknown option {name!r}; accepted: {', '.join(sorted(_ACCEPTED))}")
         accepted = _ACCEPTED[name]
         if isinstance(accepted, tuple):
             ok = value in accepted or (name in ("moment_dtype", "gradient_dtype")
                                        and value in MOMENT_DTYPES)
             if not ok:
-                raise ValueError(f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
+                raise InvalidArgumentError(
+                    f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
     steps = options.get("accumulation_steps", 1)
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
     wait = options.get("memory_wait_s", 0.0)
     if not (isinstance(wait, (int, float)) and 0 <= wait <= 3600):
-        raise ValueError(f"trainstream.wrap: memory_wait_s={wait!r} must be seconds in [0, 3600]")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: memory_wait_s={wait!r} must be seconds in [0, 3600]")
     headroom = options.get("vram_headroom", 0.10)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
-        raise ValueError(f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
     for name in ("max_inflight_bytes", "host_arena"):
         value = options.get(name)
         if value is None or value is False or (name == "host_arena" and value == "auto"):
             continue
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"trainstream.wrap: {name}={value!r} must be " +
-                             ("None or bytes > 0" if name == "max_inflight_bytes" else
-                              "'auto', False or bytes > 0"))
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {name}={value!r} must be " +
+                ("None or bytes > 0" if name == "max_inflight_bytes" else
+                 "'auto', False or bytes > 0"))
     block = options.get("quant_block_size", 0)
     if not (isinstance(block, int) and not isinstance(block, bool) and block >= 0
             and block % 2 == 0):
-        raise ValueError(f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
-                         "number of values")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
+            "number of values")
     for option in ("gpu_state_blocks", "staged_state_blocks"):
         count = options.get(option, 0)
         if not (count == "auto" or (isinstance(count, int) and not isinstance(count, bool)
                                     and count >= 0)):
-            raise ValueError(f"trainstream.wrap: {option}={count!r} must be 'auto' or an "
-                             "integer >= 0")
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {option}={count!r} must be 'auto' or an "
+                "integer >= 0")
     budget = options.get("vram_budget")
     if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
                                    and budget > 0):
-        raise ValueError(f"trainstream.wrap: vram_budget={budget!r} must be None or bytes > 0")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: vram_budget={budget!r} must be None or bytes > 0")
     norm = options.get("max_grad_norm")
     if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
-        raise ValueError(f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
+        raise InvalidArgumentError(
+            f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
 
 
 @dataclass
@@ -448,8 +457,9 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         for g in optimizer.param_groups:
             for flag in ("amsgrad", "maximize"):
                 if g.get(flag):
-                    raise ValueError(f"trainstream.wrap: {type(optimizer).__name__}({flag}=True) "
-                                     "is not supported")
+                    raise InvalidArgumentError(
+                        f"trainstream.wrap: {type(optimizer).__name__}({flag}=True) "
+                        "is not supported")
         kind = "adamw" if type(optimizer) is torch.optim.AdamW else "adam"
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps",
                                                        "weight_decay")}
@@ -461,7 +471,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             events.append(("wrap.state", f"migrated {len(old_state['state'])} parameters' "
                                          f"{type(optimizer).__name__} state to the daemon"))
     else:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"trainstream.wrap: optimizer {type(optimizer).__name__} is not supported; use "
             "torch.optim.AdamW, torch.optim.Adam, trainstream.OffloadAdamW or None")
     try:
@@ -589,13 +599,14 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
             refusal += (f"; moment_dtype='auto' chose bf16 moments: {chose_bf16}. Free host "
                         "memory for fp32 moments, or ask for no state in VRAM")
         if refusal is not None:
-            raise ValueError(f"trainstream.wrap: {option}={count}: {refusal}")
+            raise InvalidArgumentError(f"trainstream.wrap: {option}={count}: {refusal}")
         if count > room:
-            raise ValueError(f"trainstream.wrap: {option}={count} but {too_many}")
+            raise InvalidArgumentError(f"trainstream.wrap: {option}={count} but {too_many}")
         streamed = sorted(asked_streaming & set(indices))
         if streamed:
-            raise ValueError(f"trainstream.wrap: {option}={count} but blocks {streamed} stream "
-                             f"their weights (param_offload): {keeps}")
+            raise InvalidArgumentError(
+                f"trainstream.wrap: {option}={count} but blocks {streamed} stream "
+                f"their weights (param_offload): {keeps}")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

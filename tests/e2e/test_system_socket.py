@@ -32,9 +32,9 @@ def users():
         try:
             pwd.getpwnam(user)
         except KeyError:
+            extra = ["--groups", ",".join(groups)] if groups else []
             subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                            "/usr/sbin/nologin", *(["--groups", ",".join(groups)] if groups else []),
-                            user], check=True)
+                            "/usr/sbin/nologin", *extra, user], check=True)
     return {MEMBER: [GROUP], OUTSIDER: []}
 
 

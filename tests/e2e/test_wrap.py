@@ -202,6 +202,30 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
     assert "client.wrap.optimizer" in kinds and "optimizer.created" in kinds
 
 
+@pytest.mark.parametrize("options", [
+    dict(quantise="nf4"), dict(optimizer_mode="gpu"), dict(accumulation_steps=0),
+    dict(vram_headroom=1.5), dict(memory_wait_s=-1), dict(quant_block_size=3),
+    dict(prefetch_depth=0), dict(param_offload="sometimes"), dict(recompute=[99]),
+    dict(vram_budget=-1), dict(gpu_state_blocks=-1), dict(max_grad_norm=0),
+    dict(host_arena=-5), dict(device="cpu", gradient_dtype="bfloat16"),
+    dict(optimizer="sgd"),
+], ids=lambda o: ",".join(o))
+def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket, options):
+    """``except trainstream.TrainStreamError`` catches every option wrap() refuses, and so does
+    ``except ValueError``; the model is left as it was."""
+    model = TinyGPT()
+    values = [p.detach().clone() for p in model.parameters()]
+    named = "SGD" if "optimizer" in options else list(options)[-1]  # what the message names
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if options.pop("optimizer", None)
+                 else None)
+    with pytest.raises(trainstream.TrainStreamError) as raised:
+        trainstream.wrap(model, optimizer, **options)
+    assert isinstance(raised.value, ValueError), type(raised.value).__mro__
+    assert named in str(raised.value), raised.value
+    assert not hasattr(model, "_trainstream_session")
+    assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
+
+
 def test_misuse_gets_clear_errors(daemon_socket):
     model, opt = trainstream.wrap(TinyGPT().to(DEVICE))
     with pytest.raises(trainstream.FailedPreconditionError, match="already wrapped"):

@@ -4,7 +4,8 @@
 # config, an edited config survives a second install, and a C++ program built with
 # find_package(trainstream) opens a session on the installed daemon through the installed
 # library.
-#   cmake -DBUILD_DIR=... -DWORK_DIR=... -DCONSUMER_SOURCE=... -DGENERATOR=... -P check_install.cmake
+#   cmake -DBUILD_DIR=... -DWORK_DIR=... -DCONSUMER_SOURCE=... -DGENERATOR=...
+#         -P check_install.cmake
 foreach(v BUILD_DIR WORK_DIR CONSUMER_SOURCE GENERATOR)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "check_install.cmake: -D${v}= is required")
@@ -62,7 +63,8 @@ foreach(binary trainstreamd tsctl)
 endforeach()
 
 file(STRINGS ${prefix}/lib/systemd/system/trainstreamd.service exec REGEX "^ExecStart=")
-set(want "ExecStart=${prefix}/bin/trainstreamd --config=${prefix}/etc/trainstream/trainstreamd.conf")
+set(want "ExecStart=${prefix}/bin/trainstreamd")
+string(APPEND want " --config=${prefix}/etc/trainstream/trainstreamd.conf")
 if(NOT exec STREQUAL want)
   message(FATAL_ERROR "the installed unit says\n  ${exec}\nnot\n  ${want}")
 endif()
