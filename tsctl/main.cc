@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // tsctl: global flags, the subcommand looked up by name, its status turned into an exit code.
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -112,18 +111,9 @@ int ExitCodeFor(const absl::Status& status) {
 
 }  // namespace
 
-// The socket tsctl talks to when --socket names none: $TRAINSTREAM_SOCKET, else the first of the
-// system and per-user sockets with a daemon listening.
-std::vector<std::string> DefaultCandidates() {
-  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
-    return {env};
-  }
-  return trainstream::ipc::SocketCandidates();
-}
-
 int main(int argc, char** argv) {
   CommandLine line;
-  const std::vector<std::string> candidates = DefaultCandidates();
+  const std::vector<std::string> candidates = trainstream::ipc::ClientSocketCandidates();
   const std::string default_help = absl::StrJoin(candidates, ", then ");
   absl::Status status = ParseCommandLine(argc, argv, &line);
   if (!status.ok()) {

@@ -67,6 +67,13 @@ std::vector<std::string> SocketCandidates() {
   return candidates;
 }
 
+std::vector<std::string> ClientSocketCandidates() {
+  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
+    return {env};
+  }
+  return SocketCandidates();
+}
+
 absl::StatusOr<std::string> FindDaemonSocket(const std::vector<std::string>& candidates) {
   std::vector<std::string> reasons;
   bool refused = false;

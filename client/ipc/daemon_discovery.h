@@ -17,6 +17,10 @@ std::string SystemSocketPath();
 // for a user other than root, the per-user one (DefaultSocketPath without $TRAINSTREAM_SOCKET).
 std::vector<std::string> SocketCandidates();
 
+// The sockets a client tries when none is named: the one $TRAINSTREAM_SOCKET names, alone (an
+// error when no daemon is there, never a quiet fallback), else SocketCandidates().
+std::vector<std::string> ClientSocketCandidates();
+
 // The first of `candidates` a daemon listens on. Otherwise UNAVAILABLE saying, for each, why
 // not (no such socket, a stale one), or PERMISSION_DENIED when a socket refused this user: the
 // message names the socket's group and how to join it.

@@ -64,5 +64,14 @@ TEST_F(DaemonDiscoveryTest, TheSystemSocketComesFirstAndCanBeMoved) {
   EXPECT_EQ(SocketCandidates().front(), "/run/trainstream/trainstreamd.sock");
 }
 
+TEST_F(DaemonDiscoveryTest, ANamedSocketIsTheOnlyCandidate) {
+  ::unsetenv("TRAINSTREAM_SOCKET");
+  EXPECT_EQ(ClientSocketCandidates(), SocketCandidates());
+  ::setenv("TRAINSTREAM_SOCKET", Path("named.sock").c_str(), 1);
+  std::vector<std::string> candidates = ClientSocketCandidates();
+  ::unsetenv("TRAINSTREAM_SOCKET");
+  EXPECT_EQ(candidates, std::vector<std::string>{Path("named.sock")});
+}
+
 }  // namespace
 }  // namespace trainstream::ipc

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "session_impl.h"
 
-#include <cstdlib>
 
 #include "ipc/daemon_discovery.h"
 
@@ -111,10 +110,7 @@ absl::StatusOr<uint64_t> Session::ReportEvent(
 std::string DefaultSocketPath() { return ipc::DefaultSocketPath(); }
 
 absl::StatusOr<std::string> FindDaemonSocket() {
-  if (const char* env = std::getenv("TRAINSTREAM_SOCKET"); env != nullptr && *env != '\0') {
-    return ipc::FindDaemonSocket({env});
-  }
-  return ipc::FindDaemonSocket(ipc::SocketCandidates());
+  return ipc::FindDaemonSocket(ipc::ClientSocketCandidates());
 }
 
 absl::StatusOr<absl::Duration> PingDaemon(const std::string& socket_path) {
