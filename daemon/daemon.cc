@@ -39,6 +39,8 @@ absl::Status Daemon::Start() {
   Arena::Options arena_options;
   arena_options.budget_bytes = options_.budget_bytes;
   arena_options.uid_quota_bytes = options_.uid_quota_bytes;
+  arena_options.segment_bytes = options_.shared_segment_bytes;
+  arena_options.segment_granularity = options_.segment_granularity;
   ASSIGN_OR_RETURN(arena_, Arena::Create(arena_options));
   credentials_ = std::make_unique<ConnectionCredentials>();
 

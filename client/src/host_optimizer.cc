@@ -23,17 +23,7 @@ void ToProto(const OptimizerGroup& g, v1::ParamGroup* out) {
   out->set_weight_decay(g.weight_decay);
 }
 
-constexpr uint32_t Kind(ipc::DoorbellKind kind) { return static_cast<uint32_t>(kind); }
-
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
-    Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params) {
-  Session::Impl& impl = *session.impl_;
-  RETURN_IF_ERROR(impl.CheckUsable());
-  v1::CreateOptimizerRequest create;
-  create.set_session_id(impl.id());
-  v1::OptimizerSpec* spec = create.mutable_spec();
+void ToProto(const OptimizerOptions& options, v1::OptimizerSpec* spec) {
   spec->set_kind(options.adamw ? v1::ADAMW : v1::ADAM);
   spec->set_moment_dtype(ToProto(options.moment_dtype));
   spec->set_max_grad_norm(options.max_grad_norm);
@@ -42,6 +32,47 @@ absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
   spec->set_accumulation_steps(options.accumulation_steps);
   spec->set_machines(options.machines);
   for (const OptimizerGroup& g : options.groups) ToProto(g, spec->add_groups());
+}
+
+void ToProto(const ParameterInfo& p, v1::ParameterSpec* out) {
+  out->set_name(p.name);
+  out->set_numel(p.numel);
+  out->set_param_dtype(ToProto(p.param_dtype));
+  out->set_grad_dtype(ToProto(p.grad_dtype));
+  out->set_group(p.group);
+}
+
+constexpr uint32_t Kind(ipc::DoorbellKind kind) { return static_cast<uint32_t>(kind); }
+
+}  // namespace
+
+absl::StatusOr<HostMemoryEstimate> HostOptimizer::EstimateHostMemory(
+    Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params,
+    uint32_t ranks, const std::vector<uint64_t>& other_buffers) {
+  Session::Impl& impl = *session.impl_;
+  RETURN_IF_ERROR(impl.CheckUsable());
+  v1::EstimateHostMemoryRequest request;
+  request.set_session_id(impl.id());
+  ToProto(options, request.mutable_spec());
+  for (const ParameterInfo& p : params) ToProto(p, request.add_params());
+  request.set_ranks(ranks);
+  for (uint64_t bytes : other_buffers) request.add_other_buffers(bytes);
+  v1::HostMemoryEstimate reply;
+  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
+    return impl.channel().stub().EstimateHostMemory(c, request, &reply);
+  }));
+  return HostMemoryEstimate{reply.bytes(),         reply.optimizer_bytes(),
+                            reply.buffer_bytes(),  reply.buffers(),
+                            reply.segment_bytes(), reply.segment_granularity()};
+}
+
+absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
+    Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params) {
+  Session::Impl& impl = *session.impl_;
+  RETURN_IF_ERROR(impl.CheckUsable());
+  v1::CreateOptimizerRequest create;
+  create.set_session_id(impl.id());
+  ToProto(options, create.mutable_spec());
   v1::OptimizerInfo info;
   RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().CreateOptimizer(c, create, &info);
@@ -59,14 +90,7 @@ absl::StatusOr<HostOptimizer::Registered> HostOptimizer::Register(
   Session::Impl& impl = *session_.impl_;
   v1::RegisterParametersRequest reg;
   reg.set_session_id(impl.id());
-  for (const ParameterInfo& p : params) {
-    v1::ParameterSpec* out = reg.add_params();
-    out->set_name(p.name);
-    out->set_numel(p.numel);
-    out->set_param_dtype(ToProto(p.param_dtype));
-    out->set_grad_dtype(ToProto(p.grad_dtype));
-    out->set_group(p.group);
-  }
+  for (const ParameterInfo& p : params) ToProto(p, reg.add_params());
   v1::RegisterParametersReply reply;
   RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
     return impl.channel().stub().RegisterParameters(c, reg, &reply);

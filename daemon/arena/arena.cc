@@ -25,10 +25,6 @@ uint64_t RoundUp(uint64_t value, uint64_t unit) { return (value + unit - 1) / un
 // inside a client's 10 s request deadline.
 const absl::Duration Arena::kRetiringWait = absl::Seconds(5);
 
-namespace {
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
   if (options.budget_bytes == 0) {
     return absl::InvalidArgumentError("the host memory budget must be above zero");
@@ -37,7 +33,41 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(const Options& options) {
       options.segment_bytes % options.segment_granularity != 0) {
     return absl::InvalidArgumentError("segment size must be a multiple of its granularity");
   }
+  if (options.segment_granularity % 4096 != 0) {
+    return absl::InvalidArgumentError("segment granularity must be a multiple of 4 KiB pages");
+  }
   return std::unique_ptr<Arena>(new Arena(options));
+}
+
+uint64_t Arena::OwnSegmentBytes(uint64_t bytes) const {
+  return RoundUp(bytes, options_.segment_granularity);
+}
+
+uint64_t Arena::ReservationFor(const std::vector<PlannedBuffer>& buffers) const {
+  // A segment with less free than the smallest buffer that shares one is full for good: it
+  // leaves the search, which keeps the first-fit pass short for jobs of many buffers.
+  uint64_t smallest = options_.segment_bytes;
+  for (const PlannedBuffer& b : buffers) {
+    if (!NeedsOwnSegment(b.bytes, /*sealable=*/false)) smallest = std::min(smallest, b.bytes);
+  }
+  uint64_t reserved = 0;
+  std::vector<OffsetAllocator> open;  // the job's shared segments that may take more, in order
+  for (const auto& [bytes, alignment] : buffers) {
+    if (NeedsOwnSegment(bytes, /*sealable=*/false)) {
+      reserved += OwnSegmentBytes(bytes);
+      continue;
+    }
+    auto fits = std::find_if(open.begin(), open.end(), [&](OffsetAllocator& segment) {
+      return segment.free_bytes() >= bytes && segment.Allocate(bytes, alignment).has_value();
+    });
+    if (fits == open.end()) {
+      fits = open.emplace(open.end(), options_.segment_bytes);
+      fits->Allocate(bytes, alignment);
+      reserved += options_.segment_bytes;
+    }
+    if (fits->free_bytes() < smallest) open.erase(fits);
+  }
+  return reserved;
 }
 
 absl::StatusOr<uint64_t> Arena::ReserveSegmentLocked(const JobKey& job, uint64_t bytes,
@@ -167,7 +197,7 @@ absl::StatusOr<BufferRecord> Arena::AllocateWithRetired(
         absl::StrFormat("job already has a buffer named '%s'", request.name));
   };
   if (name_taken()) return already_exists();
-  const bool dedicated = request.sealable || request.bytes >= options_.segment_bytes / 2;
+  const bool dedicated = NeedsOwnSegment(request.bytes, request.sealable);
   SegmentEntry* entry = nullptr;
   std::optional<uint64_t> offset;
   if (!dedicated) {
@@ -181,8 +211,7 @@ absl::StatusOr<BufferRecord> Arena::AllocateWithRetired(
     }
   }
   if (entry == nullptr) {
-    uint64_t bytes = dedicated ? RoundUp(request.bytes, options_.segment_granularity)
-                               : options_.segment_bytes;
+    uint64_t bytes = dedicated ? OwnSegmentBytes(request.bytes) : options_.segment_bytes;
     ASSIGN_OR_RETURN(entry, AddSegment(request.job, request.session_id, bytes, dedicated,
                                        request.name, retired));
     offset = entry->allocator.Allocate(request.bytes, alignment);

@@ -142,7 +142,25 @@ class Arena {
   ArenaUsage Totals() const;
   uint64_t reserved_bytes() const;
 
+  // One buffer of a job's plan: its size and alignment as its AllocationRequest will give them.
+  struct PlannedBuffer {
+    uint64_t bytes = 0;
+    uint64_t alignment = 4096;
+  };
+  // The host memory a job that allocates these buffers, in this order, into no segments of its
+  // own yet, would reserve: each placed by the rules and the allocator Allocate uses, so that a
+  // plan made from it (PlanHostMemory) matches what the job takes. Allocates nothing.
+  uint64_t ReservationFor(const std::vector<PlannedBuffer>& buffers) const;
+  const Options& options() const { return options_; }
+
  private:
+  // A buffer of half a segment or more, or one that may be sealed, gets a segment of its own.
+  bool NeedsOwnSegment(uint64_t bytes, bool sealable) const {
+    return sealable || bytes >= options_.segment_bytes / 2;
+  }
+  // The size of the segment of its own such a buffer gets.
+  uint64_t OwnSegmentBytes(uint64_t bytes) const;
+
   struct SegmentEntry {
     std::unique_ptr<Segment> segment;
     OffsetAllocator allocator;

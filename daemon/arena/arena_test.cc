@@ -67,6 +67,43 @@ TEST(ArenaTest, SmallBuffersShareASegmentAndFreedRangesAreReused) {
   EXPECT_EQ(arena->Usage().segments, 1u);
 }
 
+// The estimate a job plans with is what allocating the same buffers reserves: small ones
+// packed into shared segments (with alignment gaps), large ones each in a segment rounded to
+// the granularity.
+TEST(ArenaTest, AReservationEstimateMatchesTheAllocations) {
+  for (uint64_t granularity : {uint64_t{4096}, 2 * kMiB}) {
+    Arena::Options options;
+    options.budget_bytes = 256 * kMiB;
+    options.segment_bytes = 4 * kMiB;
+    options.segment_granularity = granularity;
+    std::unique_ptr<Arena> arena = *Arena::Create(options);
+    std::vector<Arena::PlannedBuffer> plan;
+    const uint64_t sizes[] = {100,     3 * kMiB, 1500 * 1024, 1500 * 1024, 7,
+                              2 * kMiB, 1 * kMiB, 5 * kMiB + 1, 640 * 1024,  1};
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      plan.push_back({sizes[i], i % 2 == 0 ? uint64_t{64} : uint64_t{4096}});
+    }
+    const uint64_t estimate = arena->ReservationFor(plan);
+    for (size_t i = 0; i < plan.size(); ++i) {
+      AllocationRequest r = Request(absl::StrCat("b", i), plan[i].bytes);
+      r.alignment = plan[i].alignment;
+      ASSERT_TRUE(arena->Allocate(r).ok()) << i;
+    }
+    EXPECT_EQ(estimate, arena->reserved_bytes()) << "granularity " << granularity;
+    // Nothing was held for the estimate itself.
+    EXPECT_EQ(arena->ReservationFor({}), 0u);
+  }
+  // A coarser granularity rounds the large buffers up further.
+  Arena::Options coarse;
+  coarse.segment_bytes = 64 * kMiB;
+  coarse.segment_granularity = 64 * kMiB;
+  EXPECT_EQ((*Arena::Create(coarse))->ReservationFor({{40 * kMiB, 64}}), 64 * kMiB);
+  coarse.segment_granularity = 2 * kMiB;
+  EXPECT_EQ((*Arena::Create(coarse))->ReservationFor({{40 * kMiB, 64}}), 40 * kMiB);
+  coarse.segment_granularity = 1000;
+  EXPECT_EQ(Arena::Create(coarse).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ArenaTest, EmptySegmentsAreReturned) {
   auto arena = MakeArena();
   auto big = *arena->Allocate(Request("big", 3 * kMiB));  // dedicated: over half a segment

@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "config/daemon_config.pb.h"
 #include "google/protobuf/io/tokenizer.h"
@@ -124,6 +125,20 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   std::string quota = flags.uid_quota.value_or(
       config.uid_quota().empty() ? kDefaultUidQuota : config.uid_quota());
   ASSIGN_OR_RETURN(options.uid_quota_bytes, ParseByteSize(quota, options.budget_bytes));
+  if (!config.shared_segment_size().empty()) {
+    ASSIGN_OR_RETURN(options.shared_segment_bytes,
+                     ParseByteSize(config.shared_segment_size(), machine_bytes));
+  }
+  if (!config.segment_granularity().empty()) {
+    ASSIGN_OR_RETURN(options.segment_granularity,
+                     ParseByteSize(config.segment_granularity(), machine_bytes));
+  }
+  if (options.segment_granularity == 0 || options.segment_granularity % 4096 != 0 ||
+      options.shared_segment_bytes % options.segment_granularity != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "segment_granularity %d must be a multiple of 4 KiB that divides shared_segment_size %d",
+        options.segment_granularity, options.shared_segment_bytes));
+  }
   options.threads = flags.threads.value_or(config.threads());
   if (options.threads == 0) options.threads = std::max(1u, std::thread::hardware_concurrency());
   options.log_level = flags.log_level.value_or(

@@ -23,6 +23,8 @@ struct DaemonOptions {
   mode_t socket_mode = 0600;
   uint64_t budget_bytes = 0;
   uint64_t uid_quota_bytes = 0;  // 0: none
+  uint64_t shared_segment_bytes = uint64_t{64} << 20;
+  uint64_t segment_granularity = uint64_t{2} << 20;
   uint32_t threads = 0;          // resolved: never 0
   std::string log_level = "info";
   std::string admin_group;

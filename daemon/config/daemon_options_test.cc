@@ -91,5 +91,25 @@ TEST(LoadDaemonOptionsTest, GpuPoolExportIsAutoOrLegacyIpc) {
   EXPECT_EQ(LoadDaemonOptions(DaemonFlags{})->gpu_pool_export, "auto");
 }
 
+TEST(LoadDaemonOptionsTest, SegmentSizesAreReadAndChecked) {
+  DaemonFlags flags;
+  absl::StatusOr<DaemonOptions> defaults = LoadDaemonOptions(flags);
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->shared_segment_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(defaults->segment_granularity, uint64_t{2} << 20);
+  flags.config_path = WriteFile("shared_segment_size: \"128M\"\nsegment_granularity: \"64M\"\n");
+  absl::StatusOr<DaemonOptions> options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->shared_segment_bytes, uint64_t{128} << 20);
+  EXPECT_EQ(options->segment_granularity, uint64_t{64} << 20);
+  for (const char* bad : {"segment_granularity: \"3M\"\n", "segment_granularity: \"1000\"\n",
+                          "segment_granularity: \"0\"\n"}) {
+    flags.config_path = WriteFile(bad);
+    absl::Status refused = LoadDaemonOptions(flags).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(refused.message().find("divides shared_segment_size"), std::string::npos) << refused;
+  }
+}
+
 }  // namespace
 }  // namespace trainstream::daemon

@@ -95,7 +95,7 @@ absl::StatusOr<BufferRecord> JobOptimizer::AllocateLocked(const std::string& nam
   request.session_id = owner_;
   request.name = name;
   request.bytes = std::max<uint64_t>(bytes, 1);
-  request.alignment = 64;
+  request.alignment = kOptimizerBufferAlignment;
   request.tag = tag;
   return deps_.arena->Allocate(request);
 }
@@ -118,12 +118,12 @@ void JobOptimizer::ClearInParallel(uint8_t* data, uint64_t bytes) {
 
 absl::Status JobOptimizer::AllocateParameterLocked(Parameter& p, uint32_t index) {
   const std::string prefix = absl::StrFormat("opt/%d/", index);
-  const uint64_t n = p.desc.numel;
-  const size_t moment_bytes = kernels::ElementSize(settings_.moment_type);
-  ASSIGN_OR_RETURN(p.master, AllocateLocked(prefix + "master", n * 4, "optimizer.master"));
-  ASSIGN_OR_RETURN(p.exp_avg, AllocateLocked(prefix + "exp_avg", n * moment_bytes, "optimizer.moments"));
+  const ParameterBufferBytes bytes = BufferBytesFor(settings_, p.desc);
+  ASSIGN_OR_RETURN(p.master, AllocateLocked(prefix + "master", bytes.master, "optimizer.master"));
+  ASSIGN_OR_RETURN(p.exp_avg,
+                   AllocateLocked(prefix + "exp_avg", bytes.moment, "optimizer.moments"));
   ASSIGN_OR_RETURN(p.exp_avg_sq,
-                   AllocateLocked(prefix + "exp_avg_sq", n * moment_bytes, "optimizer.moments"));
+                   AllocateLocked(prefix + "exp_avg_sq", bytes.moment, "optimizer.moments"));
   ASSIGN_OR_RETURN(uint8_t * master, Data(p.master));
   ASSIGN_OR_RETURN(uint8_t * m, Data(p.exp_avg));
   ASSIGN_OR_RETURN(uint8_t * v, Data(p.exp_avg_sq));
@@ -132,17 +132,15 @@ absl::Status JobOptimizer::AllocateParameterLocked(Parameter& p, uint32_t index)
   p.exp_avg_sq_ptr = v;
   // Freed ranges are reused, so fresh state is cleared explicitly, by all the workers: a
   // billion-parameter model's moments are gigabytes.
-  ClearInParallel(m, n * moment_bytes);
-  ClearInParallel(v, n * moment_bytes);
-  if (p.desc.param_type != kernels::ScalarType::kFloat32) {
-    ASSIGN_OR_RETURN(p.param, AllocateLocked(prefix + "param",
-                                             n * kernels::ElementSize(p.desc.param_type),
-                                             "optimizer.param"));
+  ClearInParallel(m, bytes.moment);
+  ClearInParallel(v, bytes.moment);
+  if (bytes.param > 0) {
+    ASSIGN_OR_RETURN(p.param, AllocateLocked(prefix + "param", bytes.param, "optimizer.param"));
     ASSIGN_OR_RETURN(uint8_t * param, Data(*p.param));
     p.param_ptr = param;
   }
-  if (settings_.reduces_into_buffer()) {
-    ASSIGN_OR_RETURN(p.accum, AllocateLocked(prefix + "accum", n * 4, "optimizer.accum"));
+  if (bytes.accum > 0) {
+    ASSIGN_OR_RETURN(p.accum, AllocateLocked(prefix + "accum", bytes.accum, "optimizer.accum"));
     ASSIGN_OR_RETURN(uint8_t * accum, Data(*p.accum));
     p.accum_ptr = reinterpret_cast<float*>(accum);
   }
@@ -224,8 +222,7 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     if (!p.grads.contains(rank)) {
       ASSIGN_OR_RETURN(BufferRecord grad,
                        AllocateLocked(absl::StrFormat("opt/%d/grad%d", i, rank),
-                                      p.desc.numel * kernels::ElementSize(p.desc.grad_type),
-                                      "optimizer.grad"));
+                                      BufferBytesFor(settings_, p.desc).grad, "optimizer.grad"));
       ASSIGN_OR_RETURN(uint8_t * data, Data(grad));
       p.grads[rank] = grad;
       p.grad_ptrs[rank] = data;

@@ -7,6 +7,36 @@
 
 namespace trainstream::daemon {
 
+ParameterBufferBytes BufferBytesFor(const OptimizerSettings& settings,
+                                    const ParameterDescription& param) {
+  const uint64_t n = param.numel;
+  ParameterBufferBytes bytes;
+  bytes.master = n * 4;
+  bytes.moment = n * kernels::ElementSize(settings.moment_type);
+  if (param.param_type != kernels::ScalarType::kFloat32) {
+    bytes.param = n * kernels::ElementSize(param.param_type);
+  }
+  if (settings.reduces_into_buffer()) bytes.accum = n * 4;
+  bytes.grad = n * kernels::ElementSize(param.grad_type);
+  return bytes;
+}
+
+std::vector<uint64_t> JobBufferBytes(const OptimizerSettings& settings,
+                                     const std::vector<ParameterDescription>& params,
+                                     uint32_t ranks) {
+  std::vector<uint64_t> out;
+  for (const ParameterDescription& p : params) {
+    const ParameterBufferBytes b = BufferBytesFor(settings, p);
+    out.insert(out.end(), {b.master, b.moment, b.moment});
+    if (b.param > 0) out.push_back(b.param);
+    if (b.accum > 0) out.push_back(b.accum);
+  }
+  for (uint32_t rank = 0; rank < ranks; ++rank) {
+    for (const ParameterDescription& p : params) out.push_back(BufferBytesFor(settings, p).grad);
+  }
+  return out;
+}
+
 absl::Status ValidateGroups(const std::vector<GroupHyperParameters>& groups) {
   if (groups.empty()) return absl::InvalidArgumentError("an optimizer needs at least one group");
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -56,6 +56,26 @@ struct ParameterDescription {
   friend bool operator==(const ParameterDescription&, const ParameterDescription&) = default;
 };
 
+// One parameter's host buffers, in bytes, as the job's optimizer allocates them. Allocation and
+// estimates (EstimateHostMemory) read the same numbers, so a plan cannot drift from the state.
+struct ParameterBufferBytes {
+  uint64_t master = 0;  // fp32
+  uint64_t moment = 0;  // each of exp_avg and exp_avg_sq
+  uint64_t param = 0;   // the parameter in its own dtype; 0: none (fp32 reads the master)
+  uint64_t accum = 0;   // the fp32 summing buffer; 0: none
+  uint64_t grad = 0;    // each rank's gradient slot
+};
+ParameterBufferBytes BufferBytesFor(const OptimizerSettings& settings,
+                                    const ParameterDescription& param);
+
+// Every host buffer of a job whose `ranks` ranks on this machine register `params`, in the order
+// the optimizer allocates them: each parameter's state, then each rank's gradient slots.
+std::vector<uint64_t> JobBufferBytes(const OptimizerSettings& settings,
+                                     const std::vector<ParameterDescription>& params,
+                                     uint32_t ranks);
+// The alignment the optimizer asks the arena for, for each of those buffers.
+inline constexpr uint64_t kOptimizerBufferAlignment = 64;
+
 // INVALID_ARGUMENT naming the field for hyper-parameters torch would also refuse.
 absl::Status ValidateSettings(const OptimizerSettings& settings);
 absl::Status ValidateGroups(const std::vector<GroupHyperParameters>& groups);

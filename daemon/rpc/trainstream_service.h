@@ -78,6 +78,9 @@ class TrainStreamService final : public v1::TrainStream::Service {
   // plan_host_memory_rpc.cc
   grpc::Status PlanHostMemory(grpc::ServerContext*, const v1::PlanHostMemoryRequest*,
                               v1::HostPlan*) override;
+  // estimate_host_memory_rpc.cc
+  grpc::Status EstimateHostMemory(grpc::ServerContext*, const v1::EstimateHostMemoryRequest*,
+                                  v1::HostMemoryEstimate*) override;
   // report_event_rpc.cc
   grpc::Status ReportEvent(grpc::ServerContext*, const v1::ReportEventRequest*,
                            v1::ReportEventReply*) override;

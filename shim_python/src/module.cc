@@ -76,6 +76,27 @@ std::vector<trainstream::client::ParameterInfo> ParameterInfos(const py::list& p
   return infos;
 }
 
+// The optimizer spec the Python side passes (host_optimizer.py builds it).
+trainstream::client::OptimizerOptions OptimizerOptionsFrom(const py::dict& spec) {
+  namespace tc = trainstream::client;
+  tc::OptimizerOptions options;
+  options.adamw = spec["kind"].cast<std::string>() == "adamw";
+  options.moment_dtype = static_cast<tc::DType>(spec["moment_dtype"].cast<int>());
+  options.max_grad_norm = spec["max_grad_norm"].cast<double>();
+  options.report_grad_norm = spec["report_grad_norm"].cast<bool>();
+  options.nonfinite = static_cast<tc::NonFinite>(spec["nonfinite"].cast<int>());
+  options.accumulation_steps = spec["accumulation_steps"].cast<uint32_t>();
+  options.machines = spec["machines"].cast<uint32_t>();
+  options.groups.clear();
+  for (py::handle g : spec["groups"].cast<py::list>()) {
+    py::dict d = g.cast<py::dict>();
+    options.groups.push_back({d["lr"].cast<double>(), d["beta1"].cast<double>(),
+                              d["beta2"].cast<double>(), d["eps"].cast<double>(),
+                              d["weight_decay"].cast<double>()});
+  }
+  return options;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_trainstream, m) {
@@ -384,23 +405,28 @@ PYBIND11_MODULE(_trainstream, m) {
       });
 
   namespace tc = trainstream::client;
+  py::class_<tc::HostMemoryEstimate>(m, "HostMemoryEstimate")
+      .def_readonly("bytes", &tc::HostMemoryEstimate::bytes)
+      .def_readonly("optimizer_bytes", &tc::HostMemoryEstimate::optimizer_bytes)
+      .def_readonly("buffer_bytes", &tc::HostMemoryEstimate::buffer_bytes)
+      .def_readonly("buffers", &tc::HostMemoryEstimate::buffers)
+      .def_readonly("segment_bytes", &tc::HostMemoryEstimate::segment_bytes)
+      .def_readonly("segment_granularity", &tc::HostMemoryEstimate::segment_granularity);
+  m.def(
+      "estimate_host_memory",
+      [](Session& session, py::dict spec, py::list params, uint32_t ranks,
+         std::vector<uint64_t> other_buffers) {
+        tc::OptimizerOptions options = OptimizerOptionsFrom(spec);
+        std::vector<tc::ParameterInfo> infos = ParameterInfos(params);
+        return Released([&] {
+          return HostOptimizer::EstimateHostMemory(session, options, infos, ranks, other_buffers);
+        });
+      },
+      py::arg("session"), py::arg("spec"), py::arg("params"), py::arg("ranks") = 1,
+      py::arg("other_buffers") = std::vector<uint64_t>{});
   py::class_<HostOptimizer>(m, "HostOptimizer")
       .def(py::init([](Session& session, py::dict spec, py::list params) {
-             tc::OptimizerOptions options;
-             options.adamw = spec["kind"].cast<std::string>() == "adamw";
-             options.moment_dtype = static_cast<tc::DType>(spec["moment_dtype"].cast<int>());
-             options.max_grad_norm = spec["max_grad_norm"].cast<double>();
-             options.report_grad_norm = spec["report_grad_norm"].cast<bool>();
-             options.nonfinite = static_cast<tc::NonFinite>(spec["nonfinite"].cast<int>());
-             options.accumulation_steps = spec["accumulation_steps"].cast<uint32_t>();
-             options.machines = spec["machines"].cast<uint32_t>();
-             options.groups.clear();
-             for (py::handle g : spec["groups"].cast<py::list>()) {
-               py::dict d = g.cast<py::dict>();
-               options.groups.push_back({d["lr"].cast<double>(), d["beta1"].cast<double>(),
-                                         d["beta2"].cast<double>(), d["eps"].cast<double>(),
-                                         d["weight_decay"].cast<double>()});
-             }
+             tc::OptimizerOptions options = OptimizerOptionsFrom(spec);
              std::vector<tc::ParameterInfo> infos = ParameterInfos(params);
              return Released([&] { return HostOptimizer::Create(session, options, infos); });
            }),

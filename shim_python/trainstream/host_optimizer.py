@@ -60,6 +60,36 @@ def _group(g: dict) -> dict:
             "eps": float(g.get("eps", 1e-8)), "weight_decay": float(g.get("weight_decay", 1e-2))}
 
 
+def _spec(kind: str, moment_dtype: Any, max_grad_norm: float, report_grad_norm: bool,
+          nonfinite: str, accumulation_steps: int, machines: int, groups: Sequence[dict]) -> dict:
+    """The optimizer as the native module passes it to the daemon."""
+    return {"kind": kind, "moment_dtype": _dtype_code(moment_dtype),
+            "max_grad_norm": float(max_grad_norm), "report_grad_norm": bool(report_grad_norm),
+            "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
+            "machines": int(machines), "groups": list(groups)}
+
+
+def estimate_host_memory(client: Client, params: Sequence[ParameterSpec],
+                         moment_dtype: Any = None, accumulation_steps: int = 1,
+                         machines: int = 1, ranks: int = 1,
+                         other_buffers: Sequence[int] = ()) -> Any:
+    """The host memory a job would hold in the daemon with a host optimizer over ``params``
+    joined by ``ranks`` ranks on this machine, plus ``other_buffers`` (sizes in bytes) that the
+    job allocates itself, counted by the daemon with the code that will allocate them: its
+    buffer list and its segments' rounding. Allocates nothing. Returns a
+    ``HostMemoryEstimate``: ``.bytes`` (what to plan with ``Client.plan_host_memory``),
+    ``.optimizer_bytes``, ``.buffer_bytes``, ``.buffers``, ``.segment_bytes`` and
+    ``.segment_granularity``."""
+    import torch
+
+    from . import _trainstream
+
+    spec = _spec("adamw", moment_dtype or torch.float32, 0.0, False, "ignore",
+                 accumulation_steps, machines, [_group({})])
+    return _trainstream.estimate_host_memory(client._native, spec, _natives(params), int(ranks),
+                                             [int(b) for b in other_buffers])
+
+
 class HostOptimizer:
     """A job's optimizer in the daemon, joined by this rank.
 
@@ -85,10 +115,8 @@ class HostOptimizer:
         self.params = list(params)
         self._groups = [_group(g) for g in groups]
         self._max_grad_norm = float(max_grad_norm or 0.0)
-        spec = {"kind": kind, "moment_dtype": _dtype_code(moment_dtype),
-                "max_grad_norm": self._max_grad_norm, "report_grad_norm": bool(report_grad_norm),
-                "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
-                "machines": int(machines), "groups": self._groups}
+        spec = _spec(kind, moment_dtype, self._max_grad_norm, report_grad_norm, nonfinite,
+                     accumulation_steps, machines, self._groups)
         from . import _trainstream
 
         self._native = _trainstream.HostOptimizer(client._native, spec, _natives(self.params))

@@ -9,7 +9,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -174,35 +174,24 @@ class _Topology:
     job: str = ""
 
 
-def _host_bytes(model: torch.nn.Module, moment: Any, config: dict, ranks: int,
-                machines: int) -> int:
-    """The host memory the daemon will hold for this job: per trainable tensor, the fp32
-    master, both moments, a model-dtype copy unless fp32, one gradient slot per rank, and an
-    fp32 sum buffer with accumulation (CUDA) or across machines; each buffer rounded up as the
-    daemon's segments are, plus one shared segment's worth."""
+def _host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dict, ranks: int,
+                machines: int, other_buffers: Sequence[int] = ()) -> int:
+    """The host memory the daemon will hold for this job, as the daemon counts it with the code
+    that allocates it: the optimizer's state for each trainable tensor (master, moments, a
+    model-dtype copy, a gradient slot per rank, a summing buffer), plus ``other_buffers`` (the
+    frozen weights streamed from host memory), each placed into segments as the arena will."""
+    from .host_optimizer import ParameterSpec, estimate_host_memory
     from .offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
 
-    moment_bytes = torch.tensor([], dtype=MOMENT_DTYPES[moment]).element_size()
     grad_dtype = GRADIENT_DTYPES.get(config["gradient_dtype"]) if config["gradient_dtype"] else None
     cuda = next(model.parameters()).is_cuda
-    accum = machines > 1 or (cuda and config["accumulation_steps"] > 1)
-    granularity, shared = 2 << 20, 64 << 20
-    total = shared
-    seen = set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = p.numel()
-        grad = torch.tensor([], dtype=grad_dtype or p.dtype).element_size()
-        buffers = [4 * n, moment_bytes * n, moment_bytes * n] + [grad * n] * ranks
-        if p.dtype != torch.float32:
-            buffers.append(p.element_size() * n)
-        if accum:
-            buffers.append(4 * n)
-        total += sum((b + granularity - 1) // granularity * granularity if b >= shared // 2
-                     else b + 64 for b in buffers)
-    return total
+    trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    specs = [ParameterSpec(f"p{i}", tuple(p.shape), p.dtype, grad_dtype or p.dtype)
+             for i, p in enumerate(trainable)]
+    # CUDA gradients are summed over micro-steps in the daemon (OffloadAdamW's choice).
+    accumulation = config["accumulation_steps"] if cuda else 1
+    return estimate_host_memory(client, specs, MOMENT_DTYPES[moment], accumulation, machines,
+                                ranks, other_buffers).bytes
 
 
 def _distributed(option: Any) -> _Topology:
@@ -374,8 +363,8 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
         # What the daemon has free, less what the trainable state will take there.
         with _client.connect(config["socket"], job_id=f"wrap-quantize-{os.getpid()}") as c:
             memory = c.memory()
-        free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
-        return free - _host_bytes(model, moment, config, ranks, 1)
+            free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
+            return free - _host_bytes(c, model, moment, config, ranks, 1)
 
     weights = config["param_offload"]
     if not (weights is False or (isinstance(weights, str) and weights == "auto")):
@@ -412,14 +401,16 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names, initial=initial)
-    frozen_streamed = sum(p.numel() * p.element_size() for p in
-                          (paging.paged_params() if paging else ()) if not p.requires_grad)
+    # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory).
+    frozen_streamed = [max(p.numel() * p.element_size(), 1) for p in
+                       (paging.paged_params() if paging else ()) if not p.requires_grad]
     chose_bf16 = ""  # why moment_dtype="auto" chose bf16 moments, if it did
 
     if config["check_memory"]:
         # Admission before anything is allocated: the whole job's host memory is planned with
         # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
-        planned = _host_bytes(model, moment, config, world, topology.machines) + frozen_streamed
+        planned = _host_bytes(client, model, moment, config, world, topology.machines,
+                              frozen_streamed)
         fp32_bytes = planned
         try:
             try:
@@ -429,8 +420,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                     raise
                 # moment_dtype="auto": bf16 moments (stochastically rounded) when fp32 ones do
                 # not fit; the master weights stay fp32.
-                smaller = _host_bytes(model, "bfloat16", config, world,
-                                      topology.machines) + frozen_streamed
+                smaller = _host_bytes(client, model, "bfloat16", config, world,
+                                      topology.machines, frozen_streamed)
                 planned, moment = smaller, "bfloat16"  # what the refusal below would be about
                 client.plan_host_memory(smaller, wait_s=float(config["memory_wait_s"]))
                 chose_bf16 = (f"with fp32 moments this run needs {fp32_bytes / 2**30:.2f} "

@@ -65,13 +65,19 @@ def test_wrap_is_refused_up_front_when_the_machine_cannot_hold_the_job(start_dae
     trainstream.unwrap(model)
 
 
-def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch):
+def _plans(start_daemon, model, config: str = "") -> tuple[int, int]:
+    """The model's job's host memory with fp32 and with bf16 moments, as a daemon counts it."""
     from trainstream.wrap import _host_bytes
 
+    options = {"gradient_dtype": None, "accumulation_steps": 1}
+    with trainstream.connect(start_daemon(config=config).socket, job_id="sizing") as c:
+        return (_host_bytes(c, model, "float32", options, 1, 1),
+                _host_bytes(c, model, "bfloat16", options, 1, 1))
+
+
+def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch):
     model = TinyGPT(dim=512, heads=8, layers=4)
-    config = {"gradient_dtype": None, "accumulation_steps": 1}
-    fp32 = _host_bytes(model, "float32", config, 1, 1)
-    bf16 = _host_bytes(model, "bfloat16", config, 1, 1)
+    fp32, bf16 = _plans(start_daemon, model)
     assert bf16 < fp32
     d = start_daemon(f"--memory_budget={(fp32 + bf16) // 2 // MiB}M")
     monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
@@ -95,12 +101,8 @@ def test_state_asked_for_in_vram_under_moments_made_bf16_says_why_they_are(start
                                                                            monkeypatch):
     # Blocks staged through the GPU need fp32 moments; when moment_dtype="auto" fell back to
     # bf16 ones because the daemon refused fp32, the refusal says so, with the daemon's numbers.
-    from trainstream.wrap import _host_bytes
-
     model = TinyGPT(dim=512, heads=8, layers=4)
-    config = {"gradient_dtype": None, "accumulation_steps": 1}
-    fp32 = _host_bytes(model, "float32", config, 1, 1)
-    bf16 = _host_bytes(model, "bfloat16", config, 1, 1)
+    fp32, bf16 = _plans(start_daemon, model)
     d = start_daemon(f"--memory_budget={(fp32 + bf16) // 2 // MiB}M")
     monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
     with pytest.raises(ValueError) as refused:
@@ -114,3 +116,26 @@ def test_state_asked_for_in_vram_under_moments_made_bf16_says_why_they_are(start
     model, opt = trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4).cuda(), device="cuda")
     assert model._trainstream_session.optimizer._moment_dtype == torch.bfloat16
     trainstream.unwrap(model)
+
+
+def test_the_plan_is_what_the_job_then_holds_under_the_daemons_own_rounding(start_daemon,
+                                                                           monkeypatch):
+    # wrap() plans its job's host memory with numbers the daemon computes with the code that
+    # allocates (EstimateHostMemory), never with a copy of its rounding in Python: whatever the
+    # segment sizes, the plan is exactly what the optimizer's buffers then take, and a change
+    # of the daemon's rounding changes the plan.
+    planned = {}
+    for segments in ("",  # the defaults: 64 MiB shared segments, 2 MiB granularity
+                     'shared_segment_size: "8M"\nsegment_granularity: "4M"\n',
+                     'shared_segment_size: "128M"\nsegment_granularity: "128M"\n'):
+        d = start_daemon(config=segments)
+        monkeypatch.setenv("TRAINSTREAM_SOCKET", d.socket)
+        # A 4.6 MB embedding: shared under 64 MiB segments, one of its own under 8 MiB ones.
+        model, opt = trainstream.wrap(TinyGPT(vocab=12000, dim=96, heads=4, layers=3),
+                                      device="cpu", job_id="exact")
+        with trainstream.connect(d.socket, job_id="observer") as c:
+            plan, = [p for p in c.memory()["plans"] if p["job_id"] == "exact"]
+        trainstream.unwrap(model)
+        assert int(plan["planned_bytes"]) == int(plan["used_bytes"]), segments
+        planned[segments] = int(plan["planned_bytes"])
+    assert len(set(planned.values())) == 3, planned

@@ -27,6 +27,7 @@ def test_malformed_requests(stub, pb, session_id):
     A = pb.AllocateBufferRequest
     E = pb.ReportEventRequest
     P = pb.PlanHostMemoryRequest
+    H = pb.EstimateHostMemoryRequest
     cases = [
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="", bytes=8)), I, "name is empty"),
         (lambda: stub.AllocateBuffer(A(session_id=session_id, name="a b", bytes=8)), I, "letters"),
@@ -64,6 +65,19 @@ def test_malformed_requests(stub, pb, session_id):
         (lambda: stub.PlanHostMemory(P(session_id=session_id, bytes=1, wait_ms=4_000_000)), I,
          "longer than an hour"),
         (lambda: stub.PlanHostMemory(P(session_id=session_id, bytes=2**40)), R, "plans 1024.00 GiB"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, other_buffers=[0])), I,
+         "other_buffers[0] is 0 bytes"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, other_buffers=[2**50])), I,
+         "16 TiB"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, ranks=70000)), I, "ranks 70000"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, params=[
+            pb.ParameterSpec(name="w", numel=0)])), I, "'w' has 0 elements"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, spec=pb.OptimizerSpec(
+            max_grad_norm=-1.0))), I, "max_grad_norm"),
+        (lambda: stub.EstimateHostMemory(H(session_id=session_id, ranks=65536, params=[
+            pb.ParameterSpec(name=f"p{i}", numel=1, param_dtype=1, grad_dtype=1)
+            for i in range(1100)])), I, "more buffers than a job may plan"),
+        (lambda: stub.EstimateHostMemory(H(session_id="s-0000000000000000")), N, "no session"),
     ]
     for call, code, *words in cases:
         expect(call, code, *words)

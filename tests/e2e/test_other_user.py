@@ -48,6 +48,8 @@ ATTACK = textwrap.dedent("""
     out["heartbeat"] = code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id=victim)))
     out["report"] = code(lambda: stub.ReportEvent(pb.ReportEventRequest(session_id=victim, kind="forged")))
     out["plan"] = code(lambda: stub.PlanHostMemory(pb.PlanHostMemoryRequest(session_id=victim, bytes=1)))
+    out["estimate"] = code(lambda: stub.EstimateHostMemory(
+        pb.EstimateHostMemoryRequest(session_id=victim, other_buffers=[8])))
     out["plan_rows"] = [p.job_id for p in stub.GetMemory(pb.GetMemoryRequest()).plans]
     out["sessions"] = [s.session_id for s in stub.ListSessions(pb.ListSessionsRequest()).sessions]
     out["memory_uids"] = [r.key for r in stub.GetMemory(pb.GetMemoryRequest()).by_uid]
@@ -118,7 +120,7 @@ def test_another_uid_can_neither_see_nor_touch(start_daemon, proto_modules, othe
             user=other_user, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
-        for op in ("lookup", "alloc", "close", "heartbeat", "report", "plan"):
+        for op in ("lookup", "alloc", "close", "heartbeat", "report", "plan", "estimate"):
             assert out[op].startswith("PERMISSION_DENIED"), (op, out[op])
         assert out["sessions"] == []
         assert out["memory_uids"] == []

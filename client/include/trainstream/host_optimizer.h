@@ -60,6 +60,16 @@ struct ParameterInfo {
   uint32_t group = 0;
 };
 
+// What a job's host memory would be in the daemon, counted by the code that will allocate it.
+struct HostMemoryEstimate {
+  uint64_t bytes = 0;            // the segments the daemon would reserve for all the buffers
+  uint64_t optimizer_bytes = 0;  // of which for the optimizer's own
+  uint64_t buffer_bytes = 0;     // the buffers' sizes, summed
+  uint64_t buffers = 0;
+  uint64_t segment_bytes = 0;        // the daemon's shared-segment size
+  uint64_t segment_granularity = 0;  // a large buffer's segment is rounded up to this
+};
+
 // One parameter's buffers, mapped into this process. `param` is null for float32 parameters,
 // whose updated value is the master itself.
 struct ParameterBuffers {
@@ -84,6 +94,12 @@ class HostOptimizer {
   static absl::StatusOr<std::unique_ptr<HostOptimizer>> Create(Session& session,
                                                                const OptimizerOptions& options,
                                                                const std::vector<ParameterInfo>& params);
+  // The host memory a job would hold with an optimizer created with `options` over `params`,
+  // joined by `ranks` ranks on this machine, plus `other_buffers` of its own (AllocateBuffer's
+  // default alignment): what to hand Session::PlanHostMemory. Allocates nothing.
+  static absl::StatusOr<HostMemoryEstimate> EstimateHostMemory(
+      Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params,
+      uint32_t ranks, const std::vector<uint64_t>& other_buffers);
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
   HostOptimizer& operator=(const HostOptimizer&) = delete;
