@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The causal-LM loss wrap() puts on Hugging Face models (shim_python/trainstream/chunked_loss.py)
+"""The causal-LM loss wrap() puts on Hugging Face models (shim_python/trainstream/integrations/chunked_loss.py)
 against transformers' ForCausalLMLoss, on bf16 logits as a model under autocast or in bf16
 makes them: the VRAM each needs beyond the logits (forward and backward), its time, and the
 differences in loss and gradient. Two of ours: the CUDA kernels (kernels/cuda/cross_entropy.cu,

@@ -7,19 +7,21 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 
 # torch before the native module: with the native module's libraries (gRPC, Abseil, protobuf)
 # loaded first, importing torch 2.11 aborts in free() on Ubuntu 24.04; torch first works.
+import sys
+
 import torch  # noqa: F401  (import order only)
 
 from . import _trainstream
-from .client import Buffer, Client, Notice, connect
-from .host_optimizer import HostOptimizer, ParameterSpec
-from .bases import SharedBase, bases, load_base
-from .gpu_pools import GpuBase, gpu_pools
-from .base_linear import BaseLinear, attach_base, quantize_model
-from .huggingface import load_model
-from .blocks import find_blocks
-from .hardware import profile_hardware
-from .offload_adamw import OffloadAdamW
-from .planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
+from .transport.client import Buffer, Client, Notice, connect
+from .transport.host_optimizer import HostOptimizer, ParameterSpec
+from .frozen.store import SharedBase, bases, load_base
+from .frozen.gpu_pool import GpuBase, gpu_pools
+from .frozen.linear import BaseLinear, attach_base, quantize_model
+from .integrations.huggingface import load_model
+from .memory.blocks import find_blocks
+from .memory.hardware import profile_hardware
+from .optim.offload_adamw import OffloadAdamW
+from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .wrap import TrainStreamSession, memory_report, unwrap, wrap
 from .errors import (
     AlreadyExistsError,
@@ -35,6 +37,10 @@ from .errors import (
 )
 
 __version__ = _trainstream.__version__
+
+from . import _moved  # noqa: E402  (last: every module it aliases is importable by now)
+
+_moved.install(sys.modules[__name__])
 
 
 def cuda_available() -> tuple[bool, str]:

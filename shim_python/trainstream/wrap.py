@@ -13,17 +13,17 @@ from typing import Any, Sequence
 
 import torch
 
-from . import client as _client
-from .block_memory import (FrozenWeights, adaptive_plan, gpu_state,
+from .transport import client as _client
+from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from .base_linear import BaseLinear, quantize_model
-from .blocks import find_blocks
-from .gpu_pools import gpu_pools
-from .chunked_loss import LossSwitch
-from .kv_cache import CacheSwitch
-from .offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
-from .planner import staged_block_indices
+from .frozen.linear import BaseLinear, quantize_model
+from .memory.blocks import find_blocks
+from .frozen.gpu_pool import gpu_pools
+from .integrations.chunked_loss import LossSwitch
+from .memory.kv_cache import CacheSwitch
+from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
+from .memory.planner import staged_block_indices
 
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
 # silently ignored.
@@ -180,8 +180,8 @@ def _host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dict, 
     that allocates it: the optimizer's state for each trainable tensor (master, moments, a
     model-dtype copy, a gradient slot per rank, a summing buffer), plus ``other_buffers`` (the
     frozen weights streamed from host memory), each placed into segments as the arena will."""
-    from .host_optimizer import ParameterSpec, estimate_host_memory
-    from .offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
+    from .transport.host_optimizer import ParameterSpec, estimate_host_memory
+    from .optim.offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
 
     grad_dtype = GRADIENT_DTYPES.get(config["gradient_dtype"]) if config["gradient_dtype"] else None
     cuda = next(model.parameters()).is_cuda
@@ -339,10 +339,10 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
                        events: list) -> str | None:
     """quantize="auto": the format the frozen linear weights are stored in (None: as they are),
     chosen as quantize_choice describes, and an event saying why."""
-    from . import quantize_choice
-    from .block_memory import vram_budget
+    from .memory import quantization
+    from .memory.block_memory import vram_budget
 
-    if quantize_choice.frozen_linear_count(model) == 0:
+    if quantization.frozen_linear_count(model) == 0:
         events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize"))
         return None
     on_device = sum(t.numel() * t.element_size() for t in
@@ -371,19 +371,19 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
         events.append(("wrap.quantize", "quantize='auto': weights kept as they are "
                                         f"(param_offload={weights!r} streams blocks as asked)"))
         return None
-    options = quantize_choice.candidates(model, blocks, budget, config["prefetch_depth"],
+    options = quantization.candidates(model, blocks, budget, config["prefetch_depth"],
                                          all(auto) and len(blocks) >= 2, host_room,
                                          config["quant_block_size"],
                                          may_stream=weights is not False)
-    chosen = quantize_choice.choose(options, config["prefer"])
+    chosen = quantization.choose(options, config["prefer"])
     fmt = chosen.fmt
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Every rank must hold the same weights: the most compact any rank needed.
         picked = [None] * dist.get_world_size()
-        dist.all_gather_object(picked, quantize_choice.CANDIDATES.index(fmt))
-        fmt = quantize_choice.CANDIDATES[max(picked)]
-    message = quantize_choice.explain(options, chosen, budget, len(blocks), config["prefer"])
+        dist.all_gather_object(picked, quantization.CANDIDATES.index(fmt))
+        fmt = quantization.CANDIDATES[max(picked)]
+    message = quantization.explain(options, chosen, budget, len(blocks), config["prefer"])
     if fmt != chosen.fmt:
         message += f"; stored as {fmt}, as another rank needed"
     events.append(("wrap.quantize", message))
@@ -705,7 +705,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
             (len(p.get("importers", [])) for p in gpu_pools(gpu_base._base._client)["pools"]
              if int(p["pool_id"]) == gpu_base.pool_id), 0)
     if os.path.exists("/proc/self/smaps"):
-        from .bases import mapped_segments
+        from .frozen.store import mapped_segments
         report["mapped_segments"] = mapped_segments()
     # The daemon's log holds this session's events, wrap()'s own decisions among them (as
     # "client.<kind>"), and the machine-wide ones.

@@ -1,14 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CPU time trainstream's own hooks take inside a step, by hook: what the client adds to
-the thread that issues the GPU's work. A paged step whose GPU and link wait on the CPU is as
-slow as this and the model's own Python together, so ``memory_report()["hooks"]`` shows it."""
+"""Hooks of trainstream's own: ones that reach their owner through a weak reference, and
+the clock of the CPU time they take.
+
+A hook stored on a tensor must not hold the object that registered it. Python's collector does
+not look inside a tensor's hooks while C++ also holds the tensor (autograd does, for every
+parameter), so an optimizer -> parameter -> hook -> optimizer cycle is never freed: a dropped
+wrap() would keep its VRAM, its pinned buffers and its daemon session until the process ends."""
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 
+def weak_hook(owner: Any, attribute: str, *leading: Any) -> Callable:
+    """Calls ``owner.<attribute>(*leading, *args)`` while ``owner`` lives; nothing after."""
+    ref = weakref.ref(owner)
+
+    def hook(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            return None
+        return getattr(target, attribute)(*leading, *args)
+    return hook
+
+
+# The CPU time trainstream's own hooks take inside a step, by hook: what the client adds to the
+# thread that issues the GPU's work. A paged step whose GPU and link wait on the CPU is as slow as
+# this and the model's own Python together, so ``memory_report()["hooks"]`` shows it.
 class HookClock:
     """Seconds and calls per hook name, since it was made (every thread together)."""
 

@@ -9,9 +9,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from . import _trainstream
-from ._embedded import EmbeddedDaemon
-from .errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
+from .. import _trainstream
+from .embedded import EmbeddedDaemon
+from ..errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
 # Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
 _INT64_FIELDS = frozenset({

@@ -36,11 +36,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _trainstream, cuda_streams
-from .errors import InvalidArgumentError
-from .hook_clock import HookClock
+from .. import _trainstream
+
+from ..transport import device as cuda_device
+from ..errors import InvalidArgumentError
+from ..hooks import HookClock, weak_hook
 from .kv_cache import CACHE_ARGUMENTS
-from .weak_hooks import weak_hook
 
 # Forwards timed when a measured block is replayed (after one warm-up).
 _REPLAYS = 2
@@ -143,7 +144,7 @@ class BlockPager:
         self.device = torch.device(device) if device is not None else next(
             self.blocks[0].parameters()).device
         self.cuda = self.device.type == "cuda"
-        self._device_index = cuda_streams.device_index(self.device) if self.cuda else -1
+        self._device_index = cuda_device.device_index(self.device) if self.cuda else -1
         self.saved: dict[int, list[_Offloaded]] = {}
         self.bytes_offloaded = 0
         # Activations still crossing to host memory keep their device memory until the copy
@@ -351,7 +352,7 @@ class BlockPager:
         slot.block, slot.generation = b, self.generation
         if self.cuda:
             if slot.released is None:
-                self.stream.wait_stream(cuda_streams.current(self._device_index))
+                self.stream.wait_stream(cuda_device.current(self._device_index))
             else:
                 self.stream.wait_event(slot.released)
             self._copy_in(b, slot)
@@ -398,7 +399,7 @@ class BlockPager:
         """Points block ``b``'s parameters at its slot, once the fetch has landed."""
         slot = self._fetch(b)
         if self.cuda and slot.ready is not None:
-            cuda_streams.current(self._device_index).wait_event(slot.ready)
+            cuda_device.current(self._device_index).wait_event(slot.ready)
         for (p, _, _), view in zip(self.layout[b], self._views(b, slot)):
             p.data = view
         self.bound.add(b)
@@ -417,7 +418,7 @@ class BlockPager:
             return
         if self.cuda:
             slot.released = torch.cuda.Event()
-            slot.released.record(cuda_streams.current(self._device_index))
+            slot.released.record(cuda_device.current(self._device_index))
 
     def _prefetch_after(self, b: int, step: int) -> None:
         k = self.position[b]
@@ -629,7 +630,7 @@ class BlockPager:
         stream, after the work that made them, behind one event: what bringing them back waits
         for, and what bounds the bytes in flight."""
         stream = self.activation_stream
-        stream.wait_stream(cuda_streams.current(self._device_index))
+        stream.wait_stream(cuda_device.current(self._device_index))
         self._copy_activations(stream, [(item.host, t) for item, t in self._unissued])
         for _, t in self._unissued:
             t.record_stream(stream)  # not reused before its copy is done
@@ -664,7 +665,7 @@ class BlockPager:
             self.inflight_waits += 1
 
     def _wait_for_copies(self) -> None:
-        compute = cuda_streams.current(self._device_index)
+        compute = cuda_device.current(self._device_index)
         compute.wait_stream(self.stream)
         compute.wait_stream(self.activation_stream)
 
@@ -683,7 +684,7 @@ class BlockPager:
         # Allocated from the compute stream's pool (where they are used and freed); the copies
         # wait for the compute stream's earlier work, and the allocator waits for the copies
         # before it reuses the memory.
-        compute = cuda_streams.current(self._device_index)
+        compute = cuda_device.current(self._device_index)
         for item in todo:
             item.device = torch.empty_like(item.host, device=self.device)
         self.activation_stream.wait_stream(compute)
@@ -712,7 +713,7 @@ class BlockPager:
                 self._bring_back([other for other in self.saved[self.offloading[k - 1]]
                                   if not other.used])
         if self.cuda:
-            compute = cuda_streams.current(self._device_index)
+            compute = cuda_device.current(self._device_index)
             # A batch's event once per stream: later waits on it would add nothing.
             if self._compute_waited != (compute, item.returned):
                 compute.wait_event(item.returned)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .client import Client, _loads
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 _NONFINITE = {"error": 1, "skip": 2, "ignore": 3, "guard": 4}
 _KINDS = ("adamw", "adam")
@@ -82,7 +82,7 @@ def estimate_host_memory(client: Client, params: Sequence[ParameterSpec],
     ``.segment_granularity``."""
     import torch
 
-    from . import _trainstream
+    from .. import _trainstream
 
     spec = _spec("adamw", moment_dtype or torch.float32, 0.0, False, "ignore",
                  accumulation_steps, machines, [_group({})])
@@ -117,7 +117,7 @@ class HostOptimizer:
         self._max_grad_norm = float(max_grad_norm or 0.0)
         spec = _spec(kind, moment_dtype, self._max_grad_norm, report_grad_norm, nonfinite,
                      accumulation_steps, machines, self._groups)
-        from . import _trainstream
+        from .. import _trainstream
 
         self._native = _trainstream.HostOptimizer(client._native, spec, _natives(self.params))
         self.client = client

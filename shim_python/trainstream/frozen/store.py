@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .client import Client, _loads, connect
-from .errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..transport.client import Client, _loads, connect
+from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4")
 
@@ -140,7 +140,7 @@ class SharedBase:
     def on_gpu(self, device: Any = None) -> Any:
         """This base in the daemon's VRAM pool on CUDA ``device``: one copy per GPU, shared by
         every process of the user there (see :mod:`trainstream.gpu_pools`)."""
-        from .gpu_pools import place_on_gpu
+        from .gpu_pool import place_on_gpu
 
         if not self._buffers:
             raise FailedPreconditionError(f"base '{self.name}' is closed in this process")
@@ -208,7 +208,7 @@ def dequantize_cuda(t: BaseTensor, data: Any, scales: Any, dtype: Any = None) ->
     current stream."""
     import torch
 
-    from . import _trainstream
+    from .. import _trainstream
 
     dtype = dtype or torch.bfloat16
     if dtype not in (torch.bfloat16, torch.float32):

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from . import fp8_matmul
-from .bases import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
-from .errors import InvalidArgumentError
+from .store import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
+from ..errors import InvalidArgumentError
 
 
 def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
@@ -306,7 +306,7 @@ def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int)
     """``w`` quantized by the daemon's quantizer (the same bytes as quantize_reference), its
     chunks on ``pool``'s threads, in place in torch buffers: (data, scales, tensor scale,
     block)."""
-    from . import _trainstream
+    from .. import _trainstream
 
     values = w.float().cpu().contiguous().view(-1)  # a copy only where w is not fp32 on the CPU
     numel = values.numel()

@@ -12,8 +12,8 @@ import sys
 import tempfile
 import time
 
-from . import _trainstream
-from .errors import DaemonUnavailableError
+from .. import _trainstream
+from ..errors import DaemonUnavailableError
 
 
 def find_daemon_binary() -> str:

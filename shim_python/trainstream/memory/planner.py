@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import InvalidArgumentError, ResourceExhaustedError
+from ..errors import InvalidArgumentError, ResourceExhaustedError
 
 GiB = float(1 << 30)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .client import Client, _loads, connect
-from .errors import FailedPreconditionError, InvalidArgumentError
+from ..transport.client import Client, _loads, connect
+from ..errors import FailedPreconditionError, InvalidArgumentError
 
 
 def _release(native: Any, pool_id: int) -> None:
@@ -35,7 +35,7 @@ class GpuBase:
 
         self._base = base
         self.device = device
-        from . import _trainstream
+        from .. import _trainstream
 
         uuid = _trainstream.cuda_device_uuid(device.index)
         self.info = _loads(base._client._native.place_base_on_gpu(base.id, uuid))
@@ -76,7 +76,7 @@ class GpuBase:
         shape."""
         import torch
 
-        from .bases import source_dtype
+        from .store import source_dtype
 
         t = self._base._tensor(name)
         if t.stored not in ("bf16", "as_is"):

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .base_linear import attach_base
-from .bases import load_base
-from .errors import FailedPreconditionError, InvalidArgumentError
+from ..frozen.linear import attach_base
+from ..frozen.store import load_base
+from ..errors import FailedPreconditionError, InvalidArgumentError
 
 
 def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidArgumentError
-from .offload_adamw import OffloadAdamW
+from ..errors import InvalidArgumentError
+from ..optim.offload_adamw import OffloadAdamW
 from .planner import staged_block_indices
-from .staged_adamw import slots_bytes
+from ..optim.staged_adamw import slots_bytes
 
 
 @dataclass
@@ -273,7 +273,7 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
                  config: dict, events: list, initial: dict, frozen: FrozenWeights) -> Any:
     """Starts weight and activation paging and recompute for the chosen blocks; returns the
     pager (or None)."""
-    from .paging import BlockPager
+    from .pager import BlockPager
     from .recompute import Recompute
 
     if choice is None:
@@ -405,7 +405,7 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
 def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                   offload: OffloadAdamW, client: Any, session: Any, planned: int | None) -> Any:
     """The run-time plan: probe step, then the planner's choices, then the watchdog."""
-    from .adaptive_plan import AdaptivePlan
+    from .adaptive import AdaptivePlan
 
     inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
     other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
@@ -486,7 +486,7 @@ def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) 
     """The loss's working memory for the logits this forward makes (autocast's dtype when it is
     on): computed in chunks when wrap() put its loss on the model (chunked_loss), else
     transformers' own."""
-    from .chunked_loss import causal_lm_loss, working_bytes
+    from ..integrations.chunked_loss import causal_lm_loss, working_bytes
 
     chunked = any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules())
     kind = head_weight.device.type

@@ -20,15 +20,14 @@ from typing import Any, Iterable
 
 import torch
 
-from . import client as _client
-from . import cuda_streams
-from .blocks import has_forward
-from .errors import FailedPreconditionError, InvalidArgumentError
-from .hook_clock import HookClock
-from .host_optimizer import HostOptimizer, ParameterSpec
+from ..transport import client as _client
+from ..transport import device as cuda_device
+from ..memory.blocks import has_forward
+from ..errors import FailedPreconditionError, InvalidArgumentError
+from ..hooks import HookClock, weak_hook
+from ..transport.host_optimizer import HostOptimizer, ParameterSpec
 from .nonfinite_guard import DeviceGuard
 from .staged_adamw import StagedAdamW
-from .weak_hooks import weak_hook
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, torch.float32: torch.float32,
@@ -159,7 +158,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._forward_wait_timed = self.clock.timed("optimizer.forward_wait",
                                                     self._wait_for_own_parameters)
         self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
-        self._device_index = cuda_streams.device_index(first.device) if self._cuda else -1
+        self._device_index = cuda_device.device_index(first.device) if self._cuda else -1
         # Small gradients waiting to leave together: (index, micro-step, gradient), all made on
         # the stream _batch_stream; their memory is held until their copies are enqueued.
         self._batch: list[tuple[int, int, torch.Tensor]] = []
@@ -173,7 +172,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
         self.bytes_to_host = 0              # gradients copied off the GPU, since construction
         self.bytes_to_device = 0            # updated weights copied back to it
-        self._adaptive: Any = None          # the run-time memory plan (adaptive_plan.py)
+        self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
         self._paged_indices: set[int] = set()
         # offload="auto": after _AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
@@ -271,7 +270,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     # Final: its update starts now, beside the rest of backward.
                     self._staged.add(i, p, p.grad, self._host.exp_avg(i),
                                      self._host.exp_avg_sq(i), self._hyper(i),
-                                     cuda_streams.current(self._device_index))
+                                     cuda_device.current(self._device_index))
                     self.bytes_to_host += 8 * p.numel()
                     self.bytes_to_device += 8 * p.numel()
                     p.grad = None  # its chunk holds it until the update has read it
@@ -301,7 +300,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             # The side stream, after the work that made the gradient; the allocator keeps its
             # memory until that stream is done with it.
             stream = self._copy_stream
-            stream.wait_stream(cuda_streams.current(self._device_index))
+            stream.wait_stream(cuda_device.current(self._device_index))
             grad.record_stream(stream)
             if convert:
                 with torch.cuda.stream(stream):
@@ -316,7 +315,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         p.grad = None  # no gradient stays in VRAM
 
     def _add_to_batch(self, i: int, micro: int, grad: torch.Tensor, nbytes: int) -> None:
-        pointer = cuda_streams.current_pointer(self._device_index)
+        pointer = cuda_device.current_pointer(self._device_index)
         if self._batch and pointer != self._batch_stream:
             self._send_batch()
         if _graph_task() == -1:  # not inside a backward (no end to wait for): sent now
@@ -547,7 +546,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if guard is not None and guard.last_step_found():
             self._say_guarded("among the parameters updated on the GPU,")
         if self._staged is not None:
-            current = cuda_streams.current(self._device_index)
+            current = cuda_device.current(self._device_index)
             self._staged.flush(current)
             self._staged.join(current)  # the next forward reads their new weights
         optimizer = self._device_optimizer
@@ -669,7 +668,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _backward_ended(self) -> None:
         self._send_batch()
         if self._staged is not None:
-            self._staged.flush(cuda_streams.current(self._device_index))
+            self._staged.flush(cuda_device.current(self._device_index))
         if self._finish_pending:
             self._finish_pending = False
             self._finishable = True
@@ -705,7 +704,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._module_indices[key] = indices
         if not indices:
             return
-        stream = cuda_streams.current(self._device_index)
+        stream = cuda_device.current(self._device_index)
         if self._ready:
             for i in indices:
                 event = self._ready.pop(id(self._params[i]), None)
