@@ -18,9 +18,9 @@ from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from .frozen.linear import BaseLinear, quantize_model
-from .memory.blocks import find_blocks
+from .memory.blocks import find_blocks, has_forward
 from .frozen.gpu_pool import gpu_pools
-from .integrations.chunked_loss import LossSwitch
+from .integrations.chunked_loss import LossSwitch, loss_working_bytes
 from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
 from .memory.planner import staged_block_indices
@@ -493,7 +493,10 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                                            f"{dist.get_rank() // world} of {topology.machines} "
                                            f"joined job {job_id}: one optimizer state per "
                                            "machine, gradients averaged over every rank"))
-    offload.attach_forward_waits(model, _block_stack(model, config, paging))
+    # Only a block the model calls has a forward to hook (a ModuleList of a layer's parts is
+    # iterated, not called: its parts keep hooks of their own).
+    offload.attach_forward_waits(model, [b for b in _block_stack(model, config, paging)
+                                         if has_forward(b)])
     frozen = FrozenWeights(client)
     pager = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
@@ -510,8 +513,10 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         if refusal is not None:
             session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
     if paging is not None and paging.adaptive and pager is not None:
-        session.plan = adaptive_plan(model, paging, pager, offload, client, session,
-                                      planned if config["check_memory"] else None)
+        session.plan = adaptive_plan(
+            model, paging, pager, offload, client, session,
+            planned if config["check_memory"] else None,
+            lambda head_weight, tokens: loss_working_bytes(model, head_weight, tokens))
         offload._adaptive = session.plan
     else:
         # No run-time plan to decide them: the blocks asked for move now.

@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 from ..transport.client import Client, _loads, connect
+from .formats import source_dtype
 from ..errors import FailedPreconditionError, InvalidArgumentError
 
 
@@ -75,8 +76,6 @@ class GpuBase:
         """A tensor the base keeps unquantized, as a view of the pool with its dtype and
         shape."""
         import torch
-
-        from .store import source_dtype
 
         t = self._base._tensor(name)
         if t.stored not in ("bf16", "as_is"):

@@ -214,3 +214,14 @@ class LossSwitch:
             else:
                 m.loss_function = own
         self.switched = []
+
+
+def loss_working_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) -> int:
+    """The loss's working memory for the logits a forward of ``tokens`` makes (autocast's dtype
+    when it is on): computed in chunks when wrap() put this module's loss on the model, else
+    transformers' own."""
+    chunked = any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules())
+    kind = head_weight.device.type
+    dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+             else head_weight.dtype)
+    return working_bytes(tokens, head_weight.shape[0], dtype, chunked, head_weight.device)

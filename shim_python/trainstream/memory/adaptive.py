@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from .allocator_split import LargeBlocksWhole
+from .weight_plan import weight_plan_for_sizes
 from .planner import (BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory,
                       size)
 
@@ -222,7 +223,7 @@ class AdaptivePlan:
         in_flight = self.pager.max_inflight_bytes if self.cuda else 0
         # Backward holds a block's gradients while the one before it computes its own (the
         # first are still crossing to the optimizer): beside the loss and the activations, as
-        # in wrap()'s plan for the probe (block_memory.weight_plan).
+        # in wrap()'s plan for the probe (weight_plan.weight_plan).
         grads = 2 * max(int(self._trained_share(b) * w) for b, w in enumerate(sizes))
         working = loss + activations + grads
         streamed = set(self.pager.paged)
@@ -230,7 +231,6 @@ class AdaptivePlan:
         paging = (self._depth + 1) * max(sizes) + in_flight if streamed else 0
         if resident + paging + working <= self.budget:
             return
-        from .block_memory import weight_plan_for_sizes
 
         working += in_flight
         need = self._other_weights + (self._depth + 1) * max(sizes) + working

@@ -8,13 +8,14 @@ run-time plan (``adaptive_plan.AdaptivePlan``) wired to the optimizer and the da
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..optim.offload_adamw import OffloadAdamW
 from .planner import staged_block_indices
+from .weight_plan import weight_plan
 from ..optim.staged_adamw import slots_bytes
 
 
@@ -75,57 +76,6 @@ def _make_matmul_workspaces(device: torch.device) -> None:
     # Forward on this thread's cuBLAS handle, backward on autograd's device thread's: a
     # workspace each.
     torch.nn.functional.linear(x, x, x[0]).float().sum().backward()
-
-
-def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
-                 probe: bool) -> list:
-    """param_offload="auto" at wrap(): the fewest blocks (spread over the stack, see
-    planner.spread_order) whose weights must stream for the weights to fit, with room for one
-    block's gradients in flight, and, when a probe step follows, a quarter of the budget for
-    that step's activations and working memory (unknown until it runs: the logits of a large
-    vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
-    more blocks, or fewer."""
-    sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
-    trained = [sum(p.numel() * p.element_size() for p in blk.parameters() if p.requires_grad)
-               for blk in blocks]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weight_plan_for_sizes(sizes, total - sum(sizes), budget, depth, probe,
-                                 probe_grad_bytes=2 * max(trained, default=0))
-
-
-def weight_plan_for_sizes(sizes: list, other: int, budget: int, depth: int,
-                          probe: bool, working: int = 0, probe_grad_bytes: int = 0) -> list:
-    """weight_plan() from the blocks' weight bytes (``sizes``) and those outside them
-    (``other``): the blocks that stream, with ``working`` bytes of working memory at least
-    (two blocks' weights at least: gradients in flight, or as much of other working memory).
-    With a probe step to come, its quarter of the budget, and ``probe_grad_bytes`` beside it.
-    MemoryPlanError when the weights do not fit even with every block streaming."""
-    from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
-
-    working = max(working, 2 * max(sizes))
-    if probe:
-        # The quarter of the budget is the probe's guess at activations and working memory;
-        # the gradients backward holds come on top of it (a 16-block TinyGPT full fine-tune
-        # under a 231 MiB cap ran out of memory in the probe's backward while they were
-        # counted inside it, H200, 2026-12-03).
-        working = max(working, int(probe_grad_bytes) + budget // 4)
-    inputs = PlanInputs(blocks=tuple(BlockFacts(weight_bytes=w, activation_bytes=0) for w in sizes),
-                        other_weight_bytes=other, other_trainable=0, working_bytes=working,
-                        vram_budget=budget, host_budget=1 << 62, grad_bytes=0,
-                        activation_offload=False, prefetch_depth=depth)
-    try:
-        return plan_memory(inputs).paged_blocks
-    except MemoryPlanError:
-        need = other + (depth + 1) * max(sizes) + working
-        room = ("room for the probe step and a block's gradients in flight" if probe else
-                "a block's gradients in flight")
-        raise MemoryPlanError(
-            f"trainstream.wrap: the weights do not fit in the {size(budget)} VRAM budget even "
-            f"with every block streaming: the weights outside the {len(sizes)} blocks "
-            f"({size(other)}), {depth + 1} device slots of {size(max(sizes))} and {room} "
-            f"({size(working)}) need {size(need)}. Use a GPU with more free memory or a larger "
-            "vram_budget, lower vram_headroom" + (", or prefetch_depth=1" if depth > 1 else "")
-        ) from None
 
 
 def paging_choice(model: torch.nn.Module, config: dict,
@@ -403,8 +353,11 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
 
 
 def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
-                  offload: OffloadAdamW, client: Any, session: Any, planned: int | None) -> Any:
-    """The run-time plan: probe step, then the planner's choices, then the watchdog."""
+                  offload: OffloadAdamW, client: Any, session: Any, planned: int | None,
+                  loss_bytes: Callable[[torch.Tensor, int], int]) -> Any:
+    """The run-time plan: probe step, then the planner's choices, then the watchdog.
+    ``loss_bytes(head_weight, tokens)``: the loss's working memory for a step of ``tokens``
+    (the loss is the integration's: chunked or the model's own)."""
     from .adaptive import AdaptivePlan
 
     inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
@@ -476,26 +429,14 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         staged_vram=slots_bytes(),
                         # Micro-steps add up in a staged parameter's own gradient.
                         staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0)
-    handle = _room_for_probe(model, plan)
+    handle = _room_for_probe(model, plan, loss_bytes)
     if handle is not None:
         offload._hooks.append(handle)  # unwrap() before any step removes it
     return plan
 
 
-def _loss_bytes(model: torch.nn.Module, head_weight: torch.Tensor, tokens: int) -> int:
-    """The loss's working memory for the logits this forward makes (autocast's dtype when it is
-    on): computed in chunks when wrap() put its loss on the model (chunked_loss), else
-    transformers' own."""
-    from ..integrations.chunked_loss import causal_lm_loss, working_bytes
-
-    chunked = any(m.__dict__.get("_loss_function") is causal_lm_loss for m in model.modules())
-    kind = head_weight.device.type
-    dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
-             else head_weight.dtype)
-    return working_bytes(tokens, head_weight.shape[0], dtype, chunked, head_weight.device)
-
-
-def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:
+def _room_for_probe(model: torch.nn.Module, plan: Any,
+                    loss_bytes: Callable[[torch.Tensor, int], int]) -> Any:
     """For a model with an output head (a language model's logits), the probe step's size is
     read as its forward starts and the plan makes room for its loss (see
     AdaptivePlan.make_room_for_probe). Once, at the first forward with gradients."""
@@ -518,7 +459,7 @@ def _room_for_probe(model: torch.nn.Module, plan: Any) -> Any:
         else:
             tokens = 0
         plan.make_room_for_probe(tokens, int(vocab), int(hidden),  # may refuse the step
-                                 _loss_bytes(model, weight, tokens))
+                                 loss_bytes(weight, tokens))
         handle.remove()
 
     handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch import nn
 
-from .block_memory import weight_plan_for_sizes
+from .weight_plan import weight_plan_for_sizes
 from .planner import MemoryPlanError, size
 
 CANDIDATES = (None, "int8", "nf4")

@@ -22,7 +22,6 @@ import torch
 
 from ..transport import client as _client
 from ..transport import device as cuda_device
-from ..memory.blocks import has_forward
 from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..hooks import HookClock, weak_hook
 from ..transport.host_optimizer import HostOptimizer, ParameterSpec
@@ -716,8 +715,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def attach_forward_waits(self, model: torch.nn.Module, blocks: Iterable[Any] = ()) -> None:
         """Makes each module's forward wait for its own parameters' new values (CUDA), and a
         forward between the last backward and step() wait for every update (CPU too).
-        Each of ``blocks`` (the repeated layers) waits once, for every trained parameter inside
-        it: one hook where a LoRA block would have seven, and none that a recomputed block's
+        Each of ``blocks`` (the repeated layers, each a module the model calls: a ModuleList of
+        a layer's parts is iterated, not called, and has no forward to hook) waits once, for
+        every trained parameter inside it: one hook where a LoRA block would have seven, and none that a recomputed block's
         second forward calls again (its updates cannot have come back by then)."""
         if id(model) not in self._hooked_models:
             # A forward or a checkpoint between the last backward and step() completes the
@@ -731,9 +731,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not self._cuda:
             return
         self._model = model
-        # Only a block the model calls has a forward to hook (a ModuleList of a layer's parts
-        # is iterated, not called: its parts keep hooks of their own).
-        self._wait_blocks.update({id(b): b for b in blocks if has_forward(b)})
+        self._wait_blocks.update({id(b): b for b in blocks})
         inside_blocks = {id(m) for b in self._wait_blocks.values() for m in b.modules()}
         candidates = [(b, True) for b in self._wait_blocks.values()] + [
             (m, False) for m in model.modules() if id(m) not in inside_blocks]

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python package's layers (shim_python/README.md), read from its source: no import cycle,
+no import from a lower layer up to a higher one, the native module imported only where it is
+allowed, no module past 600 lines but those still to split; and the module paths from before
+the layers still import, as the same module objects."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shim_python", "trainstream")
+
+# Lower layers first. A module may import its own layer and those below it.
+LAYERS = {"errors": 0, "hooks": 0, "transport": 1, "frozen": 2, "optim": 3, "memory": 4,
+          "integrations": 5, "wrap": 6, "__init__": 6, "_moved": 6}
+# Modules that still import the native module outside transport/, each to be given a
+# transport/ function in turn (the list may only shrink). __init__ reads the version.
+NATIVE_OUTSIDE_TRANSPORT = {"__init__", "frozen.store", "frozen.gpu_pool", "frozen.linear",
+                            "memory.pager", "integrations.chunked_loss"}
+# Files still past the size a file should keep to, each to be split (the list may only shrink).
+OVER_600_LINES = {"optim.offload_adamw", "memory.adaptive", "memory.pager", "wrap"}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted name under trainstream -> source path."""
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), PACKAGE)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__") if rel != "__init__" else rel] = \
+                    os.path.join(folder, f)
+    return out
+
+
+def _imports(name: str, path: str, modules: dict) -> set[str]:
+    """The package modules (and "_trainstream") that ``name`` imports, anywhere in its code."""
+    is_package = path.endswith("__init__.py")
+    here = name.split(".") if is_package and name != "__init__" else name.split(".")[:-1]
+    if name == "__init__":
+        here = []
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+        prefix = base + (node.module.split(".") if node.module else [])
+        for alias in node.names:
+            candidate = ".".join(prefix + [alias.name])
+            if candidate in modules or alias.name == "_trainstream":
+                found.add("_trainstream" if alias.name == "_trainstream" else candidate)
+            elif ".".join(prefix) in modules:
+                found.add(".".join(prefix))
+    found.discard(name)
+    return found
+
+
+def _layer(name: str) -> int:
+    return LAYERS[name.split(".")[0]]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer(graph):
+    assert {name.split(".")[0] for name in graph} <= set(LAYERS), sorted(graph)
+
+
+def test_no_import_cycle(graph):
+    # Function-local imports count: a cycle through them still ties the two modules together.
+    edges = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list) -> None:
+        state[m] = 1
+        for d in edges[m]:
+            if state.get(d) == 1:
+                raise AssertionError(" -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                    if d != "_trainstream" and _layer(d) > _layer(m))
+    assert upward == []
+
+
+def test_only_the_transport_layer_imports_the_native_module(graph):
+    native = {m for m, deps in graph.items() if "_trainstream" in deps
+              and not m.startswith("transport")}
+    assert native == NATIVE_OUTSIDE_TRANSPORT, (
+        "a module outside transport/ imports _trainstream: give transport/ a function for it"
+        if native - NATIVE_OUTSIDE_TRANSPORT else
+        "a module stopped importing _trainstream: take it off NATIVE_OUTSIDE_TRANSPORT")
+
+
+def test_files_stay_short():
+    over = {name for name, path in _modules().items() if sum(1 for _ in open(path)) > 600}
+    assert over == OVER_600_LINES, (
+        f"past 600 lines: {sorted(over - OVER_600_LINES)}; split it" if over - OVER_600_LINES
+        else f"no longer past 600 lines: {sorted(OVER_600_LINES - over)}; take it off the list")
+
+
+def test_the_old_module_paths_are_the_new_modules():
+    pytest.importorskip("torch")
+    import trainstream
+    from trainstream._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(f"trainstream.{old}") is \
+            importlib.import_module(f"trainstream.{new}"), old
+    # A module's globals set through the old path are the ones its code reads.
+    import trainstream.hardware as old_hardware
+    from trainstream.memory import hardware
+
+    assert old_hardware is hardware
+    # Two old module names are also the package's public functions: those stay functions.
+    assert callable(trainstream.bases) and callable(trainstream.gpu_pools)
+    from trainstream.bases import dequantize  # noqa: F401  (the old import path still works)
+    from trainstream.paging import BlockPager
+    from trainstream.memory.pager import BlockPager as moved
+
+    assert BlockPager is moved
