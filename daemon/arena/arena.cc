@@ -52,7 +52,10 @@ uint64_t Arena::ReservationFor(const std::vector<PlannedBuffer>& buffers) const 
   }
   uint64_t reserved = 0;
   std::vector<OffsetAllocator> open;  // the job's shared segments that may take more, in order
-  for (const auto& [bytes, alignment] : buffers) {
+  for (const PlannedBuffer& buffer : buffers) {
+    // Named copies, not structured bindings: clang 14 can't capture a binding in the lambda.
+    const uint64_t bytes = buffer.bytes;
+    const uint64_t alignment = buffer.alignment;
     if (NeedsOwnSegment(bytes, /*sealable=*/false)) {
       reserved += OwnSegmentBytes(bytes);
       continue;
