@@ -75,7 +75,10 @@ struct OptimizerReport {
 // reporting or non-finite checks, the gradients' statistics are gathered as they land and the
 // updates start the moment the last one arrives. A rank that posts out of turn, or leaves
 // mid-job, fails the job with a message to every rank rather than leaving them waiting.
-// Thread-safe; update tasks keep the object alive (shared_from_this).
+// Thread-safe; update tasks keep the object alive (shared_from_this). Its definitions are split by
+// responsibility: job_optimizer.cc (creation, registration), job_optimizer_step.cc (gradients in,
+// iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes) and
+// job_optimizer_state.cc (report, checkpoints).
 class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
  public:
   struct Deps {
@@ -155,41 +158,49 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
 
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
-  void ClearInParallel(uint8_t* data, uint64_t bytes);
-  // Marks `index` done for this iteration without an update (no gradient anywhere).
-  void LeaveWithoutGradientLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
-  void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A registration whose list extends the job's: allocates the new parameters' state.
-  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
-                                   const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Registration (job_optimizer.cc).
   absl::Status AllocateParameterLocked(Parameter& p, uint32_t index)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<BufferRecord> AllocateLocked(const std::string& name, uint64_t bytes,
                                               const std::string& tag)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint8_t*> Data(const BufferRecord& record) const;
+  void ClearInParallel(uint8_t* data, uint64_t bytes);
+  // A registration whose list extends the job's: allocates the new parameters' state.
+  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
+                                   const std::string& session_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
+  void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The ranks' side of the step machine (job_optimizer_step.cc).
+  void AfterGradientsInLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks `index` done for this iteration without an update (no gradient anywhere).
+  void LeaveWithoutGradientLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(uint32_t rank, const ipc::DoorbellMessage& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The updates (job_optimizer_update.cc).
   std::vector<const void*> GradientsLocked(const Parameter& p) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartStatsLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kGuard: the tensor's gradients are read once (in chunks, on the pool) before anything of it
   // is written; once any tensor's held a non-finite value, no later one is updated.
   void CheckThenUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AfterGradientsInLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The state as checkpoint arrays over the live buffers.
+
+  // Checkpoints (job_optimizer_state.cc): the state as checkpoint arrays over the live buffers.
   CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobKey job_;
   const std::string owner_;  // arena owner of the job's optimizer buffers

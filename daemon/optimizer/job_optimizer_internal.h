@@ -1,0 +1,26 @@
+// SPDX-License-Identifier: Apache-2.0
+// What JobOptimizer's source files (job_optimizer*.cc) share; nothing else includes it.
+#ifndef TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_INTERNAL_H_
+#define TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_INTERNAL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ipc/doorbell_ring.h"
+
+namespace trainstream::daemon::job_optimizer_internal {
+
+// A tensor's accumulate, statistics and update passes go to the pool in chunks of this many
+// elements, so one large tensor spreads over every worker.
+inline constexpr size_t kChunkElements = size_t{1} << 18;  // ~7 MB of traffic per task
+
+inline size_t Chunks(uint64_t numel) { return (numel + kChunkElements - 1) / kChunkElements; }
+
+inline ipc::DoorbellMessage Message(ipc::DoorbellKind kind, uint64_t id, uint64_t step,
+                                    uint64_t value = 0, uint32_t flags = 0) {
+  return {static_cast<uint32_t>(kind), flags, id, step, value};
+}
+
+}  // namespace trainstream::daemon::job_optimizer_internal
+
+#endif  // TRAINSTREAM_DAEMON_OPTIMIZER_JOB_OPTIMIZER_INTERNAL_H_

@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: Apache-2.0
+// JobOptimizer's state seen from outside: its report, and checkpoints saved and restored.
+#include "optimizer/job_optimizer.h"
+
+#include "absl/strings/str_format.h"
+#include "optimizer/checkpoint.h"
+#include "trainstream/status_macros.h"
+
+namespace trainstream::daemon {
+
+OptimizerReport JobOptimizer::Report() const {
+  absl::MutexLock lock(&mu_);
+  OptimizerReport r;
+  r.job_id = job_.job_id;
+  r.settings = settings_;
+  r.iteration = iteration_;
+  r.world_size = world_size_;
+  r.ranks_attached = static_cast<uint32_t>(rank_sessions_.size());
+  r.tensors = static_cast<uint32_t>(params_.size());
+  for (const Parameter& p : params_) {
+    r.elements += p.desc.numel;
+    r.state_bytes += p.master.bytes + p.exp_avg.bytes + p.exp_avg_sq.bytes +
+                     (p.param ? p.param->bytes : 0) + (p.accum ? p.accum->bytes : 0);
+    for (const auto& [rank, grad] : p.grads) r.state_bytes += grad.bytes;
+    r.param_steps.push_back(p.param_step);
+  }
+  r.last_step = last_report_;
+  r.state = !failure_.empty() ? "failed: " + failure_
+            : InProgressLocked() ? "stepping"
+                                 : "ready";
+  return r;
+}
+
+CheckpointContents JobOptimizer::ContentsLocked() const {
+  CheckpointContents contents;
+  contents.job_id = job_.job_id;
+  contents.iteration = iteration_;
+  contents.settings = settings_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter& p = params_[i];
+    contents.params.push_back({p.desc, p.param_step});
+    contents.arrays.push_back({absl::StrFormat("%d.master", i), kernels::ScalarType::kFloat32,
+                               p.desc.numel, p.master_ptr});
+    contents.arrays.push_back({absl::StrFormat("%d.exp_avg", i), settings_.moment_type,
+                               p.desc.numel, p.exp_avg_ptr});
+    contents.arrays.push_back({absl::StrFormat("%d.exp_avg_sq", i), settings_.moment_type,
+                               p.desc.numel, p.exp_avg_sq_ptr});
+  }
+  return contents;
+}
+
+absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  if (InProgressLocked()) {
+    return absl::FailedPreconditionError("a step is in progress; checkpoint between steps");
+  }
+  if (!registered_) return absl::FailedPreconditionError("no parameters are registered yet");
+  return WriteCheckpoint(path, ContentsLocked());
+}
+
+absl::Status JobOptimizer::Load(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  if (InProgressLocked() && failure_.empty()) {
+    return absl::FailedPreconditionError("a step is in progress; restore between steps");
+  }
+  if (!registered_) {
+    return absl::FailedPreconditionError("register the parameters before restoring a checkpoint");
+  }
+  // The live arrays are the destination; they are written only after the whole file checks out.
+  ASSIGN_OR_RETURN(CheckpointContents loaded, ReadCheckpoint(path, ContentsLocked()));
+  iteration_ = loaded.iteration;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param_step = loaded.params[i].step;
+    // The model-dtype copy follows the restored master.
+    if (params_[i].param_ptr != nullptr) {
+      kernels::ConvertFromFloat(params_[i].master_ptr, params_[i].param_ptr,
+                                params_[i].desc.param_type, params_[i].desc.numel);
+    }
+  }
+  failure_.clear();
+  ResetProgressLocked();
+  return absl::OkStatus();
+}
+
+absl::Status JobOptimizer::SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps) {
+  absl::MutexLock lock(&mu_);
+  if (InProgressLocked() && failure_.empty()) {
+    return absl::FailedPreconditionError("a step is in progress; set the step between steps");
+  }
+  if (!param_steps.empty() && param_steps.size() != params_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d parameter steps given for %d parameters", param_steps.size(), params_.size()));
+  }
+  iteration_ = iteration;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param_step = param_steps.empty() ? iteration : param_steps[i];
+  }
+  failure_.clear();
+  ResetProgressLocked();
+  return absl::OkStatus();
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,328 @@
+// SPDX-License-Identifier: Apache-2.0
+// JobOptimizer's step machine on the side of the ranks: gradients arriving, micro-steps summed,
+// the cross-machine hand-off, the end of an iteration, and ranks that fail or leave.
+#include "optimizer/job_optimizer.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_format.h"
+#include "optimizer/job_optimizer_internal.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using job_optimizer_internal::Chunks;
+using job_optimizer_internal::kChunkElements;
+using job_optimizer_internal::Message;
+
+constexpr uint64_t kFailedPreconditionCode = 9;  // the google.rpc code a kError carries
+
+}  // namespace
+
+void JobOptimizer::OnGradientReady(const std::string& session_id,
+                                   const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  last_activity_ = absl::Now();
+  std::optional<uint32_t> rank;
+  for (const auto& [r, s] : rank_sessions_) {
+    if (s == session_id) rank = r;
+  }
+  if (!rank) {
+    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                              kFailedPreconditionCode))
+        .IgnoreError();
+    return;
+  }
+  if (!failure_.empty()) {
+    SendToRank(*rank, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                              kFailedPreconditionCode));
+    return;
+  }
+  if (message.id >= params_.size()) {
+    FailLocked(absl::StrFormat("rank %d posted a gradient for parameter %d; the job has %d",
+                               *rank, message.id, params_.size()));
+    return;
+  }
+  Parameter& p = params_[message.id];
+  if (message.step != iteration_ + 1) {
+    FailLocked(absl::StrFormat(
+        "rank %d posted '%s' for iteration %d, but the job is at iteration %d (a rank skipped or "
+        "repeated a step)",
+        *rank, p.desc.name, message.step, iteration_ + 1));
+    return;
+  }
+  if (p.phase != Phase::kWaiting) {
+    FailLocked(absl::StrFormat("rank %d posted '%s' again before its previous gradient was used",
+                               *rank, p.desc.name));
+    return;
+  }
+  if (message.value != p.micro) {
+    FailLocked(absl::StrFormat("rank %d posted micro-step %d of '%s'; the job expects %d", *rank,
+                               message.value, p.desc.name, p.micro));
+    return;
+  }
+  if (p.arrived.contains(*rank)) {
+    FailLocked(absl::StrFormat("rank %d posted '%s' twice in one step", *rank, p.desc.name));
+    return;
+  }
+  if (!iteration_started_) {
+    iteration_started_ = true;
+    iteration_start_ = absl::Now();
+  }
+  p.arrived.insert(*rank);
+  if (message.flags & ipc::kFlagNoGradient) p.absent.insert(*rank);
+  if (p.arrived.size() == world_size_) AfterGradientsInLocked(static_cast<uint32_t>(message.id));
+}
+
+void JobOptimizer::AfterGradientsInLocked(uint32_t index) {
+  Parameter& p = params_[index];
+  const bool has_gradient = p.absent.size() < world_size_;
+  const bool last_micro = p.micro + 1 >= settings_.accumulation_steps;
+  if (has_gradient) p.machine_gradient = true;
+  if (settings_.machines > 1 && last_micro) {
+    // Every parameter goes out to the all-reduce every step, gradient or not (zeros then), so
+    // the machines' collectives line up, as DistributedDataParallel's do.
+    StartAccumulateLocked(index, /*final_micro=*/true);
+    return;
+  }
+  if (settings_.reduces_into_buffer()) {
+    if (has_gradient) {
+      StartAccumulateLocked(index, last_micro);
+      return;
+    }
+    if (!last_micro) {
+      ++p.micro;
+      p.arrived.clear();
+      p.absent.clear();
+      SendToAll(Message(ipc::DoorbellKind::kGradConsumed, index, iteration_ + 1, p.micro - 1));
+      return;
+    }
+  } else {
+    p.any_gradient = has_gradient;
+  }
+  if (!p.any_gradient) {
+    LeaveWithoutGradientLocked(index);  // no rank had a gradient for it this iteration
+    return;
+  }
+  if (settings_.deferred()) {
+    StartStatsLocked(index);
+  } else {
+    StartUpdateLocked(index, MeanScaleLocked());
+  }
+}
+
+void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
+  // Like torch: a parameter without a gradient keeps its value, moments and step count.
+  params_[index].phase = Phase::kDone;
+  ++params_done_;
+  ++params_with_stats_;
+  SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
+                    ipc::kFlagNoGradient));
+  if (settings_.deferred()) MaybeDecideLocked();
+  MaybeFinishIterationLocked();
+}
+
+void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
+  Parameter& p = params_[index];
+  p.phase = Phase::kAccumulating;
+  const bool overwrite = !p.any_gradient;
+  p.any_gradient = true;
+  std::vector<const void*> sources;
+  for (const auto& [rank, ptr] : p.grad_ptrs) {
+    if (rank < world_size_ && !p.absent.contains(rank)) sources.push_back(ptr);
+  }
+  auto grads = std::make_shared<std::vector<const void*>>(std::move(sources));
+  const size_t chunks = Chunks(p.desc.numel);
+  p.chunks_left = chunks;
+  auto self = shared_from_this();
+  for (size_t c = 0; c < chunks; ++c) {
+    deps_.pool->Submit([self, index, c, grads, overwrite, final_micro] {
+      float* accum;
+      kernels::ScalarType type;
+      uint64_t numel;
+      {
+        absl::MutexLock lock(&self->mu_);
+        const Parameter& q = self->params_[index];
+        accum = q.accum_ptr;
+        type = q.desc.grad_type;
+        numel = q.desc.numel;
+      }
+      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+      kernels::AccumulateGradients(accum, overwrite, grads->data(), static_cast<int>(grads->size()),
+                                   type, b, e);
+      absl::MutexLock lock(&self->mu_);
+      Parameter& q = self->params_[index];
+      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
+      if (final_micro && self->settings_.machines > 1) {
+        q.phase = Phase::kCrossMachine;
+        // value: whether any rank of this machine had a gradient (the leaders combine these,
+        // so a parameter no machine had a gradient for is left alone, as on one machine).
+        self->SendToRank(0, Message(ipc::DoorbellKind::kReduceReady, index, self->iteration_ + 1,
+                                    q.machine_gradient ? 1 : 0));
+        return;
+      }
+      if (final_micro) {
+        if (self->settings_.deferred()) {
+          self->StartStatsLocked(index);
+        } else {
+          self->StartUpdateLocked(index, self->MeanScaleLocked());
+        }
+        return;
+      }
+      ++q.micro;
+      q.phase = Phase::kWaiting;
+      q.arrived.clear();
+      q.absent.clear();
+      self->SendToAll(
+          Message(ipc::DoorbellKind::kGradConsumed, index, self->iteration_ + 1, q.micro - 1));
+    });
+  }
+}
+
+void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  last_activity_ = absl::Now();
+  auto leader = rank_sessions_.find(0);
+  if (settings_.machines < 2 || leader == rank_sessions_.end() || leader->second != session_id) {
+    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                              kFailedPreconditionCode))
+        .IgnoreError();
+    if (settings_.machines < 2) return;
+    FailLocked("a rank other than the machine's rank 0 announced a cross-machine reduction");
+    return;
+  }
+  if (!failure_.empty()) return;
+  if (message.id >= params_.size() || message.step != iteration_ + 1 ||
+      params_[message.id].phase != Phase::kCrossMachine) {
+    FailLocked(absl::StrFormat(
+        "rank 0 announced the cross-machine sum of parameter %d for iteration %d, which was not "
+        "out for reduction (the job is at iteration %d)",
+        message.id, message.step, iteration_ + 1));
+    return;
+  }
+  const uint32_t index = static_cast<uint32_t>(message.id);
+  Parameter& p = params_[index];
+  if (message.value == 0) {
+    LeaveWithoutGradientLocked(index);  // no machine had a gradient for it
+    return;
+  }
+  p.any_gradient = true;
+  if (settings_.deferred()) {
+    StartStatsLocked(index);
+  } else {
+    StartUpdateLocked(index, MeanScaleLocked());
+  }
+}
+
+void JobOptimizer::MaybeFinishIterationLocked() {
+  if (params_done_ != params_.size()) return;
+  const absl::Time now = absl::Now();
+  ++iteration_;
+  pending_report_.iteration = iteration_;
+  pending_report_.seconds = absl::ToDoubleSeconds(now - iteration_start_);
+  pending_report_.update_seconds = update_busy_s_;
+  const double wall = update_bytes_ > 0 ? absl::ToDoubleSeconds(now - updates_start_) : 0;
+  pending_report_.gbps = wall > 0 ? static_cast<double>(update_bytes_) / wall / 1e9 : 0;
+  if (!settings_.deferred()) {
+    pending_report_.nonfinite = update_nonfinite_;
+    if (guard_tripped_) {
+      pending_report_.skipped = true;
+      deps_.events->Emit(
+          "optimizer.step_skipped",
+          absl::StrFormat("iteration %d of job '%s': %d non-finite gradient values, first in "
+                          "'%s'; no tensor was updated from there on (%d of %d had been before "
+                          "it; nonfinite='guard')",
+                          iteration_, job_.job_id, update_nonfinite_, guard_first_,
+                          guard_tensors_before_, params_.size()),
+          {{"nonfinite", static_cast<double>(update_nonfinite_)},
+           {"tensors_updated_before", static_cast<double>(guard_tensors_before_)}},
+          "", job_.uid);
+    } else if (update_nonfinite_ > 0) {
+      deps_.events->Emit("optimizer.nonfinite",
+                         absl::StrFormat("iteration %d of job '%s' applied %d non-finite gradient "
+                                         "values (nonfinite='ignore'); use 'skip' or 'error' to "
+                                         "guard against them",
+                                         iteration_, job_.job_id, update_nonfinite_),
+                         {{"nonfinite", static_cast<double>(update_nonfinite_)}}, "", job_.uid);
+    }
+  }
+  last_report_ = pending_report_;
+  ResetProgressLocked();
+}
+
+void JobOptimizer::ResetProgressLocked() {
+  for (Parameter& p : params_) {
+    p.phase = Phase::kWaiting;
+    p.micro = 0;
+    p.arrived.clear();
+    p.absent.clear();
+    p.any_gradient = false;
+    p.machine_gradient = false;
+    p.stats = {};
+    p.chunks_left = 0;
+  }
+  iteration_started_ = false;
+  params_done_ = 0;
+  params_with_stats_ = 0;
+  update_busy_s_ = 0;
+  update_bytes_ = 0;
+  update_nonfinite_ = 0;
+  guard_tripped_ = false;
+  guard_first_.clear();
+  guard_tensors_before_ = 0;
+  pending_report_ = {};
+}
+
+bool JobOptimizer::InProgressLocked() const {
+  if (iteration_started_) return true;
+  for (const Parameter& p : params_) {
+    if (p.phase != Phase::kWaiting || p.micro != 0 || !p.arrived.empty()) return true;
+  }
+  return false;
+}
+
+void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
+  absl::MutexLock lock(&mu_);
+  std::optional<uint32_t> rank;
+  for (const auto& [r, s] : rank_sessions_) {
+    if (s == session_id) rank = r;
+  }
+  if (!rank) return;
+  rank_sessions_.erase(*rank);
+  last_activity_ = absl::Now();
+  const bool others = !rank_sessions_.empty();
+  if (InProgressLocked() || (others && !clean)) {
+    FailLocked(absl::StrFormat("rank %d %s at iteration %d; the job cannot go on without it",
+                               *rank, clean ? "left" : "died", iteration_ + 1));
+  } else if (others) {
+    FailLocked(absl::StrFormat("rank %d left the job; the other ranks cannot step without it",
+                               *rank));
+  }
+}
+
+void JobOptimizer::FailLocked(const std::string& why) {
+  if (!failure_.empty()) return;
+  failure_ = why;
+  deps_.events->Emit("optimizer.failed", absl::StrFormat("job '%s': %s", job_.job_id, why),
+                     {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
+  SendToAll(Message(ipc::DoorbellKind::kError, ~uint64_t{0}, iteration_ + 1,
+                    kFailedPreconditionCode));
+}
+
+void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message) {
+  auto it = rank_sessions_.find(rank);
+  if (it == rank_sessions_.end()) return;
+  absl::Status sent = deps_.doorbells->Send(it->second, message);
+  if (!sent.ok() && sent.code() != absl::StatusCode::kNotFound) {
+    deps_.events->Emit("optimizer.notify_failed",
+                       absl::StrFormat("could not notify rank %d: %s", rank, sent.message()), {},
+                       it->second, job_.uid);
+  }
+}
+
+void JobOptimizer::SendToAll(const ipc::DoorbellMessage& message) {
+  for (const auto& [rank, session] : rank_sessions_) SendToRank(rank, message);
+}
+
+}  // namespace trainstream::daemon

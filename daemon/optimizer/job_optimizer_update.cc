@@ -1,0 +1,243 @@
+// SPDX-License-Identifier: Apache-2.0
+// JobOptimizer's updates: the gradients' statistics, the decision they feed (clip, skip or fail),
+// and each tensor's AdamW pass on the pool.
+#include "optimizer/job_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+#include "optimizer/job_optimizer_internal.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using job_optimizer_internal::Chunks;
+using job_optimizer_internal::kChunkElements;
+using job_optimizer_internal::Message;
+
+uint64_t Mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+}  // namespace
+
+float JobOptimizer::MeanScaleLocked() const {
+  return 1.0f / static_cast<float>(world_size_ * settings_.machines);
+}
+
+std::vector<const void*> JobOptimizer::GradientsLocked(const Parameter& p) const {
+  std::vector<const void*> grads;
+  if (settings_.reduces_into_buffer()) {
+    grads.push_back(p.accum_ptr);
+    return grads;
+  }
+  for (const auto& [rank, ptr] : p.grad_ptrs) {
+    if (rank < world_size_ && !p.absent.contains(rank)) grads.push_back(ptr);
+  }
+  return grads;
+}
+
+void JobOptimizer::StartStatsLocked(uint32_t index) {
+  Parameter& p = params_[index];
+  p.phase = Phase::kStatsPending;
+  p.stats = {};
+  auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
+  const kernels::ScalarType type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
+  const size_t chunks = Chunks(p.desc.numel);
+  const uint64_t numel = p.desc.numel;
+  p.chunks_left = chunks;
+  auto self = shared_from_this();
+  for (size_t c = 0; c < chunks; ++c) {
+    deps_.pool->Submit([self, index, c, grads, type, numel] {
+      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+      kernels::GradientStats stats =
+          kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
+                                        kernels::BestIsa());
+      absl::MutexLock lock(&self->mu_);
+      Parameter& q = self->params_[index];
+      q.stats.sum_squares += stats.sum_squares;
+      q.stats.nonfinite += stats.nonfinite;
+      if (--q.chunks_left != 0) return;
+      q.phase = Phase::kStatsDone;
+      ++self->params_with_stats_;
+      if (self->failure_.empty()) self->MaybeDecideLocked();
+    });
+  }
+}
+
+void JobOptimizer::MaybeDecideLocked() {
+  if (params_with_stats_ != params_.size()) return;
+  double sum_squares = 0;
+  uint64_t nonfinite = 0;
+  std::string first_bad;
+  for (const Parameter& p : params_) {
+    sum_squares += p.stats.sum_squares;
+    nonfinite += p.stats.nonfinite;
+    if (p.stats.nonfinite > 0 && first_bad.empty()) first_bad = p.desc.name;
+  }
+  const float mean = MeanScaleLocked();
+  const double norm = std::sqrt(sum_squares) * mean;
+  pending_report_.grad_norm = norm;
+  pending_report_.nonfinite = nonfinite;
+  if (nonfinite > 0 && settings_.nonfinite != NonFinitePolicy::kIgnore) {
+    // kGuard deferred by clipping sees every gradient before any update: the whole step skips.
+    if (settings_.nonfinite == NonFinitePolicy::kSkipStep ||
+        settings_.nonfinite == NonFinitePolicy::kGuard) {
+      pending_report_.skipped = true;
+      deps_.events->Emit("optimizer.step_skipped",
+                         absl::StrFormat("iteration %d of job '%s' skipped: %d non-finite gradient "
+                                         "values, first in '%s'",
+                                         iteration_ + 1, job_.job_id, nonfinite, first_bad),
+                         {{"nonfinite", static_cast<double>(nonfinite)}}, "", job_.uid);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].phase == Phase::kDone) continue;
+        params_[i].phase = Phase::kDone;
+        ++params_done_;
+        SendToAll(Message(ipc::DoorbellKind::kUpdateDone, i, iteration_ + 1, 0,
+                          ipc::kFlagSkipped));
+      }
+      MaybeFinishIterationLocked();
+      return;
+    }
+    FailLocked(absl::StrFormat(
+        "%d non-finite gradient values at iteration %d, first in '%s'; nothing was updated (use "
+        "nonfinite='skip' to skip such steps)",
+        nonfinite, iteration_ + 1, first_bad));
+    return;
+  }
+  float coef = 1.0f;
+  if (settings_.max_grad_norm > 0) {
+    // As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1, in fp32.
+    coef = std::min(1.0f, static_cast<float>(settings_.max_grad_norm) /
+                              (static_cast<float>(norm) + 1e-6f));
+  }
+  pending_report_.clip_coef = coef;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].phase == Phase::kStatsDone) {
+      // Clipping scales the averaged gradient, as torch clips the (already averaged) .grad.
+      StartUpdateLocked(static_cast<uint32_t>(i), coef == 1.0f ? mean : mean * coef);
+    }
+  }
+}
+
+void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
+  if (settings_.nonfinite == NonFinitePolicy::kGuard && !settings_.deferred()) {
+    CheckThenUpdateLocked(index, grad_scale);
+  } else {
+    ApplyUpdateLocked(index, grad_scale);
+  }
+}
+
+void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
+  Parameter& p = params_[index];
+  p.phase = Phase::kUpdating;
+  p.stats = {};
+  auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
+  const kernels::ScalarType type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
+  const uint64_t numel = p.desc.numel;
+  const size_t chunks = Chunks(numel);
+  p.chunks_left = chunks;
+  auto self = shared_from_this();
+  for (size_t c = 0; c < chunks; ++c) {
+    deps_.pool->Submit([self, index, c, grads, type, numel, grad_scale] {
+      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+      const uint64_t nonfinite =
+          kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b,
+                                        e, kernels::BestIsa())
+              .nonfinite;
+      absl::MutexLock lock(&self->mu_);
+      Parameter& q = self->params_[index];
+      q.stats.nonfinite += nonfinite;
+      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
+      if (q.stats.nonfinite > 0 && !self->guard_tripped_) {
+        self->guard_tripped_ = true;
+        self->guard_first_ = q.desc.name;
+        self->guard_tensors_before_ = self->params_done_;
+      }
+      if (!self->guard_tripped_) {
+        self->ApplyUpdateLocked(index, grad_scale);
+        return;
+      }
+      // This tensor's gradient, or an earlier one's, held a non-finite value: it keeps its
+      // weights and moments, and the client copies nothing back.
+      self->update_nonfinite_ += q.stats.nonfinite;
+      q.phase = Phase::kDone;
+      ++self->params_done_;
+      self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1, 0,
+                              ipc::kFlagSkipped));
+      self->MaybeFinishIterationLocked();
+    });
+  }
+}
+
+void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
+  Parameter& p = params_[index];
+  p.phase = Phase::kUpdating;
+  const GroupHyperParameters& g = settings_.groups[p.desc.group];
+  kernels::AdamWStep step;
+  step.lr = g.lr;
+  step.beta1 = g.beta1;
+  step.beta2 = g.beta2;
+  step.eps = g.eps;
+  step.weight_decay = g.weight_decay;
+  step.decoupled_weight_decay = settings_.decoupled_weight_decay;
+  step.grad_scale = grad_scale;
+  kernels::SetStepNumber(&step, p.param_step + 1);
+  // A function of the tensor and its step alone, so a run restored from a checkpoint (in any
+  // job) rounds exactly as the uninterrupted run would have.
+  step.rounding_seed = Mix64(Mix64(index + 0x9e3779b97f4a7c15ull) ^ (p.param_step + 1));
+  auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
+  kernels::AdamWTensor tensor;
+  tensor.master = p.master_ptr;
+  tensor.exp_avg = p.exp_avg_ptr;
+  tensor.exp_avg_sq = p.exp_avg_sq_ptr;
+  tensor.moment_type = settings_.moment_type;
+  tensor.grads = grads->data();
+  tensor.num_grads = static_cast<int>(grads->size());
+  tensor.grad_type =
+      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
+  tensor.param_out = p.param_ptr;
+  tensor.param_type = p.desc.param_type;
+  tensor.numel = p.desc.numel;
+  // Bytes the pass must move per element: each gradient read, the master and both moments read
+  // and written, the parameter written.
+  const uint64_t bytes_per_element =
+      kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
+      4 * kernels::ElementSize(settings_.moment_type) +
+      (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
+  if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
+  const size_t chunks = Chunks(p.desc.numel);
+  p.chunks_left = chunks;
+  auto self = shared_from_this();
+  for (size_t c = 0; c < chunks; ++c) {
+    deps_.pool->Submit([self, index, c, grads, tensor, step, bytes_per_element] {
+      const size_t b = c * kChunkElements, e = std::min<size_t>(tensor.numel, b + kChunkElements);
+      const absl::Time start = absl::Now();
+      uint64_t nonfinite = 0;
+      absl::Status updated =
+          kernels::AdamWUpdate(tensor, b, e, step, kernels::BestIsa(), &nonfinite);
+      const double busy = absl::ToDoubleSeconds(absl::Now() - start);
+      absl::MutexLock lock(&self->mu_);
+      self->update_nonfinite_ += nonfinite;
+      self->update_busy_s_ += busy;
+      self->update_bytes_ += (e - b) * bytes_per_element;
+      if (!updated.ok()) self->FailLocked(std::string(updated.message()));
+      Parameter& q = self->params_[index];
+      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
+      ++q.param_step;
+      q.phase = Phase::kDone;
+      ++self->params_done_;
+      self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1));
+      self->MaybeFinishIterationLocked();
+    });
+  }
+}
+
+}  // namespace trainstream::daemon
