@@ -1,0 +1,357 @@
+// SPDX-License-Identifier: Apache-2.0
+// JobOptimizer's step machine: updates against a reference AdamW, micro-steps, ranks, non-finite
+// gradients and clipping.
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "optimizer/job_optimizer_test_fixture.h"
+
+namespace trainstream::daemon::job_optimizer_test {
+namespace {
+
+TEST_F(JobOptimizerTest, IterationsMatchAReferenceAdamW) {
+  auto opt = Make(Settings());
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 1000), Param("big", kLargeNumel),
+                                                    Param("b", 7)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  EXPECT_TRUE(r->registration.initialize);
+  EXPECT_EQ(r->registration.iteration, 0u);
+  ASSERT_EQ(r->registration.params.size(), 3u);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<ReferenceAdamW> refs;
+  for (const auto& w : initial) refs.emplace_back(Hyper(), w);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    for (uint32_t i = 0; i < params.size(); ++i) {
+      std::vector<float> grad = RandomFloats(params[i].numel, 1000 * step + i);
+      Post(*opt, *r, i, grad, step);
+      refs[i].Step(Sum({grad}, 1.0));
+    }
+    std::map<uint64_t, uint32_t> done = UpdatesDone(*r, params.size(), step);
+    EXPECT_EQ(done.size(), params.size());
+    for (const auto& entry : done) EXPECT_EQ(entry.second, 0u) << "flags of " << entry.first;
+    OptimizerReport report = opt->Report();
+    EXPECT_EQ(report.iteration, step);
+    EXPECT_EQ(report.state, "ready");
+    EXPECT_EQ(report.param_steps, std::vector<uint64_t>(params.size(), step));
+    EXPECT_EQ(report.last_step.iteration, step);
+    EXPECT_FALSE(report.last_step.skipped);
+  }
+  for (uint32_t i = 0; i < params.size(); ++i) ExpectMatches(*r, i, refs[i]);
+  EXPECT_EQ(opt->Report().tensors, 3u);
+  EXPECT_EQ(opt->Report().elements, 1000u + kLargeNumel + 7u);
+}
+
+TEST_F(JobOptimizerTest, AdamFoldsWeightDecayIntoTheGradient) {
+  OptimizerSettings settings = Settings();
+  settings.decoupled_weight_decay = false;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 64)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  ReferenceAdamW ref(Hyper(), Initialize(*r, params)[0]);
+  ref.decoupled = false;
+  for (uint64_t step = 1; step <= 2; ++step) {
+    std::vector<float> grad = RandomFloats(64, 7 + step);
+    Post(*opt, *r, 0, grad, step);
+    ref.Step(Sum({grad}, 1.0));
+    UpdatesDone(*r, 1, step);
+  }
+  ExpectMatches(*r, 0, ref);
+}
+
+TEST_F(JobOptimizerTest, MicroStepsAreSummedBeforeTheUpdate) {
+  OptimizerSettings settings = Settings();
+  settings.accumulation_steps = 3;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 500), Param("big", kLargeNumel)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<ReferenceAdamW> refs;
+  for (const auto& w : initial) refs.emplace_back(Hyper(), w);
+  for (uint64_t step = 1; step <= 2; ++step) {
+    std::vector<std::vector<std::vector<float>>> micro(params.size());
+    for (uint64_t k = 0; k < 3; ++k) {
+      for (uint32_t i = 0; i < params.size(); ++i) {
+        micro[i].push_back(RandomFloats(params[i].numel, 31 * step + 7 * k + i));
+        Post(*opt, *r, i, micro[i].back(), step, k);
+      }
+      if (k == 2) break;
+      // Each slot may be written again only once its micro-step has been summed.
+      std::map<uint64_t, uint64_t> consumed;
+      for (const DoorbellMessage& m : Receive(*r, params.size())) {
+        EXPECT_EQ(m.kind, static_cast<uint32_t>(DoorbellKind::kGradConsumed));
+        EXPECT_EQ(m.step, step);
+        consumed[m.id] = m.value;
+      }
+      EXPECT_EQ(consumed, (std::map<uint64_t, uint64_t>{{0, k}, {1, k}}));
+      EXPECT_EQ(opt->Report().state, "stepping");
+    }
+    // torch sums micro-steps into .grad; the mean is over ranks only.
+    for (uint32_t i = 0; i < params.size(); ++i) refs[i].Step(Sum(micro[i], 1.0));
+    UpdatesDone(*r, params.size(), step);
+    EXPECT_EQ(opt->Report().iteration, step);
+  }
+  for (uint32_t i = 0; i < params.size(); ++i) ExpectMatches(*r, i, refs[i]);
+}
+
+TEST_F(JobOptimizerTest, TwoRanksGradientsAreAveraged) {
+  auto opt = Make(Settings(), 2);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 300), Param("big", kLargeNumel)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  std::unique_ptr<Rank> r1 = Join(*opt, 1, params, 2);
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  EXPECT_TRUE(r0->registration.initialize);
+  EXPECT_FALSE(r1->registration.initialize);
+  // The state is shared; each rank posts into a gradient slot of its own.
+  EXPECT_EQ(r0->registration.params[0].master.buffer_id,
+            r1->registration.params[0].master.buffer_id);
+  EXPECT_NE(r0->registration.params[0].grad.buffer_id,
+            r1->registration.params[0].grad.buffer_id);
+  std::vector<std::vector<float>> initial = Initialize(*r0, params);
+  std::vector<ReferenceAdamW> refs;
+  for (const auto& w : initial) refs.emplace_back(Hyper(), w);
+  for (uint64_t step = 1; step <= 2; ++step) {
+    for (uint32_t i = 0; i < params.size(); ++i) {
+      std::vector<float> g0 = RandomFloats(params[i].numel, 50 * step + i);
+      std::vector<float> g1 = RandomFloats(params[i].numel, 70 * step + i, 3.0f);
+      Post(*opt, *r0, i, g0, step);
+      EXPECT_EQ(opt->Report().state, "stepping");
+      Post(*opt, *r1, i, g1, step);
+      refs[i].Step(Sum({g0, g1}, 0.5));
+    }
+    UpdatesDone(*r0, params.size(), step);
+    UpdatesDone(*r1, params.size(), step);
+    EXPECT_EQ(opt->Report().iteration, step);
+  }
+  for (uint32_t i = 0; i < params.size(); ++i) ExpectMatches(*r0, i, refs[i]);
+}
+
+TEST_F(JobOptimizerTest, TwoRanksWithMicroStepsAverageTheRanksSums) {
+  OptimizerSettings settings = Settings();
+  settings.accumulation_steps = 2;
+  auto opt = Make(settings, 2);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 256)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  std::unique_ptr<Rank> r1 = Join(*opt, 1, params, 2);
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  ReferenceAdamW ref(Hyper(), Initialize(*r0, params)[0]);
+  std::vector<std::vector<float>> grads;
+  for (uint64_t k = 0; k < 2; ++k) {
+    grads.push_back(RandomFloats(256, 10 + k));
+    grads.push_back(RandomFloats(256, 20 + k, 2.0f));
+    Post(*opt, *r0, 0, grads[2 * k], 1, k);
+    Post(*opt, *r1, 0, grads[2 * k + 1], 1, k);
+    if (k == 0) {
+      for (Rank* r : {r0.get(), r1.get()}) {
+        std::vector<DoorbellMessage> m = Receive(*r, 1);
+        ASSERT_EQ(m.size(), 1u);
+        EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kGradConsumed));
+      }
+    }
+  }
+  ref.Step(Sum(grads, 0.5));
+  UpdatesDone(*r0, 1, 1);
+  UpdatesDone(*r1, 1, 1);
+  ExpectMatches(*r0, 0, ref);
+}
+
+TEST_F(JobOptimizerTest, AParameterWithoutAGradientKeepsItsStateAndStep) {
+  auto opt = Make(Settings());
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("used", 40), Param("unused", 40)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  ReferenceAdamW ref(Hyper(), initial[0]);
+  std::vector<float> grad = RandomFloats(40, 3);
+  Post(*opt, *r, 0, grad, 1);
+  PostNone(*opt, *r, 1, 1);
+  ref.Step(Sum({grad}, 1.0));
+  std::map<uint64_t, uint32_t> done = UpdatesDone(*r, 2, 1);
+  EXPECT_EQ(done[0], 0u);
+  EXPECT_EQ(done[1], ipc::kFlagNoGradient);
+  ExpectMatches(*r, 0, ref);
+  EXPECT_EQ(Master(*r, 1), initial[1]);
+  EXPECT_EQ(ExpAvg(*r, 1), std::vector<float>(40, 0.0f));
+  EXPECT_EQ(opt->Report().param_steps, (std::vector<uint64_t>{1, 0}));
+  EXPECT_EQ(opt->Report().iteration, 1u);
+}
+
+TEST_F(JobOptimizerTest, IgnoreAppliesNonFiniteValuesAndCountsThem) {
+  auto opt = Make(Settings());  // nonfinite = kIgnore, as torch
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("w", 16)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  Initialize(*r, params);
+  std::vector<float> grad = RandomFloats(16, 4);
+  grad[5] = std::numeric_limits<float>::quiet_NaN();
+  Post(*opt, *r, 0, grad, 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[0], 0u);
+  OptimizerReport report = opt->Report();
+  EXPECT_EQ(report.last_step.nonfinite, 1u);
+  EXPECT_FALSE(report.last_step.skipped);
+  EXPECT_TRUE(std::isnan(Master(*r, 0)[5]));
+  EXPECT_TRUE(std::isfinite(Master(*r, 0)[4]));
+  EXPECT_EQ(report.param_steps, std::vector<uint64_t>{1});
+  EXPECT_TRUE(HasEvent(*events_, "optimizer.nonfinite"));
+}
+
+TEST_F(JobOptimizerTest, SkipStepLeavesEveryTensorUntouchedAndTheNextStepRuns) {
+  OptimizerSettings settings = Settings();
+  settings.nonfinite = NonFinitePolicy::kSkipStep;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 64), Param("b", 8)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<float> bad = RandomFloats(8, 5);
+  bad[3] = std::numeric_limits<float>::infinity();
+  Post(*opt, *r, 0, RandomFloats(64, 6), 1);
+  Post(*opt, *r, 1, bad, 1);
+  std::map<uint64_t, uint32_t> done = UpdatesDone(*r, 2, 1);
+  EXPECT_EQ(done[0], ipc::kFlagSkipped);
+  EXPECT_EQ(done[1], ipc::kFlagSkipped);
+  for (uint32_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(Master(*r, i), initial[i]) << i;
+    EXPECT_EQ(ExpAvg(*r, i), std::vector<float>(params[i].numel, 0.0f)) << i;
+  }
+  OptimizerReport report = opt->Report();
+  EXPECT_TRUE(report.last_step.skipped);
+  EXPECT_EQ(report.last_step.nonfinite, 1u);
+  EXPECT_EQ(report.param_steps, (std::vector<uint64_t>{0, 0}));
+  EXPECT_EQ(report.iteration, 1u);  // a skipped step is still a step, as with GradScaler
+  EXPECT_TRUE(HasEvent(*events_, "optimizer.step_skipped"));
+  // The next step updates with bias corrections of step 1.
+  std::vector<ReferenceAdamW> refs = {{Hyper(), initial[0]}, {Hyper(), initial[1]}};
+  for (uint32_t i = 0; i < 2; ++i) {
+    std::vector<float> grad = RandomFloats(params[i].numel, 60 + i);
+    Post(*opt, *r, i, grad, 2);
+    refs[i].Step(Sum({grad}, 1.0));
+  }
+  done = UpdatesDone(*r, 2, 2);
+  EXPECT_EQ(done[0], 0u);
+  EXPECT_EQ(done[1], 0u);
+  for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
+  EXPECT_EQ(opt->Report().param_steps, (std::vector<uint64_t>{1, 1}));
+  EXPECT_FALSE(opt->Report().last_step.skipped);
+}
+
+TEST_F(JobOptimizerTest, ErrorPolicyFailsTheJobNamingTheTensorAndTouchesNothing) {
+  OptimizerSettings settings = Settings();
+  settings.nonfinite = NonFinitePolicy::kError;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 64), Param("b", 8)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<float> bad = RandomFloats(8, 5);
+  bad[0] = std::numeric_limits<float>::quiet_NaN();
+  Post(*opt, *r, 0, RandomFloats(64, 6), 1);
+  Post(*opt, *r, 1, bad, 1);
+  std::vector<DoorbellMessage> m = Receive(*r, 1);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
+  EXPECT_EQ(m[0].value, kFailedPreconditionCode);
+  OptimizerReport report = opt->Report();
+  EXPECT_TRUE(absl::StartsWith(report.state, "failed: ")) << report.state;
+  EXPECT_TRUE(absl::StrContains(report.state, "'b'")) << report.state;
+  EXPECT_EQ(report.iteration, 0u);
+  for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(Master(*r, i), initial[i]) << i;
+  // A failed job answers every further gradient with an error.
+  Post(*opt, *r, 0, RandomFloats(64, 6), 1);
+  m = Receive(*r, 1);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
+}
+
+TEST_F(JobOptimizerTest, GuardStopsUpdatingAtTheFirstNonFiniteTensor) {
+  OptimizerSettings settings = Settings();
+  settings.nonfinite = NonFinitePolicy::kGuard;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("first", 32), Param("poisoned", 32),
+                                                    Param("after", 32)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  ReferenceAdamW ref(Hyper(), initial[0]);
+  std::vector<float> grad = RandomFloats(32, 8);
+  ref.Step(Sum({grad}, 1.0));
+  // One at a time, so the order the guard sees them in is fixed.
+  Post(*opt, *r, 0, grad, 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[0], 0u);
+  std::vector<float> bad = RandomFloats(32, 9);
+  bad[1] = bad[2] = std::numeric_limits<float>::quiet_NaN();
+  Post(*opt, *r, 1, bad, 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[1], ipc::kFlagSkipped);
+  Post(*opt, *r, 2, RandomFloats(32, 10), 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[2], ipc::kFlagSkipped);
+  ExpectMatches(*r, 0, ref);
+  EXPECT_EQ(Master(*r, 1), initial[1]);
+  EXPECT_EQ(Master(*r, 2), initial[2]);
+  OptimizerReport report = opt->Report();
+  EXPECT_TRUE(report.last_step.skipped);
+  EXPECT_EQ(report.last_step.nonfinite, 2u);
+  EXPECT_EQ(report.param_steps, (std::vector<uint64_t>{1, 0, 0}));
+  EXPECT_EQ(report.iteration, 1u);
+  EXPECT_EQ(report.state, "ready");
+}
+
+TEST_F(JobOptimizerTest, ClippingScalesTheAveragedGradientByTheGlobalNorm) {
+  OptimizerSettings settings = Settings();
+  settings.max_grad_norm = 0.5;
+  auto opt = Make(settings, 2);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 100), Param("b", 30)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  std::unique_ptr<Rank> r1 = Join(*opt, 1, params, 2);
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r0, params);
+  std::vector<std::vector<double>> mean;
+  double sum_squares = 0;
+  for (uint32_t i = 0; i < 2; ++i) {
+    std::vector<float> g0 = RandomFloats(params[i].numel, 80 + i);
+    std::vector<float> g1 = RandomFloats(params[i].numel, 90 + i);
+    Post(*opt, *r0, i, g0, 1);
+    Post(*opt, *r1, i, g1, 1);
+    mean.push_back(Sum({g0, g1}, 0.5));
+    for (double x : mean.back()) sum_squares += x * x;
+  }
+  UpdatesDone(*r0, 2, 1);
+  UpdatesDone(*r1, 2, 1);
+  const double norm = std::sqrt(sum_squares);
+  ASSERT_GT(norm, 1.0);  // so the clip bites
+  const double coef = 0.5 / (norm + 1e-6);
+  OptimizerReport report = opt->Report();
+  EXPECT_NEAR(report.last_step.grad_norm, norm, 1e-5 * norm);
+  EXPECT_NEAR(report.last_step.clip_coef, coef, 1e-6);
+  for (uint32_t i = 0; i < 2; ++i) {
+    ReferenceAdamW ref(Hyper(), initial[i]);
+    for (double& x : mean[i]) x *= coef;
+    ref.Step(mean[i]);
+    ExpectMatches(*r0, i, ref);
+  }
+}
+
+}  // namespace
+}  // namespace trainstream::daemon::job_optimizer_test
