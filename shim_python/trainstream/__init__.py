@@ -11,8 +11,8 @@ import sys
 
 import torch  # noqa: F401  (import order only)
 
-from . import _trainstream
-from .transport.client import Buffer, Client, Notice, connect
+from .transport.client import VERSION as __version__, Buffer, Client, Notice, connect
+from .transport.device import cuda_available
 from .transport.host_optimizer import HostOptimizer, ParameterSpec
 from .frozen.store import SharedBase, bases, load_base
 from .frozen.gpu_pool import GpuBase, gpu_pools
@@ -36,16 +36,9 @@ from .errors import (
     TrainStreamError,
 )
 
-__version__ = _trainstream.__version__
-
 from . import _moved  # noqa: E402  (last: every module it aliases is importable by now)
 
 _moved.install(sys.modules[__name__])
-
-
-def cuda_available() -> tuple[bool, str]:
-    """Whether the client library can use a GPU, and why not when it cannot."""
-    return _trainstream.cuda_available()
 
 
 __all__ = [

@@ -17,7 +17,7 @@ from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from .frozen.linear import BaseLinear, quantize_model
+from .frozen.linear import BaseLinear, attached_base, quantize_model
 from .memory.blocks import find_blocks, has_forward
 from .frozen.gpu_pool import gpu_pools
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
@@ -79,7 +79,8 @@ class TrainStreamSession:
     optimizer: OffloadAdamW
     config: dict
     events: list = field(default_factory=list)
-    pager: Any = None  # trainstream.paging.BlockPager when blocks page weights or activations
+    pager: Any = None  # memory.pager.BlockPager when blocks page weights or activations
+    recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
     plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
     frozen: Any = None  # host copies of frozen weights that stream
     cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
@@ -88,7 +89,7 @@ class TrainStreamSession:
     @property
     def adapting(self) -> bool:
         """True while offload='auto' is still measuring the first steps."""
-        return bool(self.optimizer._switch_when_fits) or bool(self.plan and self.plan.adapting)
+        return self.optimizer.switch_pending or bool(self.plan and self.plan.adapting)
 
     @property
     def steps(self) -> int:
@@ -482,10 +483,11 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
 
         dist.barrier()
         if topology.machines > 1 and rank == 0:
-            for i in range(len(offload._params)):
-                dist.broadcast(offload._host.master(i), src=0, group=topology.machine_group)
-                if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
-                    offload._host.param(i).copy_(offload._host.master(i))
+            host = offload.host
+            for i in range(len(offload.trained_params)):
+                dist.broadcast(host.master(i), src=0, group=topology.machine_group)
+                if host.param(i).data_ptr() != host.master(i).data_ptr():
+                    host.param(i).copy_(host.master(i))
             dist.barrier(group=topology.machine_group)
         dist.barrier()
         offload.refresh_weights()
@@ -498,17 +500,18 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     offload.attach_forward_waits(model, [b for b in _block_stack(model, config, paging)
                                          if has_forward(b)])
     frozen = FrozenWeights(client)
-    pager = page_blocks(model, paging, offload, config, events, initial, frozen)
+    pager, recompute = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.pager = pager
+    session.recompute = recompute
     session.frozen = frozen
     for kind, message in events:
         session.note(kind, message)
     for module in model.modules():  # an fp8 base's layers say how they multiply
         if isinstance(module, BaseLinear):
             module.note = session.note
-    if config["gpu_state_blocks"] == "auto" and offload._cuda:
+    if config["gpu_state_blocks"] == "auto" and offload.is_cuda:
         refusal = offload.gpu_state_refusal()
         if refusal is not None:
             session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
@@ -517,7 +520,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             model, paging, pager, offload, client, session,
             planned if config["check_memory"] else None,
             lambda head_weight, tokens: loss_working_bytes(model, head_weight, tokens))
-        offload._adaptive = session.plan
+        offload.configure(memory_plan=session.plan)
     else:
         # No run-time plan to decide them: the blocks asked for move now.
         # ("auto" decides nothing without measurements: none move.)
@@ -536,7 +539,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
             session.note("plan.gpu_state", "; ".join(said) + ", as asked (gpu_state_blocks, "
                          "staged_state_blocks)", gpu_state_elements=held,
                          staged_elements=staged)
-    if getattr(offload, "_resumed", False):
+    if offload.resumed:
         behind = getattr(offload, "behind_on_resume", [])
         lagging = (f"; {len(behind)} tensors' state is older than that (kept in VRAM by a "
                    "process that ended without unwrap() or a checkpoint since, or without "
@@ -548,14 +551,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         if behind:
             warnings.warn(f"trainstream.wrap: {lagging[2:]}", stacklevel=2)
     session.note("wrap.optimizer",
-                 f"{'CUDA' if offload._cuda else 'CPU'} model, {len(offload._params)} tensors: "
+                 f"{'CUDA' if offload.is_cuda else 'CPU'} model, {len(offload.trained_params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
-                 f"rank {rank}/{world})", tensors=len(offload._params))
-    offload._on_decision = session.note
-    offload._vram_headroom = float(config["vram_headroom"])
-    if config["offload"] == "auto":
-        # Measured over the first steps, then decided (an event says which way).
-        offload._switch_when_fits = True
+                 f"rank {rank}/{world})", tensors=len(offload.trained_params))
+    # offload="auto" measures over the first steps, then decides (an event says which way).
+    offload.configure(on_decision=session.note, vram_headroom=float(config["vram_headroom"]),
+                      switch_when_fits=config["offload"] == "auto" or None)
     model._trainstream_session = session
     return model, offload
 
@@ -618,9 +619,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         warnings.warn(f"trainstream.unwrap: {left / 2**30:.2f} GiB of streamed weights do not fit "
                       "in VRAM and stay on the CPU; the model is split between the two devices",
                       stacklevel=2)
-    recompute = getattr(session.optimizer, "_recompute", None)
-    if recompute is not None:
-        recompute.close()
+    if session.recompute is not None:
+        session.recompute.close()
     for module in model.modules():  # no layer keeps the session alive
         if isinstance(module, BaseLinear):
             module.note = None
@@ -658,7 +658,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
     }
-    recompute = getattr(session.optimizer, "_recompute", None)
+    recompute = session.recompute
     policy = pager.activation_policy() if pager else []
     if recompute is not None:
         count = len(recompute.blocks)
@@ -698,16 +698,15 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                                 m.matmul_choice["why"], m.matmul_choice.get("scaled_mm_ms"),
                                 m.matmul_choice.get("dequantize_ms")) for m in layers},
                               key=str)}
-    base = getattr(model, "_trainstream_base", None)
+    base, gpu_base = attached_base(model)
     if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
         info = base.info()
         report["base"] = {"id": base.id, "name": base.name, "format": base.format,
                           "stored_bytes": base.stored_bytes, "users": int(info["users"])}
-    gpu_base = getattr(model, "_trainstream_gpu_base", None)
     if gpu_base is not None:  # attach_base(gpu_pool=True): the base read in place from VRAM
         report["gpu_pool"] = gpu_base.report()
         report["gpu_pool"]["importers"] = next(
-            (len(p.get("importers", [])) for p in gpu_pools(gpu_base._base._client)["pools"]
+            (len(p.get("importers", [])) for p in gpu_pools(gpu_base.base.client)["pools"]
              if int(p["pool_id"]) == gpu_base.pool_id), 0)
     if os.path.exists("/proc/self/smaps"):
         from .frozen.store import mapped_segments

@@ -14,14 +14,15 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..transport.client import Client, _loads, connect
+from ..transport import device as cuda_device
+from ..transport.client import Client, connect
 from .formats import source_dtype
 from ..errors import FailedPreconditionError, InvalidArgumentError
 
 
-def _release(native: Any, pool_id: int) -> None:
+def _release(client: Client, pool_id: int) -> None:
     try:
-        native.release_gpu_pool(pool_id)
+        client.release_gpu_pool(pool_id)
     except Exception:  # the session ended first: the daemon released it with the session
         pass
 
@@ -34,17 +35,15 @@ class GpuBase:
     def __init__(self, base: Any, device: Any):
         import torch
 
-        self._base = base
+        self.base = base
         self.device = device
-        from .. import _trainstream
-
-        uuid = _trainstream.cuda_device_uuid(device.index)
-        self.info = _loads(base._client._native.place_base_on_gpu(base.id, uuid))
+        client = base.client
+        self.info = client.place_base_on_gpu(base.id, cuda_device.device_uuid(device.index))
         self.pool_id = int(self.info["pool_id"])
         try:
-            mapping = base._client._native.import_gpu_pool(self.pool_id, device.index)
+            mapping = client.import_gpu_pool(self.pool_id, device.index)
         except Exception:
-            _release(base._client._native, self.pool_id)
+            _release(client, self.pool_id)
             raise
         self.kind = mapping.kind
         self.read_only = mapping.read_only
@@ -52,21 +51,21 @@ class GpuBase:
         self.bytes = mapping.bytes
         # The import ends when the mapping goes: after the last view of it. Not at interpreter
         # exit (the mapping may outlive the finalizers then): the session's end releases it.
-        weakref.finalize(mapping, _release, base._client._native, self.pool_id).atexit = False
+        weakref.finalize(mapping, _release, client, self.pool_id).atexit = False
         self._pool = torch.as_tensor(mapping, device=device)
         offsets = [int(o) for o in self.info.get("buffer_offsets", [])]
-        if len(offsets) != len(base._buffers):
+        if len(offsets) != base.buffer_count:
             raise FailedPreconditionError(
                 f"GPU pool {self.pool_id} describes {len(offsets)} buffers; base "
-                f"'{base.name}' has {len(base._buffers)}")
+                f"'{base.name}' has {base.buffer_count}")
         self._offsets = offsets
         if self.note:
-            base._client.report_event("pool.mapped", f"GPU pool {self.pool_id} on {device}: "
-                                      f"{self.note}", bytes=float(self.bytes))
+            client.report_event("pool.mapped", f"GPU pool {self.pool_id} on {device}: "
+                                f"{self.note}", bytes=float(self.bytes))
 
     def raw(self, name: str) -> tuple:
         """The stored bytes of ``name`` in the pool: (data, scales), uint8 views on the GPU."""
-        t = self._base._tensor(name)
+        t = self.base.record(name)
         start = self._offsets[t.buffer]
         data = self._pool[start + t.data_offset:start + t.data_offset + t.data_bytes]
         scales = self._pool[start + t.scale_offset:start + t.scale_offset + t.scale_bytes]
@@ -77,7 +76,7 @@ class GpuBase:
         shape."""
         import torch
 
-        t = self._base._tensor(name)
+        t = self.base.record(name)
         if t.stored not in ("bf16", "as_is"):
             raise FailedPreconditionError(f"tensor '{name}' is stored as {t.stored}")
         dtype = torch.bfloat16 if t.stored == "bf16" else getattr(torch, source_dtype(t))
@@ -90,7 +89,7 @@ class GpuBase:
                 "note": self.note, "fill_seconds": float(self.info.get("fill_seconds", 0.0))}
 
     def __repr__(self) -> str:
-        return (f"<trainstream.GpuBase pool {self.pool_id} of base {self._base.id} on "
+        return (f"<trainstream.GpuBase pool {self.pool_id} of base {self.base.id} on "
                 f"{self.device}, {self.bytes / 1e9:.2f} GB, {self.kind}"
                 f"{', read-only' if self.read_only else ''}>")
 
@@ -107,7 +106,7 @@ def place_on_gpu(base: Any, device: Any = None) -> GpuBase:
         raise FailedPreconditionError("no CUDA device in this process: no GPU pool to use")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    pools = base.__dict__.setdefault("_gpu_pools", {})
+    pools = base.gpu_pools
     if device.index not in pools:
         pools[device.index] = GpuBase(base, device)
     return pools[device.index]
@@ -117,5 +116,5 @@ def gpu_pools(client: Client | None = None) -> dict:
     """The daemon's GPU pools of this user (all users' for an admin): {"pools": [...], "note":
     why none can be made, when none can}."""
     client = client or connect()
-    reply = _loads(client._native.gpu_pools_json())
+    reply = client.gpu_pools()
     return {"pools": reply.get("pools", []), "note": reply.get("note", "")}

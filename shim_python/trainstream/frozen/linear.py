@@ -21,6 +21,7 @@ from torch import nn
 from . import fp8_matmul
 from .store import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
 from ..errors import InvalidArgumentError
+from ..transport import kernels
 
 
 def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
@@ -266,6 +267,13 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     return taken
 
 
+def attached_base(model: nn.Module) -> tuple:
+    """The shared base attach_base() built ``model``'s frozen layers over, and its GPU pool:
+    (SharedBase or None, GpuBase or None)."""
+    return (getattr(model, "_trainstream_base", None),
+            getattr(model, "_trainstream_gpu_base", None))
+
+
 def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
                    fp8_matmul: Any = "auto") -> list:
     """Quantizes the frozen ``nn.Linear`` weights of ``model`` in this process (the daemon's
@@ -306,17 +314,15 @@ def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int)
     """``w`` quantized by the daemon's quantizer (the same bytes as quantize_reference), its
     chunks on ``pool``'s threads, in place in torch buffers: (data, scales, tensor scale,
     block)."""
-    from .. import _trainstream
-
     values = w.float().cpu().contiguous().view(-1)  # a copy only where w is not fp32 on the CPU
     numel = values.numel()
-    data_bytes, scale_bytes, block_used = _trainstream.quant_layout(format, numel, block)
+    data_bytes, scale_bytes, block_used = kernels.quant_layout(format, numel, block)
     data = torch.empty(data_bytes, dtype=torch.uint8)
     scales = torch.empty(scale_bytes, dtype=torch.uint8)
-    tensor_scale = (_trainstream.nvfp4_tensor_scale(float(values.abs().max()))
+    tensor_scale = (kernels.nvfp4_tensor_scale(float(values.abs().max()))
                     if format == "nvfp4" and numel else 1.0)
     step = max(block_used, _CHUNK_VALUES // block_used * block_used)
-    tasks = [pool.submit(_trainstream.quantize_chunk, format, block_used, numel, first,
+    tasks = [pool.submit(kernels.quantize_chunk, format, block_used, numel, first,
                          min(step, numel - first),
                          values.data_ptr() + 4 * first, tensor_scale, data.data_ptr(),
                          scales.data_ptr())

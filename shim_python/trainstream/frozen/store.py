@@ -13,7 +13,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..transport.client import Client, _loads, connect
+from ..transport import kernels
+from ..transport.client import Client, connect
 from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .formats import E2M1_VALUES, FORMATS, NF4_VALUES, BaseTensor, source_dtype  # noqa: F401
 from .gpu_pool import place_on_gpu
@@ -23,9 +24,11 @@ class SharedBase:
     while after (``tsctl bases``); ``close()`` detaches this one."""
 
     def __init__(self, client: Client, info: dict, buffers: list):
-        self._client = client
+        self.client = client  # the session the base is mapped through
         self._info = info
         self._buffers = buffers
+        # This process's mappings of the base's GPU pools, by CUDA device index (on_gpu).
+        self.gpu_pools: dict = {}
         self.tensors = {t["name"]: BaseTensor(
             name=t["name"], shape=tuple(int(d) for d in t.get("shape", [])),
             source_dtype=t["source_dtype"], stored=t["stored"], block=int(t["block"]),
@@ -43,7 +46,7 @@ class SharedBase:
 
     def info(self) -> dict:
         """The daemon's view now (users, bytes, state)."""
-        return _loads(self._client._native.base_json(self.id))
+        return self.client.base_info(self.id)
 
     def _bytes(self, t: BaseTensor, offset: int, nbytes: int) -> Any:
         import torch
@@ -59,7 +62,7 @@ class SharedBase:
     def raw(self, name: str) -> tuple:
         """The stored bytes of ``name``, as views of the daemon's read-only memory: (data,
         scales), uint8 tensors (scales empty unless quantized). Never write to them."""
-        t = self._tensor(name)
+        t = self.record(name)
         data = self._bytes(t, t.data_offset, t.data_bytes)
         scales = self._bytes(t, t.scale_offset, t.scale_bytes)
         return data, scales
@@ -69,7 +72,7 @@ class SharedBase:
         of the shared copy with its shape; quantized ones need :meth:`dequantize`."""
         import torch
 
-        t = self._tensor(name)
+        t = self.record(name)
         if t.stored not in ("bf16", "as_is"):
             raise FailedPreconditionError(f"tensor '{name}' is stored as {t.stored}: "
                                           "use dequantize()")
@@ -82,7 +85,7 @@ class SharedBase:
         default), whatever its stored format."""
         import torch
 
-        t = self._tensor(name)
+        t = self.record(name)
         dtype = dtype or torch.bfloat16
         if t.stored in ("bf16", "as_is"):
             return self.tensor(name).to(device=device, dtype=dtype, copy=True)
@@ -99,7 +102,10 @@ class SharedBase:
             raise FailedPreconditionError(f"base '{self.name}' is closed in this process")
         return place_on_gpu(self, device)
 
-    def _tensor(self, name: str) -> BaseTensor:
+    buffer_count = property(lambda self: len(self._buffers))
+
+    def record(self, name: str) -> BaseTensor:
+        """Where and how tensor ``name`` is stored in the base."""
         if not self._buffers:
             raise FailedPreconditionError(f"base '{self.name}' is closed in this process")
         if name not in self.tensors:
@@ -112,8 +118,8 @@ class SharedBase:
         if self._buffers:
             self._buffers = []
             # Its GPU pools go with the last view of them (a model built over one keeps it).
-            self.__dict__.pop("_gpu_pools", None)
-            self._client._native.detach_base(self.id)
+            self.gpu_pools = {}
+            self.client.detach_base(self.id)
 
     def __enter__(self) -> "SharedBase":
         return self
@@ -161,8 +167,6 @@ def dequantize_cuda(t: BaseTensor, data: Any, scales: Any, dtype: Any = None) ->
     current stream."""
     import torch
 
-    from .. import _trainstream
-
     dtype = dtype or torch.bfloat16
     if dtype not in (torch.bfloat16, torch.float32):
         raise InvalidArgumentError(f"dequantize_cuda writes bf16 or fp32, not {dtype}")
@@ -173,10 +177,10 @@ def dequantize_cuda(t: BaseTensor, data: Any, scales: Any, dtype: Any = None) ->
     data, scales = data.contiguous(), scales.contiguous()
     with torch.cuda.device(data.device):  # the kernel runs on the data's device
         out = torch.empty(t.numel, dtype=dtype, device=data.device)
-        _trainstream.dequantize_cuda(t.stored, t.block, t.numel, data.data_ptr(),
-                                     scales.data_ptr(), t.tensor_scale, out.data_ptr(),
-                                     dtype == torch.bfloat16,
-                                     torch.cuda.current_stream(data.device).cuda_stream)
+        kernels.dequantize_cuda(t.stored, t.block, t.numel, data.data_ptr(),
+                                scales.data_ptr(), t.tensor_scale, out.data_ptr(),
+                                dtype == torch.bfloat16,
+                                torch.cuda.current_stream(data.device).cuda_stream)
     return out
 
 
@@ -203,8 +207,7 @@ def load_base(path: str, format: str = "bf16", block: int = 0, quantize: list | 
     if not isinstance(block, int) or block < 0:
         raise InvalidArgumentError(f"block={block!r} must be 0 (the format's default) or more")
     client = client or connect(job_id=f"base-{os.getpid()}")
-    info = _loads(client._native.load_base(os.path.abspath(path), format, block,
-                                           list(quantize or []), name))
+    info = client.load_base(os.path.abspath(path), format, block, list(quantize or []), name)
     report = progress if callable(progress) else (_print_progress if progress else None)
     start = time.monotonic()
     shown = False
@@ -216,12 +219,12 @@ def load_base(path: str, format: str = "bf16", block: int = 0, quantize: list | 
             report(info)
             shown = True
         time.sleep(0.1)
-        info = _loads(client._native.base_json(int(info["base_id"])))
+        info = client.base_info(int(info["base_id"]))
     if shown and report is _print_progress:
         print(file=sys.stderr)
     if info["state"] != "ready":
         raise FailedPreconditionError(f"base '{info['name']}' failed to load: {info['error']}")
-    return SharedBase(client, info, client._native.map_base(int(info["base_id"])))
+    return SharedBase(client, info, client.map_base(int(info["base_id"])))
 
 
 def mapped_segments() -> dict:
@@ -244,4 +247,4 @@ def mapped_segments() -> dict:
 def bases(client: Client | None = None) -> list:
     """This user's bases in the daemon (all users' for an admin), as dicts."""
     client = client or connect()
-    return _loads(client._native.bases_json()).get("bases", [])
+    return client.bases()

@@ -50,10 +50,10 @@ STOCK_BYTES_PER_LOGIT = 12
 def _kernels() -> Any:
     """The native module when it was built with the CUDA kernels, else None."""
     try:
-        from .. import _trainstream
+        from ..transport import kernels
     except ImportError:  # the module file loaded on its own (bench/chunked_loss.py --no-kernels)
         return None
-    return _trainstream if getattr(_trainstream, "has_cuda_kernels", False) else None
+    return kernels.cross_entropy()
 
 
 # The logits' dtypes the kernels read.

@@ -220,30 +220,31 @@ class FrozenWeights:
 
 
 def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: OffloadAdamW,
-                 config: dict, events: list, initial: dict, frozen: FrozenWeights) -> Any:
+                 config: dict, events: list, initial: dict, frozen: FrozenWeights) -> tuple:
     """Starts weight and activation paging and recompute for the chosen blocks; returns the
-    pager (or None)."""
+    pager and the recompute (each None when there is none)."""
     from .pager import BlockPager
     from .recompute import Recompute
 
     if choice is None:
-        return None
+        return None, None
     blocks, paged, offloaded, recomputed, depth = (choice.blocks, choice.paged, choice.offloaded,
                                                    choice.recomputed, choice.depth)
+    recompute = None
     if recomputed or choice.adaptive:
-        offload._recompute = Recompute(blocks, recomputed)
+        recompute = Recompute(blocks, recomputed)
         if recomputed:
             events.append(("wrap.recompute", f"{len(recomputed)} of {len(blocks)} blocks "
                                              "recompute their forward in backward instead of "
                                              "keeping activations"))
     if not paged and not offloaded and not choice.adaptive:
-        return None
-    index = offload._index
+        return None, recompute
     names = {id(p): n for n, p in model.named_parameters()}
 
     def host_copy(p: torch.Tensor) -> torch.Tensor:
-        if id(p) in index:
-            return offload._host.param(index[id(p)])
+        i = offload.index_of(p)
+        if i is not None:
+            return offload.host.param(i)
         # A frozen weight: its own daemon buffer, filled once.
         return frozen.copy(p, _safe(names.get(id(p), f"param{id(p)}")),
                            initial.get(id(p), p.data))
@@ -260,7 +261,7 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
             f"activations/{client.session_id}",
             cap=0 if config["host_arena"] == "auto" else int(config["host_arena"]))
 
-    device = next(iter(offload._params)).device
+    device = next(iter(offload.trained_params)).device
     inflight = config["max_inflight_bytes"]
     if inflight is None:
         inflight = min(1 << 30, (choice.budget or (10 << 30)) // 10)
@@ -289,7 +290,7 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
         events.append(("wrap.activation_offload",
                        f"{len(offloaded)} of {len(blocks)} blocks page their saved activations "
                        f"to host memory (those of {config['min_offload_bytes']} bytes and up)"))
-    return pager
+    return pager, recompute
 
 
 def stream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
@@ -335,21 +336,18 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
 
     def after(module, incompatible):
         with torch.no_grad():
-            for i, p in enumerate(offload._params):
-                if id(p) not in names:
-                    continue
-                offload._host.master(i).copy_(p.detach().reshape(p.shape))
-                if offload._host.param(i).data_ptr() != offload._host.master(i).data_ptr():
-                    offload._host.param(i).copy_(p.detach())
+            for i, p in enumerate(offload.trained_params):
+                if id(p) in names:
+                    offload.weights_to_daemon(i)
             for p in streamed:
-                if id(p) not in offload._index:  # frozen: its host copy takes the value
+                if offload.index_of(p) is None:  # frozen: its host copy takes the value
                     pager.host[id(p)].copy_(p.detach())
                 p.data = pager.placeholders[id(p)]
         if pager is not None:
             pager.weights_changed()
 
-    offload._hooks.append(model._register_load_state_dict_pre_hook(before))
-    offload._hooks.append(model.register_load_state_dict_post_hook(after))
+    offload.add_hook(model._register_load_state_dict_pre_hook(before))
+    offload.add_hook(model.register_load_state_dict_post_hook(after))
 
 
 def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
@@ -372,12 +370,10 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     # The optimizer's own PCIe traffic a step: gradients out, updated weights back (streamed
     # blocks' updates stay on the host: their fetches are counted by the plan).
     grads = sum(p.numel() * torch.tensor([], dtype=dtype).element_size()
-                for p, dtype in zip(offload._params, offload._grad_dtypes))
+                for p, dtype in zip(offload.trained_params, offload.gradient_dtypes))
 
     def transfers() -> tuple:
-        back = sum(p.numel() * p.element_size() for i, p in enumerate(offload._params)
-                   if i not in offload._paged_indices)
-        return back, grads
+        return offload.returned_bytes(), grads
 
     def host_free() -> int:
         memory = client.memory()
@@ -385,11 +381,10 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
 
     def host_pass() -> tuple:
         # The last step's pass: the workers' busy time over their count, and what it covered.
-        info = offload._host.info()
+        info = offload.host.info()
         seconds = float(info.get("last_step", {}).get("update_seconds", 0.0))
         seconds /= max(1, int(info.get("threads", 1)))
-        return seconds, sum(p.numel() for i, p in enumerate(offload._params)
-                            if i not in offload._device_indices)
+        return seconds, offload.host_updated_elements()
 
     option = session.config["gpu_state_blocks"]
     staged_option = session.config["staged_state_blocks"]
@@ -398,9 +393,9 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
         option = staged_option = 0
     # Only fp32 weights may keep their state in VRAM (the master weights of others are the
     # daemon's); each updated on the host moves its gradient out and itself back a step.
-    trainable_outside = sum(p.numel() for p in offload._params
+    trainable_outside = sum(p.numel() for p in offload.trained_params
                             if id(p) not in inside and p.dtype == torch.float32)
-    update_transfer = (4, offload._gradient_dtype.itemsize if offload._gradient_dtype else 4)
+    update_transfer = (4, offload.gradient_dtype.itemsize if offload.gradient_dtype else 4)
 
     frozen_at_wrap = session.frozen.bytes
     arena = session.config["host_arena"]
@@ -413,7 +408,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
             client.plan_host_memory(planned + activation_bytes +
                                     session.frozen.bytes - frozen_at_wrap)
 
-    plan = AdaptivePlan(paging.blocks, pager, offload._recompute, paging.budget,
+    plan = AdaptivePlan(paging.blocks, pager, session.recompute, paging.budget,
                         stream_weights=lambda blocks: stream_weights(offload, pager, blocks),
                         unstream_weights=lambda blocks: unstream_weights(offload, pager, blocks),
                         plan_host=plan_host, host_free=host_free, note=session.note,
@@ -431,7 +426,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0)
     handle = _room_for_probe(model, plan, loss_bytes)
     if handle is not None:
-        offload._hooks.append(handle)  # unwrap() before any step removes it
+        offload.add_hook(handle)  # unwrap() before any step removes it
     return plan
 
 

@@ -36,8 +36,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _trainstream
-
 from ..transport import device as cuda_device
 from ..errors import InvalidArgumentError
 from ..hooks import HookClock, weak_hook
@@ -387,9 +385,9 @@ class BlockPager:
         if self.cuda:
             # The block's weights in one native call, on the weight stream (torch would
             # dispatch each tensor's copy on its own: a block has a score of them).
-            _trainstream.copy_pieces(self.stream.cuda_stream,
-                                     [(view.data_ptr(), host[id(p)].data_ptr(), nbytes)
-                                      for (p, _, nbytes), view in pairs])
+            cuda_device.copy_pieces(self.stream.cuda_stream,
+                                    [(view.data_ptr(), host[id(p)].data_ptr(), nbytes)
+                                     for (p, _, nbytes), view in pairs])
         else:
             for (p, _, _), view in pairs:
                 view.copy_(host[id(p)])
@@ -648,8 +646,8 @@ class BlockPager:
         private pinned tensors go through torch, whose pinned-memory pool then keeps a freed
         buffer from being handed out again before its copy has run."""
         if self.arena is not None:
-            _trainstream.copy_pieces(stream.cuda_stream, [(dst.data_ptr(), src.data_ptr(),
-                                                           src.nbytes) for dst, src in pairs])
+            cuda_device.copy_pieces(stream.cuda_stream, [(dst.data_ptr(), src.data_ptr(),
+                                                          src.nbytes) for dst, src in pairs])
             return
         with torch.cuda.stream(stream):
             for dst, src in pairs:

@@ -13,6 +13,9 @@ from .. import _trainstream
 from .embedded import EmbeddedDaemon
 from ..errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
+# The client library's version (the daemon's own is in its status).
+VERSION: str = _trainstream.__version__
+
 # Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
 _INT64_FIELDS = frozenset({
     "budget_bytes", "reserved_bytes", "uid_quota_bytes", "segments", "bytes", "buffer_bytes",
@@ -33,7 +36,8 @@ def _int64_fields(obj: dict) -> dict:
     return obj
 
 
-def _loads(text: str) -> Any:
+def decode_json(text: str) -> Any:
+    """A reply of the native module (protobuf JSON), its 64-bit integers as ints."""
     return json.loads(text, object_hook=_int64_fields)
 
 
@@ -127,6 +131,8 @@ class Client:
         self._embedded = embedded
 
     session_id = property(lambda self: self._native.id)
+    # The native session, for the transport layer's other objects (the host optimizer).
+    native_session = property(lambda self: self._native)
     socket_path = property(lambda self: self._native.socket_path)
     embedded = property(lambda self: self._embedded is not None)
 
@@ -166,22 +172,61 @@ class Client:
         return self._native.ping()
 
     def status(self) -> dict:
-        return _loads(self._native.status_json())
+        return decode_json(self._native.status_json())
 
     def sessions(self) -> list:
-        return _loads(self._native.sessions_json()).get("sessions", [])
+        return decode_json(self._native.sessions_json()).get("sessions", [])
 
     def memory(self) -> dict:
-        return _loads(self._native.memory_json())
+        return decode_json(self._native.memory_json())
 
     def events(self, since: int = 0) -> list:
-        return _loads(self._native.events_json(since))
+        return decode_json(self._native.events_json(since))
 
     def plan_host_memory(self, nbytes: int, wait_s: float = 0.0) -> dict:
         """Admission: declares all the host memory this job will hold (0 drops the plan). The
         daemon keeps it for the job, or raises :class:`ResourceExhaustedError` with the numbers
         (after waiting up to ``wait_s`` for other jobs to make room)."""
-        return _loads(self._native.plan_host_memory(int(nbytes), float(wait_s)))
+        return decode_json(self._native.plan_host_memory(int(nbytes), float(wait_s)))
+
+    # Shared bases and their GPU pools (frozen/ builds on these).
+    def load_base(self, path: str, format: str, block: int, quantize: list, name: str) -> dict:
+        """Asks the daemon for the base of the checkpoint at ``path``; its state, "loading"
+        while the daemon reads it."""
+        return decode_json(self._native.load_base(path, format, block, list(quantize), name))
+
+    def base_info(self, base_id: int) -> dict:
+        """The daemon's view of base ``base_id`` now (state, progress, users, tensors)."""
+        return decode_json(self._native.base_json(int(base_id)))
+
+    def map_base(self, base_id: int) -> list:
+        """Maps a ready base's buffers into this process, read-only: one buffer object each."""
+        return self._native.map_base(int(base_id))
+
+    def detach_base(self, base_id: int) -> None:
+        """This session stops using base ``base_id``."""
+        self._native.detach_base(int(base_id))
+
+    def bases(self) -> list:
+        """This user's bases in the daemon (all users' for an admin)."""
+        return decode_json(self._native.bases_json()).get("bases", [])
+
+    def place_base_on_gpu(self, base_id: int, device_uuid: str) -> dict:
+        """Asks the daemon to hold base ``base_id`` in its pool on the GPU named by UUID
+        (copied there the first time): the pool's id and the base's buffer offsets in it."""
+        return decode_json(self._native.place_base_on_gpu(int(base_id), device_uuid))
+
+    def import_gpu_pool(self, pool_id: int, device_index: int) -> Any:
+        """Maps GPU pool ``pool_id`` into this process on CUDA device ``device_index``."""
+        return self._native.import_gpu_pool(int(pool_id), int(device_index))
+
+    def release_gpu_pool(self, pool_id: int) -> None:
+        """This process stops using GPU pool ``pool_id``."""
+        self._native.release_gpu_pool(int(pool_id))
+
+    def gpu_pools(self) -> dict:
+        """The daemon's GPU pools of this user: {"pools": [...], "note": ...}."""
+        return decode_json(self._native.gpu_pools_json())
 
     def report_event(self, kind: str, message: str, **numbers: float) -> int:
         """Records a decision in the daemon's event log under this session (as

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .client import Client, _loads
+from .client import Client, decode_json
 from ..errors import InvalidArgumentError
 
 _NONFINITE = {"error": 1, "skip": 2, "ignore": 3, "guard": 4}
@@ -86,8 +86,8 @@ def estimate_host_memory(client: Client, params: Sequence[ParameterSpec],
 
     spec = _spec("adamw", moment_dtype or torch.float32, 0.0, False, "ignore",
                  accumulation_steps, machines, [_group({})])
-    return _trainstream.estimate_host_memory(client._native, spec, _natives(params), int(ranks),
-                                             [int(b) for b in other_buffers])
+    return _trainstream.estimate_host_memory(client.native_session, spec, _natives(params),
+                                             int(ranks), [int(b) for b in other_buffers])
 
 
 class HostOptimizer:
@@ -119,7 +119,8 @@ class HostOptimizer:
                      accumulation_steps, machines, self._groups)
         from .. import _trainstream
 
-        self._native = _trainstream.HostOptimizer(client._native, spec, _natives(self.params))
+        self._native = _trainstream.HostOptimizer(client.native_session, spec,
+                                                  _natives(self.params))
         self.client = client
         self.moment_dtype = moment_dtype
         self.accumulation_steps = int(accumulation_steps)
@@ -242,6 +243,31 @@ class HostOptimizer:
         """Blocks until every sent gradient is announced; raises the first failure."""
         self._native.drain_gradients()
 
+    # Updates copied straight back into the parameters' CUDA storage (the daemon's copy engine
+    # writes them as each parameter's update lands). A target is (device pointer, bytes);
+    # (0, 0) for a parameter whose values come back another way (paged from the host copy).
+    def return_updates_to_device(self, device_index: int, targets: Sequence[tuple]) -> None:
+        """From now on each parameter's update is copied to its target on CUDA device
+        ``device_index``."""
+        self._native.return_updates_to_device(int(device_index), list(targets))
+
+    def add_device_targets(self, targets: Sequence[tuple]) -> None:
+        """The targets of parameters added since (add_parameters), in their order."""
+        self._native.add_device_targets(list(targets))
+
+    def retarget_device(self, i: int, pointer: int, nbytes: int) -> None:
+        """Parameter ``i``'s updates go to new storage (0, 0: no longer copied back)."""
+        self._native.retarget_device(int(i), int(pointer), int(nbytes))
+
+    def wait_for_parameters(self, indices: Sequence[int], stream_pointer: int) -> None:
+        """Work queued next on the stream (a ``cudaStream_t``) waits until these parameters'
+        returning copies have landed."""
+        self._native.wait_for_parameters(list(indices), int(stream_pointer))
+
+    def synchronize_device_returns(self) -> None:
+        """Blocks until no returning copy is in flight (before storage may be reused)."""
+        self._native.synchronize_device_returns()
+
     def wait_consumed(self, i: int) -> None:
         self._native.wait_consumed(i, self.iteration + 1, self.timeout_ms)
 
@@ -357,6 +383,6 @@ class HostOptimizer:
 
     def info(self) -> dict:
         """The job's optimizer figures: step, state, last step's norm, time and GB/s."""
-        info = _loads(self._native.info_json())
+        info = decode_json(self._native.info_json())
         info["step"] = int(info.get("step", 0))
         return info

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""OffloadAdamW's state in and out: torch's state_dict form (the moments fetched from the
+daemon, or wherever each parameter's state lives now) and the daemon's own checkpoint files
+(save/load, written by trainstreamd)."""
+
+from __future__ import annotations
+
+import torch
+
+from .groups import daemon_group
+
+class Checkpoints:
+    """OffloadAdamW's checkpoints (a part of the class)."""
+
+    def state_dict(self) -> dict:
+        """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""
+        if self._gpu_optimizer is not None:
+            return self._gpu_optimizer.state_dict()
+        self._settle_updates()  # between the last backward and step(): the updated state
+        if self._staged is not None:
+            self._staged.synchronize()  # the daemon's moments of staged ones are current
+        ours = self._host.state_dict()
+        for i in self._device_indices:  # the VRAM-held state, as it is now
+            p = self._params[i]
+            if i in self._staged_indices:
+                entry = None
+                steps = self._staged.steps_of(i)
+                if steps:
+                    entry = {"step": torch.tensor(float(steps)),
+                             "exp_avg": self._host.exp_avg(i).clone(),
+                             "exp_avg_sq": self._host.exp_avg_sq(i).clone()}
+            else:
+                entry = self._device_optimizer.state.get(p)
+            ours["state"].pop(i, None)
+            if entry:
+                ours["state"][i] = {"step": entry["step"].detach().cpu().clone(),
+                                    "exp_avg": entry["exp_avg"].detach().cpu().clone(),
+                                    "exp_avg_sq": entry["exp_avg_sq"].detach().cpu().clone()}
+            ours["master"][i] = p.detach().float().cpu().clone()
+        position = {id(p): n for n, p in enumerate(self._all)}
+        state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
+        groups = []
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry.update(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                         differentiable=False, fused=None)
+            entry["params"] = [position[id(p)] for p in g["params"]]
+            groups.append(entry)
+        return {"state": state, "param_groups": groups, "master": ours["master"],
+                "iteration": ours["iteration"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._settle_updates()  # the updates landing now would write over what is loaded
+        self.synchronize()  # and so would copies still in flight (staged moments, weights)
+        if "master" not in state_dict:
+            # The weights stay as they are: the daemon's master of the VRAM-held ones first
+            # catches up, since the load copies every master back to the model.
+            self._device_state_to_daemon()
+        if self._gpu_optimizer is not None:
+            if "master" in state_dict:
+                with torch.no_grad():
+                    for p, master in zip(self._params, state_dict["master"]):
+                        p.copy_(master.reshape(p.shape))
+            self._gpu_optimizer.load_state_dict(
+                {k: v for k, v in state_dict.items() if k in ("state", "param_groups")})
+            return
+        position = {id(p): n for n, p in enumerate(self._all)}
+        ours_state = {}
+        for i, p in enumerate(self._params):
+            key = position[id(p)]
+            if key in state_dict["state"]:
+                ours_state[i] = state_dict["state"][key]
+        groups = [dict(g, params=[self._index[id(p)] for p in mine["params"] if p.requires_grad])
+                  for g, mine in zip(state_dict["param_groups"], self.param_groups)]
+        converted = {"state": ours_state, "param_groups": groups}
+        if "master" in state_dict:
+            converted["master"] = state_dict["master"]
+        if "iteration" in state_dict:
+            converted["iteration"] = state_dict["iteration"]
+        self._host.load_state_dict(converted)
+        for g, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                g[key] = loaded[key]
+        self._pushed = [daemon_group(g) for g in self.param_groups]
+        self.refresh_weights()
+        self._device_state_from_daemon()
+
+    def save(self, path: str) -> int:
+        """Checkpoints the optimizer state by the daemon (atomic rename)."""
+        self._settle_updates()  # between the last backward and step(): the updated state
+        if self._gpu_optimizer is not None:
+            # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
+            param_steps = self._moments_to_daemon(self._gpu_optimizer, range(len(self._params)))
+            self._host.set_groups([daemon_group(g) for g in self.param_groups])
+            self._host.set_step(self.steps, param_steps)
+            self._steps_at_switch, self._steps_on_gpu = self.steps, 0
+        self._device_state_to_daemon()
+        return self._host.save(path)
+
+    def load(self, path: str) -> None:
+        self._settle_updates()  # the updates landing now would write over what is loaded
+        self.synchronize()  # and so would copies still in flight (staged moments, weights)
+        self._host.load(path)
+        self.refresh_weights()
+        self._device_state_from_daemon()
+        if self._gpu_optimizer is not None:
+            # The GPU optimizer continues from the checkpoint's moments and steps.
+            self._load_gpu_state_from_daemon()
+            self._steps_at_switch, self._steps_on_gpu = self._host.iteration, 0

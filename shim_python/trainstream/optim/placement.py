@@ -1,0 +1,315 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where OffloadAdamW's state lives per parameter: in trainstreamd (the default), in VRAM under
+torch's fused AdamW (keep_state_on_device), or staged: moments copied out of the daemon and
+back around a GPU update. Moves between them carry the moments, weights and step counts."""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+import weakref
+from typing import Iterable
+
+import torch
+
+from ..errors import FailedPreconditionError
+from ..transport import device as cuda_device
+from .groups import torch_group
+from .nonfinite_guard import DeviceGuard
+from .staged_adamw import StagedAdamW
+
+# Why no state may move to VRAM under bf16 moments (gpu_state_refusal).
+BF16_MOMENTS_REFUSAL = "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
+
+class StatePlacement:
+    """OffloadAdamW's state placement (a part of the class)."""
+
+    def gpu_state_refusal(self) -> str | None:
+        """Why no parameter's AdamW state may move to VRAM in this job (None: it may)."""
+        if not self._cuda:
+            return "a CPU model's updates land in place in the daemon's shared memory"
+        if self._world_size > 1 or self._machines > 1:
+            return "a data-parallel job keeps one state in trainstreamd for every rank"
+        if self._reports_norm:
+            return ("max_grad_norm and compute_grad_norm need every gradient's norm in one "
+                    "place, the daemon")
+        if self._nonfinite in ("skip", "error"):
+            return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
+                    "before any update")
+        if self._moment_dtype != torch.float32:
+            return BF16_MOMENTS_REFUSAL
+        if self._gpu_optimizer is not None:
+            return "the whole optimizer runs on the GPU already (offload='auto')"
+        if not any(p.dtype == torch.float32 for p in self._params):
+            return ("no parameter is fp32: the fp32 master weights of the others are the "
+                    "daemon's")
+        return None
+
+    def device_state_candidates(self, param_ids: set) -> list[int]:
+        """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
+        master weights are the parameters themselves) whose weights do not stream."""
+        return [i for i, p in enumerate(self._params)
+                if id(p) in param_ids and p.dtype == torch.float32
+                and i not in self._paged_indices]
+
+    def keep_state_on_device(self, param_ids: set, staged_ids: set = frozenset()) -> int:
+        """Keeps the AdamW state of exactly these parameters (of those that may, see
+        :meth:`device_state_candidates`) in VRAM, updated there by torch's fused AdamW at
+        step(); every other parameter's goes back to the daemon. Their gradients then never
+        cross PCIe and the host's pass shrinks by their share, for 12 bytes of VRAM a parameter
+        (two fp32 moments, and the gradient until step()).
+
+        ``staged_ids`` are updated on the GPU too, their moments staying in the daemon's
+        pinned memory and staged through VRAM as backward finishes each gradient
+        (staged_adamw.py): no host pass and no VRAM but the slots (and, with accumulation, the
+        gradient until the last micro-step), for 8 bytes a parameter over PCIe each way
+        instead of 4. Between steps only. Returns the elements whose state is in VRAM."""
+        reason = self.gpu_state_refusal()
+        staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
+                  if self._params[i].is_contiguous()}  # updated through flat views
+        wanted = set(self.device_state_candidates(param_ids)) | staged
+        if reason is not None and wanted:
+            raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
+        if any(self._backwards):
+            raise FailedPreconditionError(
+                "optimizer state moves between steps, not between backward and step()")
+        held, new_held = self._device_indices - self._staged_indices, wanted - staged
+        if held == new_held and staged == self._staged_indices:
+            return self.device_state_elements
+        self.synchronize()
+        # Every parameter whose place changes goes through the daemon: its state is made whole
+        # there (moments, steps, master weights), then taken from there.
+        steps = self._param_steps()
+        old = self._device_optimizer
+        leaving_held = sorted(held - new_held)
+        leaving_staged = sorted(self._staged_indices - staged)
+        if leaving_held:
+            steps = self._moments_to_daemon(old, leaving_held)
+        for i in leaving_staged:
+            steps[i] = self._staged_to_daemon(i)
+        if leaving_held or leaving_staged:
+            self._host.set_step(self._host.iteration, steps)
+        self._device_optimizer = self._device_optimizer_for(sorted(new_held))
+        if old is not None:  # the staying ones keep their state as it is
+            for i in sorted(new_held & held):
+                p = self._params[i]
+                if p in old.state:
+                    self._device_optimizer.state[p] = old.state[p]
+        arriving_held = sorted(new_held - held)
+        if arriving_held:
+            self._moments_from_daemon(self._device_optimizer, arriving_held)
+        if staged and self._staged is None:
+            guard = self._device_guard()
+            self._staged = StagedAdamW(self._params[0].device, self._kind,
+                                       found_inf=guard.found if guard is not None else None)
+        for i in sorted(staged - self._staged_indices):
+            self._staged.set_steps(i, self._params[i].numel(), steps[i])
+        group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        self._staged_groups = {i: group_of[id(self._params[i])] for i in staged}
+        if not staged:
+            self._staged = None  # its slots' VRAM goes back
+        for i in sorted(self._device_indices - wanted):
+            p = self._params[i]
+            if self._device_return:
+                self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
+                self._targets[i] = p.data_ptr()
+        for i in sorted(wanted - self._device_indices):
+            if self._device_return:  # nothing of the daemon's is copied there any more
+                self._host.retarget_device(i, 0, 0)
+                self._targets[i] = 0
+        self._device_indices, self._staged_indices = wanted, staged
+        self._module_indices.clear()  # which parameters come back changed
+        self._waited_modules.clear()
+        if wanted:
+            register_exit_return(self)
+        else:
+            unregister_exit_return(self)
+        return self.device_state_elements
+
+    @property
+    def device_state_elements(self) -> int:
+        """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
+        return sum(self._params[i].numel() for i in self._device_indices - self._staged_indices)
+
+    @property
+    def staged_state_elements(self) -> int:
+        """Elements updated on the GPU with their moments staged from the daemon."""
+        return sum(self._params[i].numel() for i in self._staged_indices)
+
+    def _hyper(self, i: int) -> tuple:
+        """Staged parameter ``i``'s group's hyper-parameters as they are now (a scheduler's)."""
+        g = self.param_groups[self._staged_groups[i]]
+        return (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                float(g["weight_decay"]))
+
+    def _staged_to_daemon(self, i: int, forget: bool = True) -> int:
+        """Staged parameter ``i``'s weights into the daemon's master (its moments are there
+        already); returns its steps. After synchronize()."""
+        self._weights_to_daemon(i)
+        steps = self._staged.steps_of(i)
+        if forget:
+            self._staged.forget(i)
+        return steps
+
+    def _device_optimizer_for(self, indices: list) -> torch.optim.Optimizer | None:
+        self._device_groups = []
+        if not indices:
+            return None
+        chosen = {id(self._params[i]) for i in indices}
+        groups = []
+        for k, g in enumerate(self.param_groups):
+            params = [p for p in g["params"] if id(p) in chosen]
+            if params:
+                groups.append(dict(params=params, **torch_group(g)))
+                self._device_groups.append(k)
+        cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
+        return cls(groups, fused=True)
+
+    def _device_guard(self) -> DeviceGuard | None:
+        """nonfinite="guard" on the GPU (nonfinite_guard.py): made at the first update there."""
+        if self._nonfinite != "guard" or not self._cuda:
+            return None
+        if self._guard is None:
+            self._guard = DeviceGuard(self._params[0].device)
+        return self._guard
+
+    def _say_guarded(self, where: str) -> None:
+        """A step that stopped at a non-finite gradient value: an event and a warning."""
+        message = (f"step {self.steps}: non-finite gradient values; {where} nothing of the step "
+                   "was applied from the first of them on (nonfinite='guard'; 'ignore' applies "
+                   "them, 'skip' checks every gradient before any update)")
+        self._on_decision("optimizer.nonfinite", message, step=self.steps)
+        warnings.warn(f"trainstream: {message}", stacklevel=3)
+
+    def _step_on_device(self) -> None:
+        """Updates the parameters whose state lives in VRAM (queued on the current stream), with
+        the groups' hyper-parameters as they are now (a scheduler's lr)."""
+        guard = self._device_guard() if (self._staged is not None
+                                         or self._device_optimizer is not None) else None
+        if guard is not None and guard.last_step_found():
+            self._say_guarded("among the parameters updated on the GPU,")
+        if self._staged is not None:
+            current = cuda_device.current(self._device_index)
+            self._staged.flush(current)
+            self._staged.join(current)  # the next forward reads their new weights
+        optimizer = self._device_optimizer
+        if optimizer is not None:
+            for g, k in zip(optimizer.param_groups, self._device_groups):
+                g.update(torch_group(self.param_groups[k]))
+            if guard is not None:
+                # After the staged chunks' checks (joined above): one flag for the step.
+                guard.check([self._params[i].grad for i in
+                             self._device_indices - self._staged_indices])
+                optimizer.found_inf = guard.found  # torch's fused AdamW reads it
+            # A forward under inference_mode may complete the iteration (_settle_updates): the
+            # moments torch creates on a first update must still be ordinary tensors.
+            with torch.inference_mode(False):
+                optimizer.step()
+            for i in self._device_indices:
+                self._params[i].grad = None  # no gradient stays in VRAM past step()
+        if guard is not None:
+            guard.end_step()
+
+    def _moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
+                             ) -> None:
+        """Loads the daemon's moments and steps of these parameters into a GPU optimizer."""
+        steps = self._param_steps()
+        for i in indices:
+            p = self._params[i]
+            optimizer.state.pop(p, None)
+            if steps[i] == 0:
+                continue  # never stepped: torch keeps no state for it
+            optimizer.state[p] = {
+                "step": torch.tensor(float(steps[i]), dtype=torch.float32, device=p.device),
+                "exp_avg": self._host.exp_avg(i).to(p.device, torch.float32, copy=True),
+                "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
+            }
+
+    def _moments_to_daemon(self, optimizer: torch.optim.Optimizer | None,
+                           indices: Iterable[int]) -> list[int]:
+        """Copies a GPU optimizer's moments and these parameters' values into the daemon's
+        buffers; returns every parameter's step count with these ones' from the GPU (for
+        ``set_step``)."""
+        steps = self._param_steps()
+        for i in indices:
+            p = self._params[i]
+            entry = optimizer.state.get(p) if optimizer is not None else None
+            steps[i] = int(entry["step"]) if entry else 0
+            if entry:
+                self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
+                self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
+            self._weights_to_daemon(i)
+        return steps
+
+    def _weights_to_daemon(self, i: int) -> None:
+        """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy."""
+        p = self._params[i]
+        self._host.master(i).copy_(p.detach().reshape(p.shape))
+        if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
+            self._host.param(i).copy_(p.detach())
+
+    def _param_steps(self) -> list[int]:
+        """Every parameter's AdamW step count as the daemon has it."""
+        return list(self._host.info().get("param_steps", [0] * len(self._params)))
+
+    def _device_state_from_daemon(self) -> None:
+        """The VRAM-held state takes the daemon's (after a load)."""
+        held = sorted(self._device_indices - self._staged_indices)
+        if held:
+            self._moments_from_daemon(self._device_optimizer, held)
+        if self._staged_indices:  # their moments are the daemon's; their steps too now
+            self._staged.synchronize()
+            steps = self._param_steps()
+            for i in self._staged_indices:
+                self._staged.set_steps(i, self._params[i].numel(), steps[i])
+
+    def return_state_to_daemon(self) -> None:
+        """Every parameter's state back in the daemon, unless a step is in progress (its
+        gradients would land on moved state): at exit, so a process that ends without unwrap()
+        leaves the job whole for a restart."""
+        if not any(self._backwards):
+            self.keep_state_on_device(set())
+
+    def _device_state_to_daemon(self) -> None:
+        """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
+        if self._device_indices:
+            if any(self._backwards):  # a step in progress, or one that failed
+                raise FailedPreconditionError(
+                    "a step is in progress; checkpoint between steps (after step())")
+            held = sorted(self._device_indices - self._staged_indices)
+            steps = self._moments_to_daemon(self._device_optimizer, held)
+            if self._staged_indices:
+                self._staged.synchronize()
+                for i in self._staged_indices:
+                    steps[i] = self._staged_to_daemon(i, forget=False)
+            self._host.set_step(self._host.iteration, steps)
+
+
+# Optimizers holding AdamW state in VRAM: at interpreter exit their state goes back to the
+# daemon, so a process that ends without unwrap() leaves the job whole for a restart.
+_exit_returns: "weakref.WeakSet[StatePlacement]" = weakref.WeakSet()
+
+
+_exit_hook: list = []  # registered once
+
+
+def register_exit_return(optimizer: StatePlacement) -> None:
+    """``optimizer`` holds state in VRAM: at exit it goes back to the daemon."""
+    if not _exit_hook:
+        _exit_hook.append(atexit.register(_return_state_at_exit))
+    _exit_returns.add(optimizer)
+
+
+def unregister_exit_return(optimizer: StatePlacement) -> None:
+    """``optimizer`` holds no state in VRAM any more (or was detached)."""
+    _exit_returns.discard(optimizer)
+
+
+def _return_state_at_exit() -> None:
+    for optimizer in list(_exit_returns):
+        try:
+            optimizer.return_state_to_daemon()
+        except Exception as e:  # noqa: BLE001 - the daemon may be gone; exiting goes on
+            warnings.warn(f"trainstream: the AdamW state held in VRAM could not go back to "
+                          f"trainstreamd at exit: {e}")
+    _exit_returns.clear()
