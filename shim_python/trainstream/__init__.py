@@ -22,7 +22,9 @@ from .memory.blocks import find_blocks
 from .memory.hardware import profile_hardware
 from .optim.offload_adamw import OffloadAdamW
 from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
-from .wrap import TrainStreamSession, memory_report, unwrap, wrap
+from .report import memory_report
+from .session import TrainStreamSession
+from .wrap import unwrap, wrap
 from .errors import (
     AlreadyExistsError,
     DaemonUnavailableError,

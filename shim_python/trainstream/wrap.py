@@ -5,10 +5,9 @@ gradients and the update live in trainstreamd."""
 from __future__ import annotations
 
 import os
-import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -17,153 +16,15 @@ from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from .frozen.linear import BaseLinear, attached_base, quantize_model
+from .frozen.linear import BaseLinear, quantize_model
 from .memory.blocks import find_blocks, has_forward
-from .frozen.gpu_pool import gpu_pools
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
 from .memory.kv_cache import CacheSwitch
-from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, MOMENT_DTYPES, NONFINITE, OffloadAdamW
+from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
-
-# Options wrap() accepts, with the values each takes; naming any other is an error rather than
-# silently ignored.
-_ACCEPTED = {
-    "optimizer_mode": ("cpu", "auto"),
-    "offload": ("auto", True),
-    "moment_dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "torch.float32",
-                     "torch.bfloat16"),
-    "max_grad_norm": "None or a float > 0",
-    "accumulation_steps": "an integer >= 1",
-    "threads": "None or an integer >= 1 (the daemon's --threads; reported, not changed)",
-    "device": "None, 'cpu', 'cuda', 'cuda:N' or a torch.device",
-    "distributed": (None, True, False),
-    "verbose": (True, False),
-    "lr": "a float (used only when optimizer is None)",
-    "nonfinite": NONFINITE,
-    "job_id": "a job name (ranks and restarted processes with the same one share the state)",
-    "socket": "a trainstreamd socket path",
-    "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
-    "gradient_dtype": (None, "float32", "fp32", "bfloat16", "bf16"),
-    "check_memory": (True, False),
-    "param_offload": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
-    "blocks": "None or the list of repeated layer modules (found with find_blocks by default)",
-    "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
-    "activation_offload": "'auto', True, False, or a fraction 0.0-1.0 of the blocks",
-    "min_offload_bytes": "an integer: smaller saved activations stay on the device",
-    "recompute": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
-    "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
-    "vram_budget": "None or bytes: the VRAM the memory plan may use (default: what this process "
-                   "may use, less vram_headroom)",
-    "max_inflight_bytes": "None or bytes: VRAM held by activations still crossing to host "
-                          "memory (default 1 GiB or 10% of the VRAM budget, the smaller)",
-    "host_arena": "'auto' (the daemon's buffers, grown on demand), bytes (reserved now, never "
-                  "more), or False (private pinned memory, not counted by the daemon)",
-    "profile": (True, False),
-    "quantize": (None, False, "none", "auto", "int8", "nf4", "fp8", "nvfp4"),
-    "prefer": ("exact", "speed"),
-    "quant_block_size": "0 (the format's default) or an even number of values per scale",
-    "gpu_state_blocks": "'auto', or an integer >= 0: the first N blocks, and the parameters "
-                        "outside the stack, keep their AdamW state in VRAM (0: none)",
-    "staged_state_blocks": "'auto', or an integer >= 0: that many of the blocks after those "
-                           "are updated on the GPU with their moments staged from the "
-                           "daemon's memory (0: none)",
-    "chunked_loss": (True, False),
-}
-
-
-@dataclass
-class TrainStreamSession:
-    """What ``wrap()`` set up for a model: ``model._trainstream_session``."""
-
-    client: Any
-    optimizer: OffloadAdamW
-    config: dict
-    events: list = field(default_factory=list)
-    pager: Any = None  # memory.pager.BlockPager when blocks page weights or activations
-    recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
-    plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
-    frozen: Any = None  # host copies of frozen weights that stream
-    cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
-    loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
-
-    @property
-    def adapting(self) -> bool:
-        """True while offload='auto' is still measuring the first steps."""
-        return self.optimizer.switch_pending or bool(self.plan and self.plan.adapting)
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps so far."""
-        return self.optimizer.steps
-
-    def note(self, kind: str, message: str, **numbers: float) -> None:
-        """Records a decision: here, in the daemon's event log (``tsctl events``), and on
-        stdout with ``verbose=True``."""
-        event = {"time": time.time(), "kind": kind, "message": message, "numbers": numbers}
-        self.events.append(event)
-        try:
-            self.client.report_event(kind, message[:1024], **numbers)
-        except Exception as e:  # the decision stands; only its copy in the daemon's log is lost
-            event["not_reported"] = str(e)
-        if self.config.get("verbose"):
-            print(f"trainstream: {kind}: {message}")
-
-
-def _check_options(options: dict) -> None:
-    for name, value in options.items():
-        if name not in _ACCEPTED:
-            raise InvalidArgumentError(
-                f"trainstream.wrap: unknown option {name!r}; accepted: {', '.join(sorted(_ACCEPTED))}")
-        accepted = _ACCEPTED[name]
-        if isinstance(accepted, tuple):
-            ok = value in accepted or (name in ("moment_dtype", "gradient_dtype")
-                                       and value in MOMENT_DTYPES)
-            if not ok:
-                raise InvalidArgumentError(
-                    f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
-    steps = options.get("accumulation_steps", 1)
-    if not isinstance(steps, int) or steps < 1:
-        raise InvalidArgumentError(
-            f"trainstream.wrap: accumulation_steps={steps!r} must be an integer >= 1")
-    wait = options.get("memory_wait_s", 0.0)
-    if not (isinstance(wait, (int, float)) and 0 <= wait <= 3600):
-        raise InvalidArgumentError(
-            f"trainstream.wrap: memory_wait_s={wait!r} must be seconds in [0, 3600]")
-    headroom = options.get("vram_headroom", 0.10)
-    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
-        raise InvalidArgumentError(
-            f"trainstream.wrap: vram_headroom={headroom!r} must be a float in [0, 1)")
-    for name in ("max_inflight_bytes", "host_arena"):
-        value = options.get(name)
-        if value is None or value is False or (name == "host_arena" and value == "auto"):
-            continue
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise InvalidArgumentError(
-                f"trainstream.wrap: {name}={value!r} must be " +
-                ("None or bytes > 0" if name == "max_inflight_bytes" else
-                 "'auto', False or bytes > 0"))
-    block = options.get("quant_block_size", 0)
-    if not (isinstance(block, int) and not isinstance(block, bool) and block >= 0
-            and block % 2 == 0):
-        raise InvalidArgumentError(
-            f"trainstream.wrap: quant_block_size={block!r} must be 0 or an even "
-            "number of values")
-    for option in ("gpu_state_blocks", "staged_state_blocks"):
-        count = options.get(option, 0)
-        if not (count == "auto" or (isinstance(count, int) and not isinstance(count, bool)
-                                    and count >= 0)):
-            raise InvalidArgumentError(
-                f"trainstream.wrap: {option}={count!r} must be 'auto' or an "
-                "integer >= 0")
-    budget = options.get("vram_budget")
-    if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool)
-                                   and budget > 0):
-        raise InvalidArgumentError(
-            f"trainstream.wrap: vram_budget={budget!r} must be None or bytes > 0")
-    norm = options.get("max_grad_norm")
-    if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
-        raise InvalidArgumentError(
-            f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
+from .options import check_options
+from .report import memory_report  # noqa: F401  (trainstream.wrap.memory_report, as before)
+from .session import TrainStreamSession, attach, session_of
 
 
 @dataclass
@@ -233,8 +94,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     :class:`trainstream.OffloadAdamW`, or ``None`` (one is made with ``lr``). Its
     hyper-parameters, groups and state move to the daemon. See the README for the options.
     """
-    _check_options(options)
-    if getattr(model, "_trainstream_session", None) is not None:
+    check_options(options)
+    if session_of(model) is not None:
         raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
@@ -277,8 +138,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
         if loss_switch is not None:
             loss_switch.restore()
         raise
-    model._trainstream_session.cache_switch = cache_switch
-    model._trainstream_session.loss_switch = loss_switch
+    session_of(model).cache_switch = cache_switch
+    session_of(model).loss_switch = loss_switch
     return model, offload
 
 
@@ -557,7 +418,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     # offload="auto" measures over the first steps, then decides (an event says which way).
     offload.configure(on_decision=session.note, vram_headroom=float(config["vram_headroom"]),
                       switch_when_fits=config["offload"] == "auto" or None)
-    model._trainstream_session = session
+    attach(model, session)
     return model, offload
 
 
@@ -608,7 +469,7 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Removes the hooks and gives the model ordinary tensors again; returns the model."""
-    session = getattr(model, "_trainstream_session", None)
+    session = session_of(model)
     if session is None:
         raise FailedPreconditionError("this model is not wrapped by trainstream")
     session.optimizer.detach()
@@ -630,90 +491,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.loss_switch.restore()
     if getattr(session, "plan", None) is not None:
         session.plan.large_blocks.restore()
-    del model._trainstream_session
+    attach(model, None)
     return model
 
 
-def memory_report(model: torch.nn.Module | None = None) -> dict:
-    """What trainstream holds and decided, for a wrapped model (or the GPU alone)."""
-    report: dict = {}
-    if torch.cuda.is_available():
-        report["gpu"] = {"allocated": torch.cuda.memory_allocated(),
-                         "reserved": torch.cuda.memory_reserved(),
-                         "peak_allocated": torch.cuda.max_memory_allocated()}
-    if model is None:
-        return report
-    session = getattr(model, "_trainstream_session", None)
-    if session is None:
-        raise FailedPreconditionError("this model is not wrapped by trainstream")
-    memory = session.client.memory()
-    mine = [r for r in memory.get("by_session", []) if r["key"] == session.client.session_id]
-    report["pinned"] = {"daemon_reserved": memory.get("reserved_bytes", 0),
-                        "session_bytes": mine[0]["bytes"] if mine else 0}
-    report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
-    report["optimizer"] = session.optimizer.stats()
-    pager = session.pager
-    report["params"] = {
-        "paged_blocks": list(pager.paged) if pager else [],
-        "slot_bytes": pager.resident_bytes() if pager else 0,
-        "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
-    }
-    recompute = session.recompute
-    policy = pager.activation_policy() if pager else []
-    if recompute is not None:
-        count = len(recompute.blocks)
-        policy = policy or ["keep"] * count
-        policy = ["recompute" if i in recompute.indices else p for i, p in enumerate(policy)]
-    report["activations"] = {
-        "policy": policy,
-        "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
-        "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
-        "host_refused": pager.arena_refused if pager else None,
-    }
-    opt = session.optimizer
-    offloaded = pager.bytes_offloaded if pager else 0
-    to_device = (pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device
-    to_host = offloaded + opt.bytes_to_host
-    steps = max(1, opt.steps)
-    # Since wrap(): streamed weights fetched, activations out and back, gradients out, updated
-    # weights back (on a GPU; after a switch to GPU AdamW nothing more crosses).
-    report["pcie"] = {"to_device_bytes": to_device, "to_host_bytes": to_host,
-                      "steps": opt.steps, "to_device_per_step": to_device // steps,
-                      "to_host_per_step": to_host // steps}
-    report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
-    # The CPU time trainstream's hooks took, by hook: what the client adds to the thread that
-    # issues the GPU's work (a paged step that waits on the CPU is slowed by it).
-    hooks = {**opt.clock.report(opt.steps), **(pager.clock.report(opt.steps) if pager else {})}
-    report["hooks"] = {"per_hook": hooks,
-                       "ms_per_step": round(sum(h["ms_per_step"] for h in hooks.values()), 3)}
-    report["plan"] = session.plan.report() if session.plan is not None else None
-    report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
-    layers = [m for m in model.modules() if isinstance(m, BaseLinear) and m.matmul_choice]
-    if layers:  # an fp8 base: how its layers multiply (see BaseLinear)
-        report["fp8_matmul"] = {
-            "scaled_mm": sum(m.matmul_choice["path"] == "scaled_mm" for m in layers),
-            "dequantize": sum(m.matmul_choice["path"] == "dequantize" for m in layers),
-            # (out, in, path, why, FP8 tensor cores ms, dequantize ms): the times where timed
-            "choices": sorted({(m.out_features, m.in_features, m.matmul_choice["path"],
-                                m.matmul_choice["why"], m.matmul_choice.get("scaled_mm_ms"),
-                                m.matmul_choice.get("dequantize_ms")) for m in layers},
-                              key=str)}
-    base, gpu_base = attached_base(model)
-    if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
-        info = base.info()
-        report["base"] = {"id": base.id, "name": base.name, "format": base.format,
-                          "stored_bytes": base.stored_bytes, "users": int(info["users"])}
-    if gpu_base is not None:  # attach_base(gpu_pool=True): the base read in place from VRAM
-        report["gpu_pool"] = gpu_base.report()
-        report["gpu_pool"]["importers"] = next(
-            (len(p.get("importers", [])) for p in gpu_pools(gpu_base.base.client)["pools"]
-             if int(p["pool_id"]) == gpu_base.pool_id), 0)
-    if os.path.exists("/proc/self/smaps"):
-        from .frozen.store import mapped_segments
-        report["mapped_segments"] = mapped_segments()
-    # The daemon's log holds this session's events, wrap()'s own decisions among them (as
-    # "client.<kind>"), and the machine-wide ones.
-    report["events"] = [e for e in session.client.events()
-                        if e.get("session_id") in ("", session.client.session_id)]
-    report["config"] = dict(session.config)
-    return report

@@ -16,9 +16,10 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shim_python", "tr
 
 # Lower layers first. A module may import its own layer and those below it.
 LAYERS = {"errors": 0, "hooks": 0, "transport": 1, "frozen": 2, "optim": 3, "memory": 4,
-          "integrations": 5, "wrap": 6, "__init__": 6, "_moved": 6}
+          "integrations": 5, "options": 6, "session": 6, "report": 6, "wrap": 6, "__init__": 6,
+          "_moved": 6}
 # Files still past the size a file should keep to, each to be split (the list may only shrink).
-OVER_600_LINES = {"memory.adaptive", "memory.pager", "wrap"}
+OVER_600_LINES = {"memory.adaptive", "memory.pager"}
 
 
 def _modules() -> dict[str, str]:

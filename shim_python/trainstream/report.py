@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``memory_report()``: what trainstream holds and decided for a wrapped model, in one dict
+(host and GPU memory, the plan's choices and their reasons, the events)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import FailedPreconditionError
+from .frozen.gpu_pool import gpu_pools
+from .frozen.linear import BaseLinear, attached_base
+from .session import session_of
+
+
+def memory_report(model: torch.nn.Module | None = None) -> dict:
+    """What trainstream holds and decided, for a wrapped model (or the GPU alone)."""
+    report: dict = {}
+    if torch.cuda.is_available():
+        report["gpu"] = {"allocated": torch.cuda.memory_allocated(),
+                         "reserved": torch.cuda.memory_reserved(),
+                         "peak_allocated": torch.cuda.max_memory_allocated()}
+    if model is None:
+        return report
+    session = session_of(model)
+    if session is None:
+        raise FailedPreconditionError("this model is not wrapped by trainstream")
+    memory = session.client.memory()
+    mine = [r for r in memory.get("by_session", []) if r["key"] == session.client.session_id]
+    report["pinned"] = {"daemon_reserved": memory.get("reserved_bytes", 0),
+                        "session_bytes": mine[0]["bytes"] if mine else 0}
+    report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
+    report["optimizer"] = session.optimizer.stats()
+    pager = session.pager
+    report["params"] = {
+        "paged_blocks": list(pager.paged) if pager else [],
+        "slot_bytes": pager.resident_bytes() if pager else 0,
+        "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
+    }
+    recompute = session.recompute
+    policy = pager.activation_policy() if pager else []
+    if recompute is not None:
+        count = len(recompute.blocks)
+        policy = policy or ["keep"] * count
+        policy = ["recompute" if i in recompute.indices else p for i, p in enumerate(policy)]
+    report["activations"] = {
+        "policy": policy,
+        "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
+        "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
+        "host_refused": pager.arena_refused if pager else None,
+    }
+    opt = session.optimizer
+    offloaded = pager.bytes_offloaded if pager else 0
+    to_device = (pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device
+    to_host = offloaded + opt.bytes_to_host
+    steps = max(1, opt.steps)
+    # Since wrap(): streamed weights fetched, activations out and back, gradients out, updated
+    # weights back (on a GPU; after a switch to GPU AdamW nothing more crosses).
+    report["pcie"] = {"to_device_bytes": to_device, "to_host_bytes": to_host,
+                      "steps": opt.steps, "to_device_per_step": to_device // steps,
+                      "to_host_per_step": to_host // steps}
+    report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
+    # The CPU time trainstream's hooks took, by hook: what the client adds to the thread that
+    # issues the GPU's work (a paged step that waits on the CPU is slowed by it).
+    hooks = {**opt.clock.report(opt.steps), **(pager.clock.report(opt.steps) if pager else {})}
+    report["hooks"] = {"per_hook": hooks,
+                       "ms_per_step": round(sum(h["ms_per_step"] for h in hooks.values()), 3)}
+    report["plan"] = session.plan.report() if session.plan is not None else None
+    report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
+    layers = [m for m in model.modules() if isinstance(m, BaseLinear) and m.matmul_choice]
+    if layers:  # an fp8 base: how its layers multiply (see BaseLinear)
+        report["fp8_matmul"] = {
+            "scaled_mm": sum(m.matmul_choice["path"] == "scaled_mm" for m in layers),
+            "dequantize": sum(m.matmul_choice["path"] == "dequantize" for m in layers),
+            # (out, in, path, why, FP8 tensor cores ms, dequantize ms): the times where timed
+            "choices": sorted({(m.out_features, m.in_features, m.matmul_choice["path"],
+                                m.matmul_choice["why"], m.matmul_choice.get("scaled_mm_ms"),
+                                m.matmul_choice.get("dequantize_ms")) for m in layers},
+                              key=str)}
+    base, gpu_base = attached_base(model)
+    if base is not None:  # attach_base(): the frozen weights are the daemon's shared copy
+        info = base.info()
+        report["base"] = {"id": base.id, "name": base.name, "format": base.format,
+                          "stored_bytes": base.stored_bytes, "users": int(info["users"])}
+    if gpu_base is not None:  # attach_base(gpu_pool=True): the base read in place from VRAM
+        report["gpu_pool"] = gpu_base.report()
+        report["gpu_pool"]["importers"] = next(
+            (len(p.get("importers", [])) for p in gpu_pools(gpu_base.base.client)["pools"]
+             if int(p["pool_id"]) == gpu_base.pool_id), 0)
+    if os.path.exists("/proc/self/smaps"):
+        from .frozen.store import mapped_segments
+        report["mapped_segments"] = mapped_segments()
+    # The daemon's log holds this session's events, wrap()'s own decisions among them (as
+    # "client.<kind>"), and the machine-wide ones.
+    report["events"] = [e for e in session.client.events()
+                        if e.get("session_id") in ("", session.client.session_id)]
+    report["config"] = dict(session.config)
+    return report
+

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What ``wrap()`` set up for a model, and the log of what it decided (``events``, the
+daemon's event log, stdout with ``verbose=True``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .optim.offload_adamw import OffloadAdamW
+
+
+@dataclass
+class TrainStreamSession:
+    """What ``wrap()`` set up for a model: ``model._trainstream_session``."""
+
+    client: Any
+    optimizer: OffloadAdamW
+    config: dict
+    events: list = field(default_factory=list)
+    pager: Any = None  # memory.pager.BlockPager when blocks page weights or activations
+    recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
+    plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
+    frozen: Any = None  # host copies of frozen weights that stream
+    cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
+    loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
+
+    @property
+    def adapting(self) -> bool:
+        """True while offload='auto' is still measuring the first steps."""
+        return self.optimizer.switch_pending or bool(self.plan and self.plan.adapting)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps so far."""
+        return self.optimizer.steps
+
+    def note(self, kind: str, message: str, **numbers: float) -> None:
+        """Records a decision: here, in the daemon's event log (``tsctl events``), and on
+        stdout with ``verbose=True``."""
+        event = {"time": time.time(), "kind": kind, "message": message, "numbers": numbers}
+        self.events.append(event)
+        try:
+            self.client.report_event(kind, message[:1024], **numbers)
+        except Exception as e:  # the decision stands; only its copy in the daemon's log is lost
+            event["not_reported"] = str(e)
+        if self.config.get("verbose"):
+            print(f"trainstream: {kind}: {message}")
+
+
+def session_of(model: Any) -> TrainStreamSession | None:
+    """The session wrap() made for ``model`` (kept on it as ``model._trainstream_session``),
+    None for a model it did not wrap."""
+    return getattr(model, "_trainstream_session", None)
+
+
+def attach(model: Any, session: TrainStreamSession | None) -> None:
+    """Keeps ``session`` on ``model`` (None: takes it off, at unwrap())."""
+    if session is None:
+        if session_of(model) is not None:
+            del model._trainstream_session
+    else:
+        model._trainstream_session = session
