@@ -95,7 +95,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // FAILED_PRECONDITION when `settings` differ from the job's (ranks that don't agree).
   absl::Status CheckSame(const OptimizerSettings& settings, uint32_t world_size) const;
 
-  // A rank's parameter list: the first creates the state, the others must send the same list.
+  // A rank's parameter list: the first creates the state, the others must send the same list
+  // (or extend it, between steps). A refused registration changes nothing: no parameter added,
+  // no slot allocated, the rank not attached.
   absl::StatusOr<RegistrationResult> Register(const std::string& session_id, uint32_t rank,
                                               const std::vector<ParameterDescription>& params);
 
@@ -167,10 +169,17 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint8_t*> Data(const BufferRecord& record) const;
   void ClearInParallel(uint8_t* data, uint64_t bytes);
-  // A registration whose list extends the job's: allocates the new parameters' state.
-  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
-                                   const std::string& session_id)
+  // Register's refusals: a bad rank or list, a rank attached by another session, a list that
+  // disagrees with the job's.
+  absl::Status CheckRegistrationLocked(const std::string& session_id, uint32_t rank,
+                                       const std::vector<ParameterDescription>& params) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A registration whose list extends the job's: allocates the new parameters' state (all or
+  // none of them).
+  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The gradient slots `rank` lacks, all or none of them.
+  absl::Status AllocateGradientsLocked(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
   void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
