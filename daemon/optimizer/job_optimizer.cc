@@ -97,6 +97,10 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     const std::string& session_id, uint32_t rank, const std::vector<ParameterDescription>& params) {
   if (params.empty()) return absl::InvalidArgumentError("no parameters to register");
   absl::MutexLock lock(&mu_);
+  // The failed iteration's tasks finish first: one still queued when the progress is reset
+  // below would count its chunk against the iteration that follows (and hang it), or write a
+  // tensor that a new update is writing.
+  if (!failure_.empty()) AwaitTasksLocked();
   // Every refusal comes before anything changes, and what this call allocates is given back if a
   // later allocation fails: a registration that returns an error leaves the job as it was.
   RETURN_IF_ERROR(CheckRegistrationLocked(session_id, rank, params));

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -195,6 +196,12 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void SendToRank(uint32_t rank, const ipc::DoorbellMessage& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every task goes to the pool through here, counted in tasks_in_flight_ until it has run.
+  void SubmitLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A failed job submits no new task; this waits (releasing mu_) until the ones it had are
+  // done, so none of them runs after the progress is reset or the state restored.
+  void AwaitTasksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool NoTasksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return tasks_in_flight_ == 0; }
 
   // The updates (job_optimizer_update.cc).
   std::vector<const void*> GradientsLocked(const Parameter& p) const
@@ -222,6 +229,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
+  size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool
   // Progress of the iteration in flight.
   absl::Time iteration_start_ ABSL_GUARDED_BY(mu_);
   bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;

@@ -60,6 +60,8 @@ absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
 
 absl::Status JobOptimizer::Load(const std::string& path) {
   absl::MutexLock lock(&mu_);
+  // A failed iteration's update still queued would otherwise write over the restored state.
+  if (!failure_.empty()) AwaitTasksLocked();
   if (InProgressLocked() && failure_.empty()) {
     return absl::FailedPreconditionError("a step is in progress; restore between steps");
   }
@@ -84,6 +86,8 @@ absl::Status JobOptimizer::Load(const std::string& path) {
 
 absl::Status JobOptimizer::SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps) {
   absl::MutexLock lock(&mu_);
+  // As in Load: none of a failed iteration's tasks may run after the progress is reset.
+  if (!failure_.empty()) AwaitTasksLocked();
   if (InProgressLocked() && failure_.empty()) {
     return absl::FailedPreconditionError("a step is in progress; set the step between steps");
   }

@@ -137,7 +137,7 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, overwrite, final_micro] {
+    SubmitLocked([self, index, c, grads, overwrite, final_micro] {
       float* accum;
       kernels::ScalarType type;
       uint64_t numel;
@@ -319,6 +319,19 @@ void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message
                        absl::StrFormat("could not notify rank %d: %s", rank, sent.message()), {},
                        it->second, job_.uid);
   }
+}
+
+void JobOptimizer::SubmitLocked(std::function<void()> task) {
+  ++tasks_in_flight_;
+  deps_.pool->Submit([self = shared_from_this(), task = std::move(task)] {
+    task();
+    absl::MutexLock lock(&self->mu_);
+    --self->tasks_in_flight_;
+  });
+}
+
+void JobOptimizer::AwaitTasksLocked() {
+  mu_.Await(absl::Condition(this, &JobOptimizer::NoTasksLocked));
 }
 
 void JobOptimizer::SendToAll(const ipc::DoorbellMessage& message) {

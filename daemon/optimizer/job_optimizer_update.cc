@@ -54,7 +54,7 @@ void JobOptimizer::StartStatsLocked(uint32_t index) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, type, numel] {
+    SubmitLocked([self, index, c, grads, type, numel] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
       kernels::GradientStats stats =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
@@ -146,7 +146,7 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, type, numel, grad_scale] {
+    SubmitLocked([self, index, c, grads, type, numel, grad_scale] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
       const uint64_t nonfinite =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b,
@@ -217,7 +217,7 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, tensor, step, bytes_per_element] {
+    SubmitLocked([self, index, c, grads, tensor, step, bytes_per_element] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(tensor.numel, b + kChunkElements);
       const absl::Time start = absl::Now();
       uint64_t nonfinite = 0;
