@@ -105,11 +105,18 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   // later allocation fails: a registration that returns an error leaves the job as it was.
   RETURN_IF_ERROR(CheckRegistrationLocked(session_id, rank, params));
   if (!failure_.empty() && rank_sessions_.empty()) {
-    // A job whose ranks all left after a failure starts over from its last complete iteration.
-    deps_.events->Emit("optimizer.recovered",
-                       absl::StrFormat("job '%s' resumes at iteration %d after: %s", job_.job_id,
-                                       iteration_, failure_),
-                       {{"iteration", static_cast<double>(iteration_)}}, session_id, job_.uid);
+    // A job whose ranks all left after a failure redoes the iteration that failed; the tensors
+    // stepped for it before the failure keep that step (see the class comment).
+    size_t kept = 0;
+    for (const Parameter& p : params_) kept += SteppedThisIterationLocked(p) ? 1 : 0;
+    deps_.events->Emit(
+        "optimizer.recovered",
+        absl::StrFormat("job '%s' redoes iteration %d after: %s (%d of %d tensors had been "
+                        "stepped for it and keep that step)",
+                        job_.job_id, iteration_ + 1, failure_, kept, params_.size()),
+        {{"iteration", static_cast<double>(iteration_)},
+         {"tensors_kept", static_cast<double>(kept)}},
+        session_id, job_.uid);
     failure_.clear();
     ResetProgressLocked();
   }

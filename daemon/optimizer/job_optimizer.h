@@ -76,6 +76,13 @@ struct OptimizerReport {
 // reporting or non-finite checks, the gradients' statistics are gathered as they land and the
 // updates start the moment the last one arrives. A rank that posts out of turn, or leaves
 // mid-job, fails the job with a message to every rank rather than leaving them waiting.
+// After a failure, each tensor is either stepped for the failed iteration or untouched, never
+// part-way: an update once started runs to its end (a failure stops none), and Register, Load
+// and SetSteps wait for the failed iteration's tasks. When the ranks come back they redo that
+// iteration, and a tensor already stepped for it keeps that step: its new gradient is dropped,
+// and its kUpdateDone points at the value already in place. So every tensor steps once per
+// iteration, as in a run without the failure, but such a tensor's step used the gradient of the
+// failed attempt, not the redone one (identical when the ranks' gradients are reproducible).
 // Thread-safe; update tasks keep the object alive (shared_from_this). Its definitions are split by
 // responsibility: job_optimizer.cc (creation, registration), job_optimizer_step.cc (gradients in,
 // iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes) and
@@ -148,6 +155,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     float* accum_ptr = nullptr;
     std::map<uint32_t, void*> grad_ptrs;
     uint64_t param_step = 0;
+    // The iteration (1-based) this tensor's last completed update belongs to: equal to
+    // iteration_ + 1 only when a failed iteration is being redone and this tensor had been
+    // stepped for it.
+    uint64_t updated_in = 0;
+    bool update_failed = false;  // a chunk of this iteration's update was refused by the kernel
     // Progress through the current iteration.
     Phase phase = Phase::kWaiting;
     uint32_t micro = 0;
@@ -214,6 +226,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // is written; once any tensor's held a non-finite value, no later one is updated.
   void CheckThenUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A redone iteration's tensor that was stepped for it before the failure: done, as it is.
+  void KeepEarlierUpdateLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool SteppedThisIterationLocked(const Parameter& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return p.updated_in == iteration_ + 1;
+  }
 
   // Checkpoints (job_optimizer_state.cc): the state as checkpoint arrays over the live buffers.
   CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -73,6 +73,7 @@ absl::Status JobOptimizer::Load(const std::string& path) {
   iteration_ = loaded.iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = loaded.params[i].step;
+    params_[i].updated_in = 0;  // the restored state holds no update of the next iteration
     // The model-dtype copy follows the restored master.
     if (params_[i].param_ptr != nullptr) {
       kernels::ConvertFromFloat(params_[i].master_ptr, params_[i].param_ptr,
@@ -98,6 +99,7 @@ absl::Status JobOptimizer::SetSteps(uint64_t iteration, const std::vector<uint64
   iteration_ = iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = param_steps.empty() ? iteration : param_steps[i];
+    params_[i].updated_in = 0;  // the caller's state replaces what a failed iteration did
   }
   failure_.clear();
   ResetProgressLocked();

@@ -117,8 +117,10 @@ void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
   params_[index].phase = Phase::kDone;
   ++params_done_;
   ++params_with_stats_;
+  // One stepped for this iteration before a failure keeps that step (see the class comment):
+  // its ranks must still copy the value in place.
   SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
-                    ipc::kFlagNoGradient));
+                    SteppedThisIterationLocked(params_[index]) ? 0 : ipc::kFlagNoGradient));
   if (settings_.deferred()) MaybeDecideLocked();
   MaybeFinishIterationLocked();
 }

@@ -99,8 +99,10 @@ void JobOptimizer::MaybeDecideLocked() {
         if (params_[i].phase == Phase::kDone) continue;
         params_[i].phase = Phase::kDone;
         ++params_done_;
+        // A tensor stepped for this iteration before a failure keeps that step (see the class
+        // comment): its rank must still copy the value in place.
         SendToAll(Message(ipc::DoorbellKind::kUpdateDone, i, iteration_ + 1, 0,
-                          ipc::kFlagSkipped));
+                          SteppedThisIterationLocked(params_[i]) ? 0 : ipc::kFlagSkipped));
       }
       MaybeFinishIterationLocked();
       return;
@@ -127,6 +129,10 @@ void JobOptimizer::MaybeDecideLocked() {
 }
 
 void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
+  if (SteppedThisIterationLocked(params_[index])) {
+    KeepEarlierUpdateLocked(index);
+    return;
+  }
   if (settings_.nonfinite == NonFinitePolicy::kGuard && !settings_.deferred()) {
     CheckThenUpdateLocked(index, grad_scale);
   } else {
@@ -212,6 +218,7 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
       4 * kernels::ElementSize(settings_.moment_type) +
       (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
+  p.update_failed = false;
   if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
   const size_t chunks = Chunks(p.desc.numel);
   p.chunks_left = chunks;
@@ -228,16 +235,34 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       self->update_nonfinite_ += nonfinite;
       self->update_busy_s_ += busy;
       self->update_bytes_ += (e - b) * bytes_per_element;
-      if (!updated.ok()) self->FailLocked(std::string(updated.message()));
       Parameter& q = self->params_[index];
-      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
-      ++q.param_step;
+      if (!updated.ok()) {
+        q.update_failed = true;
+        self->FailLocked(std::string(updated.message()));
+      }
+      if (--q.chunks_left != 0) return;
+      // Counted even when the job failed while it ran: every chunk did run, so the tensor is
+      // stepped for this iteration, and a redone iteration must not step it again.
       q.phase = Phase::kDone;
       ++self->params_done_;
+      if (!q.update_failed) {
+        ++q.param_step;
+        q.updated_in = self->iteration_ + 1;
+      }
+      if (!self->failure_.empty()) return;
       self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1));
       self->MaybeFinishIterationLocked();
     });
   }
+}
+
+void JobOptimizer::KeepEarlierUpdateLocked(uint32_t index) {
+  // Its weights, moments and step count already hold this iteration's update, and the shared
+  // parameter slot its value: the ranks copy it back as for any update.
+  params_[index].phase = Phase::kDone;
+  ++params_done_;
+  SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1));
+  MaybeFinishIterationLocked();
 }
 
 }  // namespace trainstream::daemon
