@@ -88,6 +88,17 @@ absl::Status JobOptimizer::SetGroups(const std::vector<GroupHyperParameters>& gr
     return absl::FailedPreconditionError(
         "clipping can be retuned but not switched on or off after creation");
   }
+  if (InProgressLocked()) {
+    // Some tensors of this iteration may have stepped already (updates start as gradients
+    // land): the rest step with the same values, and the new ones wait for the next iteration.
+    next_groups_ = Retune{groups, max_grad_norm};
+    deps_.events->Emit("optimizer.groups_deferred",
+                       absl::StrFormat("job '%s': new hyper-parameters arrived during iteration "
+                                       "%d; they apply from iteration %d",
+                                       job_.job_id, iteration_ + 1, iteration_ + 2),
+                       {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
+    return absl::OkStatus();
+  }
   settings_.groups = groups;
   settings_.max_grad_norm = max_grad_norm;
   return absl::OkStatus();

@@ -117,6 +117,14 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // A session of the job ended: a rank that leaves mid-job fails it.
   void OnSessionEnded(const std::string& session_id, bool clean);
 
+  // New hyper-parameters (a scheduler's lr, ...). Between iterations they apply at once.
+  // Mid-iteration (a gradient of it posted) they are kept and take effect when that iteration
+  // ends (completes, or is given up after a failure), so that one iteration's tensors all step
+  // with the same values; an optimizer.groups_deferred event says so. The Python client pushes
+  // them before an iteration's first gradient; a change made between backward and step()
+  // reaches the daemon mid-iteration and so applies from the next one. INVALID_ARGUMENT for
+  // bad values or a group that a parameter is in left out; FAILED_PRECONDITION for clipping
+  // switched on or off.
   absl::Status SetGroups(const std::vector<GroupHyperParameters>& groups, double max_grad_norm);
   // After importing state: the completed iterations and each parameter's step count.
   absl::Status SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps);
@@ -202,6 +210,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void LeaveWithoutGradientLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the iteration's progress (it ended, or is given up) and applies a deferred SetGroups.
   void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -242,6 +251,12 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   mutable absl::Mutex mu_;
   OptimizerSettings settings_ ABSL_GUARDED_BY(mu_);
   std::vector<Parameter> params_ ABSL_GUARDED_BY(mu_);
+  // SetGroups mid-iteration: what settings_ takes when the iteration ends (ResetProgressLocked).
+  struct Retune {
+    std::vector<GroupHyperParameters> groups;
+    double max_grad_norm = 0;
+  };
+  std::optional<Retune> next_groups_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations

@@ -256,6 +256,41 @@ TEST_F(JobOptimizerTest, SetGroupsValidatesAndRetunesTheNextStep) {
   for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
 }
 
+// New hyper-parameters that arrive after some tensors of an iteration have stepped apply from the
+// next iteration: one iteration's tensors all step with the same values.
+TEST_F(JobOptimizerTest, SetGroupsMidIterationAppliesFromTheNextIteration) {
+  auto opt = Make(Settings());
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 30), Param("b", 30)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<ReferenceAdamW> refs = {{Hyper(), initial[0]}, {Hyper(), initial[1]}};
+  std::vector<float> grad = RandomFloats(30, 1);
+  Post(*opt, *r, 0, grad, 1);
+  refs[0].Step(Sum({grad}, 1.0));
+  UpdatesDone(*r, 1, 1);  // 'a' stepped with the old values
+  const std::vector<GroupHyperParameters> retuned = {Hyper(5e-2, 0.2)};
+  EXPECT_EQ(opt->SetGroups({Hyper(-1.0)}, 0).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(opt->SetGroups(retuned, 0).ok());
+  EXPECT_EQ(opt->Report().settings.groups, Settings().groups);
+  EXPECT_TRUE(HasEvent(*events_, "optimizer.groups_deferred"));
+  grad = RandomFloats(30, 2);
+  Post(*opt, *r, 1, grad, 1);
+  refs[1].Step(Sum({grad}, 1.0));  // and so does 'b'
+  UpdatesDone(*r, 1, 1);
+  for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
+  EXPECT_EQ(opt->Report().settings.groups, retuned);
+  for (uint32_t i = 0; i < 2; ++i) {
+    refs[i].g = retuned[0];
+    grad = RandomFloats(30, 3 + i);
+    Post(*opt, *r, i, grad, 2);
+    refs[i].Step(Sum({grad}, 1.0));
+  }
+  UpdatesDone(*r, 2, 2);
+  for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
+}
+
 TEST_F(JobOptimizerTest, SaveAndLoadRoundTripAndContinueBitIdentically) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/job_optimizer_test_",
                                         ::getpid(), ".safetensors");

@@ -274,6 +274,11 @@ void JobOptimizer::ResetProgressLocked() {
   guard_first_.clear();
   guard_tensors_before_ = 0;
   pending_report_ = {};
+  if (next_groups_) {
+    settings_.groups = std::move(next_groups_->groups);
+    settings_.max_grad_norm = next_groups_->max_grad_norm;
+    next_groups_.reset();
+  }
 }
 
 bool JobOptimizer::InProgressLocked() const {
