@@ -267,6 +267,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;
   size_t params_done_ ABSL_GUARDED_BY(mu_) = 0;
   size_t params_with_stats_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t params_updated_ ABSL_GUARDED_BY(mu_) = 0;  // stepped (not skipped, not without gradient)
   absl::Time updates_start_ ABSL_GUARDED_BY(mu_);
   double update_busy_s_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t update_bytes_ ABSL_GUARDED_BY(mu_) = 0;

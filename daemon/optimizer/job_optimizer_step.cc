@@ -117,6 +117,7 @@ void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
   params_[index].phase = Phase::kDone;
   ++params_done_;
   ++params_with_stats_;
+  if (SteppedThisIterationLocked(params_[index])) ++params_updated_;
   // One stepped for this iteration before a failure keeps that step (see the class comment):
   // its ranks must still copy the value in place.
   SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
@@ -267,6 +268,7 @@ void JobOptimizer::ResetProgressLocked() {
   iteration_started_ = false;
   params_done_ = 0;
   params_with_stats_ = 0;
+  params_updated_ = 0;
   update_busy_s_ = 0;
   update_bytes_ = 0;
   update_nonfinite_ = 0;

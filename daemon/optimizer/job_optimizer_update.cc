@@ -165,7 +165,7 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
       if (q.stats.nonfinite > 0 && !self->guard_tripped_) {
         self->guard_tripped_ = true;
         self->guard_first_ = q.desc.name;
-        self->guard_tensors_before_ = self->params_done_;
+        self->guard_tensors_before_ = self->params_updated_;
       }
       if (!self->guard_tripped_) {
         self->ApplyUpdateLocked(index, grad_scale);
@@ -248,6 +248,7 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       if (!q.update_failed) {
         ++q.param_step;
         q.updated_in = self->iteration_ + 1;
+        ++self->params_updated_;
       }
       if (!self->failure_.empty()) return;
       self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1));
@@ -261,6 +262,7 @@ void JobOptimizer::KeepEarlierUpdateLocked(uint32_t index) {
   // parameter slot its value: the ranks copy it back as for any update.
   params_[index].phase = Phase::kDone;
   ++params_done_;
+  ++params_updated_;
   SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1));
   MaybeFinishIterationLocked();
 }
