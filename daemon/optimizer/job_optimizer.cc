@@ -88,6 +88,17 @@ absl::Status JobOptimizer::SetGroups(const std::vector<GroupHyperParameters>& gr
     return absl::FailedPreconditionError(
         "clipping can be retuned but not switched on or off after creation");
   }
+  if (InProgressLocked()) {
+    // Some tensors of this iteration may have stepped already (updates start as gradients
+    // land): the rest step with the same values, and the new ones wait for the next iteration.
+    next_groups_ = Retune{groups, max_grad_norm};
+    deps_.events->Emit("optimizer.groups_deferred",
+                       absl::StrFormat("job '%s': new hyper-parameters arrived during iteration "
+                                       "%d; they apply from iteration %d",
+                                       job_.job_id, iteration_ + 1, iteration_ + 2),
+                       {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
+    return absl::OkStatus();
+  }
   settings_.groups = groups;
   settings_.max_grad_norm = max_grad_norm;
   return absl::OkStatus();
@@ -97,23 +108,31 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
     const std::string& session_id, uint32_t rank, const std::vector<ParameterDescription>& params) {
   if (params.empty()) return absl::InvalidArgumentError("no parameters to register");
   absl::MutexLock lock(&mu_);
-  if (rank >= world_size_) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("rank %d is not below the job's world_size %d", rank, world_size_));
-  }
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParameterDescription& d = params[i];
-    if (d.numel == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat("parameter '%s' has no elements", d.name));
-    }
-    if (d.group >= settings_.groups.size()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "parameter '%s' is in group %d; the optimizer has %d", d.name, d.group,
-          settings_.groups.size()));
-    }
+  // The failed iteration's tasks finish first: one still queued when the progress is reset
+  // below would count its chunk against the iteration that follows (and hang it), or write a
+  // tensor that a new update is writing.
+  if (!failure_.empty()) AwaitTasksLocked();
+  // Every refusal comes before anything changes, and what this call allocates is given back if a
+  // later allocation fails: a registration that returns an error leaves the job as it was.
+  RETURN_IF_ERROR(CheckRegistrationLocked(session_id, rank, params));
+  if (!failure_.empty() && rank_sessions_.empty()) {
+    // A job whose ranks all left after a failure redoes the iteration that failed; the tensors
+    // stepped for it before the failure keep that step (see the class comment).
+    size_t kept = 0;
+    for (const Parameter& p : params_) kept += SteppedThisIterationLocked(p) ? 1 : 0;
+    deps_.events->Emit(
+        "optimizer.recovered",
+        absl::StrFormat("job '%s' redoes iteration %d after: %s (%d of %d tensors had been "
+                        "stepped for it and keep that step)",
+                        job_.job_id, iteration_ + 1, failure_, kept, params_.size()),
+        {{"iteration", static_cast<double>(iteration_)},
+         {"tensors_kept", static_cast<double>(kept)}},
+        session_id, job_.uid);
+    failure_.clear();
+    ResetProgressLocked();
   }
   RegistrationResult result;
-  size_t first_added = params.size();
+  const size_t before = params_.size();
   if (!registered_) {
     params_.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -125,61 +144,43 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
         return allocated;
       }
     }
-    registered_ = true;
     result.initialize = true;
-  } else {
-    if (params.size() < params_.size()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "ranks do not agree: this rank registers %d parameters, the job has %d",
-          params.size(), params_.size()));
-    }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!(params[i] == params_[i].desc)) {
-        const ParameterDescription& mine = params_[i].desc;
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "ranks do not agree on parameter %d: this rank has '%s' (%d elements, %s), the job "
-            "has '%s' (%d elements, %s)",
-            i, params[i].name, params[i].numel, kernels::ScalarTypeName(params[i].param_type),
-            mine.name, mine.numel, kernels::ScalarTypeName(mine.param_type)));
-      }
-    }
-    if (params.size() > params_.size()) {
-      first_added = params_.size();
-      RETURN_IF_ERROR(AddParametersLocked(params, session_id));
-    }
+  } else if (params.size() > params_.size()) {
+    RETURN_IF_ERROR(AddParametersLocked(params));
   }
-  result.first_added = result.initialize ? 0 : static_cast<uint32_t>(first_added);
-  if (auto it = rank_sessions_.find(rank); it != rank_sessions_.end() && it->second != session_id) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "rank %d of job '%s' is already attached (session %s)", rank, job_.job_id, it->second));
+  absl::Status grads = AllocateGradientsLocked(rank);
+  if (!grads.ok()) {
+    if (result.initialize) {
+      deps_.arena->ReleaseSession(job_, owner_);
+      params_.clear();
+    } else {
+      for (size_t k = before; k < params_.size(); ++k) ReleaseParameterLocked(params_[k]);
+      params_.resize(before);
+    }
+    return grads;
   }
-  if (!failure_.empty() && rank_sessions_.empty()) {
-    // A job whose ranks all left after a failure starts over from its last complete iteration.
-    deps_.events->Emit("optimizer.recovered",
-                       absl::StrFormat("job '%s' resumes at iteration %d after: %s", job_.job_id,
-                                       iteration_, failure_),
-                       {{"iteration", static_cast<double>(iteration_)}}, session_id, job_.uid);
-    failure_.clear();
-    ResetProgressLocked();
-  }
+  registered_ = true;
   rank_sessions_[rank] = session_id;
+  if (!result.initialize && params_.size() > before) {
+    uint64_t added = 0;
+    for (size_t i = before; i < params_.size(); ++i) added += params_[i].desc.numel;
+    deps_.events->Emit("optimizer.extended",
+                       absl::StrFormat("job '%s' added %d tensors (%d elements) at iteration %d",
+                                       job_.job_id, params_.size() - before, added, iteration_),
+                       {{"tensors", static_cast<double>(params_.size() - before)},
+                        {"elements", static_cast<double>(added)}},
+                       session_id, job_.uid);
+  }
+  result.first_added = result.initialize ? 0 : static_cast<uint32_t>(before);
   for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter& p = params_[i];
-    if (!p.grads.contains(rank)) {
-      ASSIGN_OR_RETURN(BufferRecord grad,
-                       AllocateLocked(absl::StrFormat("opt/%d/grad%d", i, rank),
-                                      BufferBytesFor(settings_, p.desc).grad, "optimizer.grad"));
-      ASSIGN_OR_RETURN(uint8_t * data, Data(grad));
-      p.grads[rank] = grad;
-      p.grad_ptrs[rank] = data;
-    }
+    const Parameter& p = params_[i];
     ParameterSlots slots;
     slots.index = static_cast<uint32_t>(i);
     slots.master = p.master;
     slots.exp_avg = p.exp_avg;
     slots.exp_avg_sq = p.exp_avg_sq;
     slots.param = p.param;
-    slots.grad = p.grads[rank];
+    slots.grad = p.grads.at(rank);
     if (settings_.machines > 1 && rank == 0) slots.reduce = p.accum;
     result.params.push_back(std::move(slots));
   }
@@ -188,8 +189,80 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   return result;
 }
 
-absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescription>& params,
-                                              const std::string& session_id) {
+absl::Status JobOptimizer::CheckRegistrationLocked(
+    const std::string& session_id, uint32_t rank,
+    const std::vector<ParameterDescription>& params) const {
+  if (rank >= world_size_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d is not below the job's world_size %d", rank, world_size_));
+  }
+  for (const ParameterDescription& d : params) {
+    if (d.numel == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("parameter '%s' has no elements", d.name));
+    }
+    if (d.group >= settings_.groups.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "parameter '%s' is in group %d; the optimizer has %d", d.name, d.group,
+          settings_.groups.size()));
+    }
+  }
+  if (auto it = rank_sessions_.find(rank); it != rank_sessions_.end() && it->second != session_id) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "rank %d of job '%s' is already attached (session %s)", rank, job_.job_id, it->second));
+  }
+  if (!registered_) return absl::OkStatus();
+  if (params.size() < params_.size()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "ranks do not agree: this rank registers %d parameters, the job has %d", params.size(),
+        params_.size()));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!(params[i] == params_[i].desc)) {
+      const ParameterDescription& mine = params_[i].desc;
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "ranks do not agree on parameter %d: this rank has '%s' (%d elements, %s), the job "
+          "has '%s' (%d elements, %s)",
+          i, params[i].name, params[i].numel, kernels::ScalarTypeName(params[i].param_type),
+          mine.name, mine.numel, kernels::ScalarTypeName(mine.param_type)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobOptimizer::AllocateGradientsLocked(uint32_t rank) {
+  std::vector<size_t> allocated;  // parameters that got this rank's slot in this call
+  absl::Status status;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = params_[i];
+    if (p.grads.contains(rank)) continue;
+    absl::StatusOr<BufferRecord> grad =
+        AllocateLocked(absl::StrFormat("opt/%d/grad%d", i, rank),
+                       BufferBytesFor(settings_, p.desc).grad, "optimizer.grad");
+    if (!grad.ok()) {
+      status = grad.status();
+      break;
+    }
+    absl::StatusOr<uint8_t*> data = Data(*grad);
+    if (!data.ok()) {
+      deps_.arena->Free(job_, owner_, grad->buffer_id).IgnoreError();
+      status = data.status();
+      break;
+    }
+    p.grads[rank] = *grad;
+    p.grad_ptrs[rank] = *data;
+    allocated.push_back(i);
+  }
+  if (status.ok()) return status;
+  for (size_t i : allocated) {
+    Parameter& p = params_[i];
+    deps_.arena->Free(job_, owner_, p.grads[rank].buffer_id).IgnoreError();
+    p.grads.erase(rank);
+    p.grad_ptrs.erase(rank);
+  }
+  return status;
+}
+
+absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescription>& params) {
   if (InProgressLocked()) {
     return absl::FailedPreconditionError(
         "parameters can be added only between steps (after step(), before the next backward)");
@@ -206,14 +279,6 @@ absl::Status JobOptimizer::AddParametersLocked(const std::vector<ParameterDescri
       return allocated;
     }
   }
-  uint64_t added = 0;
-  for (size_t i = before; i < params.size(); ++i) added += params[i].numel;
-  deps_.events->Emit("optimizer.extended",
-                     absl::StrFormat("job '%s' added %d tensors (%d elements) at iteration %d",
-                                     job_.job_id, params.size() - before, added, iteration_),
-                     {{"tensors", static_cast<double>(params.size() - before)},
-                      {"elements", static_cast<double>(added)}},
-                     session_id, job_.uid);
   return absl::OkStatus();
 }
 

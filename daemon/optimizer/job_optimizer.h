@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -75,6 +76,13 @@ struct OptimizerReport {
 // reporting or non-finite checks, the gradients' statistics are gathered as they land and the
 // updates start the moment the last one arrives. A rank that posts out of turn, or leaves
 // mid-job, fails the job with a message to every rank rather than leaving them waiting.
+// After a failure, each tensor is either stepped for the failed iteration or untouched, never
+// part-way: an update once started runs to its end (a failure stops none), and Register, Load
+// and SetSteps wait for the failed iteration's tasks. When the ranks come back they redo that
+// iteration, and a tensor already stepped for it keeps that step: its new gradient is dropped,
+// and its kUpdateDone points at the value already in place. So every tensor steps once per
+// iteration, as in a run without the failure, but such a tensor's step used the gradient of the
+// failed attempt, not the redone one (identical when the ranks' gradients are reproducible).
 // Thread-safe; update tasks keep the object alive (shared_from_this). Its definitions are split by
 // responsibility: job_optimizer.cc (creation, registration), job_optimizer_step.cc (gradients in,
 // iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes) and
@@ -95,7 +103,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // FAILED_PRECONDITION when `settings` differ from the job's (ranks that don't agree).
   absl::Status CheckSame(const OptimizerSettings& settings, uint32_t world_size) const;
 
-  // A rank's parameter list: the first creates the state, the others must send the same list.
+  // A rank's parameter list: the first creates the state, the others must send the same list
+  // (or extend it, between steps). A refused registration changes nothing: no parameter added,
+  // no slot allocated, the rank not attached.
   absl::StatusOr<RegistrationResult> Register(const std::string& session_id, uint32_t rank,
                                               const std::vector<ParameterDescription>& params);
 
@@ -107,6 +117,14 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // A session of the job ended: a rank that leaves mid-job fails it.
   void OnSessionEnded(const std::string& session_id, bool clean);
 
+  // New hyper-parameters (a scheduler's lr, ...). Between iterations they apply at once.
+  // Mid-iteration (a gradient of it posted) they are kept and take effect when that iteration
+  // ends (completes, or is given up after a failure), so that one iteration's tensors all step
+  // with the same values; an optimizer.groups_deferred event says so. The Python client pushes
+  // them before an iteration's first gradient; a change made between backward and step()
+  // reaches the daemon mid-iteration and so applies from the next one. INVALID_ARGUMENT for
+  // bad values or a group that a parameter is in left out; FAILED_PRECONDITION for clipping
+  // switched on or off.
   absl::Status SetGroups(const std::vector<GroupHyperParameters>& groups, double max_grad_norm);
   // After importing state: the completed iterations and each parameter's step count.
   absl::Status SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps);
@@ -145,6 +163,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     float* accum_ptr = nullptr;
     std::map<uint32_t, void*> grad_ptrs;
     uint64_t param_step = 0;
+    // The iteration (1-based) this tensor's last completed update belongs to: equal to
+    // iteration_ + 1 only when a failed iteration is being redone and this tensor had been
+    // stepped for it.
+    uint64_t updated_in = 0;
+    bool update_failed = false;  // a chunk of this iteration's update was refused by the kernel
     // Progress through the current iteration.
     Phase phase = Phase::kWaiting;
     uint32_t micro = 0;
@@ -167,10 +190,17 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint8_t*> Data(const BufferRecord& record) const;
   void ClearInParallel(uint8_t* data, uint64_t bytes);
-  // A registration whose list extends the job's: allocates the new parameters' state.
-  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params,
-                                   const std::string& session_id)
+  // Register's refusals: a bad rank or list, a rank attached by another session, a list that
+  // disagrees with the job's.
+  absl::Status CheckRegistrationLocked(const std::string& session_id, uint32_t rank,
+                                       const std::vector<ParameterDescription>& params) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A registration whose list extends the job's: allocates the new parameters' state (all or
+  // none of them).
+  absl::Status AddParametersLocked(const std::vector<ParameterDescription>& params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The gradient slots `rank` lacks, all or none of them.
+  absl::Status AllocateGradientsLocked(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees every buffer a parameter holds (a parameter whose allocation failed part-way).
   void ReleaseParameterLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -180,12 +210,19 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void LeaveWithoutGradientLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartAccumulateLocked(uint32_t index, bool final_micro) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeFinishIterationLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the iteration's progress (it ended, or is given up) and applies a deferred SetGroups.
   void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(uint32_t rank, const ipc::DoorbellMessage& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every task goes to the pool through here, counted in tasks_in_flight_ until it has run.
+  void SubmitLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A failed job submits no new task; this waits (releasing mu_) until the ones it had are
+  // done, so none of them runs after the progress is reset or the state restored.
+  void AwaitTasksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool NoTasksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return tasks_in_flight_ == 0; }
 
   // The updates (job_optimizer_update.cc).
   std::vector<const void*> GradientsLocked(const Parameter& p) const
@@ -198,6 +235,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // is written; once any tensor's held a non-finite value, no later one is updated.
   void CheckThenUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A redone iteration's tensor that was stepped for it before the failure: done, as it is.
+  void KeepEarlierUpdateLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool SteppedThisIterationLocked(const Parameter& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return p.updated_in == iteration_ + 1;
+  }
 
   // Checkpoints (job_optimizer_state.cc): the state as checkpoint arrays over the live buffers.
   CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -209,15 +251,23 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   mutable absl::Mutex mu_;
   OptimizerSettings settings_ ABSL_GUARDED_BY(mu_);
   std::vector<Parameter> params_ ABSL_GUARDED_BY(mu_);
+  // SetGroups mid-iteration: what settings_ takes when the iteration ends (ResetProgressLocked).
+  struct Retune {
+    std::vector<GroupHyperParameters> groups;
+    double max_grad_norm = 0;
+  };
+  std::optional<Retune> next_groups_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
+  size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool
   // Progress of the iteration in flight.
   absl::Time iteration_start_ ABSL_GUARDED_BY(mu_);
   bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;
   size_t params_done_ ABSL_GUARDED_BY(mu_) = 0;
   size_t params_with_stats_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t params_updated_ ABSL_GUARDED_BY(mu_) = 0;  // stepped (not skipped, not without gradient)
   absl::Time updates_start_ ABSL_GUARDED_BY(mu_);
   double update_busy_s_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t update_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -83,6 +83,55 @@ TEST_F(JobOptimizerTest, ARankLeavingCleanlyBetweenStepsStillFailsTheOthers) {
       << opt->Report().state;
 }
 
+// A second session for a rank that is attached is refused before anything changes, even when its
+// list would extend the job's.
+TEST_F(JobOptimizerTest, ARefusedDuplicateRegistrationAddsNoParameters) {
+  auto opt = Make(Settings());
+  ASSERT_NE(opt, nullptr);
+  std::unique_ptr<Rank> r = Join(*opt, 0, {Param("a", 8)});
+  ASSERT_NE(r, nullptr);
+  const OptimizerReport before = opt->Report();
+  std::unique_ptr<Rank> dup = Attach(0, "s-duplicate");
+  ASSERT_NE(dup, nullptr);
+  absl::StatusOr<RegistrationResult> refused =
+      opt->Register(dup->session_id, 0, {Param("a", 8), Param("b", 1000)});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "rank 0 of job 'job' is already "
+                                                              "attached"))
+      << refused.status();
+  const OptimizerReport after = opt->Report();
+  EXPECT_EQ(after.tensors, 1u);
+  EXPECT_EQ(after.elements, 8u);
+  EXPECT_EQ(after.state_bytes, before.state_bytes);
+  EXPECT_FALSE(HasEvent(*events_, "optimizer.extended"));
+}
+
+// A rank whose gradient slots don't fit is not attached, and the slots it got are given back.
+TEST_F(JobOptimizerTest, ARegistrationThatRunsOutOfMemoryLeavesTheRankDetached) {
+  auto opt = Make(Settings(), 2);
+  ASSERT_NE(opt, nullptr);
+  // Rank 0's state and slot fit the fixture's 256 MiB arena (4 x 56 MiB, plus a small
+  // segment); rank 1's slot of 'big' (56 MiB more) does not, after its slot of 'a' did.
+  const std::vector<ParameterDescription> params = {Param("a", 64), Param("big", 14u << 20)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  ASSERT_NE(r0, nullptr);
+  const OptimizerReport before = opt->Report();
+  std::unique_ptr<Rank> r1 = Attach(1, "s-rank1", 2);
+  ASSERT_NE(r1, nullptr);
+  absl::StatusOr<RegistrationResult> refused = opt->Register(r1->session_id, 1, params);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  const OptimizerReport after = opt->Report();
+  EXPECT_EQ(after.ranks_attached, 1u);
+  EXPECT_EQ(after.state_bytes, before.state_bytes);  // its slot of 'a' was given back
+  // Not a rank of the job: its gradient is answered with an error and fails nothing.
+  opt->OnGradientReady(r1->session_id,
+                       {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0, 0, 1, 0});
+  std::vector<DoorbellMessage> m = Receive(*r1, 1);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
+  EXPECT_EQ(opt->Report().state, "ready");
+}
+
 TEST_F(JobOptimizerTest, PostsOutOfTurnFailTheJob) {
   struct Case {
     const char* name;
@@ -204,6 +253,41 @@ TEST_F(JobOptimizerTest, SetGroupsValidatesAndRetunesTheNextStep) {
     refs[i].Step(Sum({grad}, 1.0));
   }
   UpdatesDone(*r, 2, 1);
+  for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
+}
+
+// New hyper-parameters that arrive after some tensors of an iteration have stepped apply from the
+// next iteration: one iteration's tensors all step with the same values.
+TEST_F(JobOptimizerTest, SetGroupsMidIterationAppliesFromTheNextIteration) {
+  auto opt = Make(Settings());
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 30), Param("b", 30)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<ReferenceAdamW> refs = {{Hyper(), initial[0]}, {Hyper(), initial[1]}};
+  std::vector<float> grad = RandomFloats(30, 1);
+  Post(*opt, *r, 0, grad, 1);
+  refs[0].Step(Sum({grad}, 1.0));
+  UpdatesDone(*r, 1, 1);  // 'a' stepped with the old values
+  const std::vector<GroupHyperParameters> retuned = {Hyper(5e-2, 0.2)};
+  EXPECT_EQ(opt->SetGroups({Hyper(-1.0)}, 0).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(opt->SetGroups(retuned, 0).ok());
+  EXPECT_EQ(opt->Report().settings.groups, Settings().groups);
+  EXPECT_TRUE(HasEvent(*events_, "optimizer.groups_deferred"));
+  grad = RandomFloats(30, 2);
+  Post(*opt, *r, 1, grad, 1);
+  refs[1].Step(Sum({grad}, 1.0));  // and so does 'b'
+  UpdatesDone(*r, 1, 1);
+  for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
+  EXPECT_EQ(opt->Report().settings.groups, retuned);
+  for (uint32_t i = 0; i < 2; ++i) {
+    refs[i].g = retuned[0];
+    grad = RandomFloats(30, 3 + i);
+    Post(*opt, *r, i, grad, 2);
+    refs[i].Step(Sum({grad}, 1.0));
+  }
+  UpdatesDone(*r, 2, 2);
   for (uint32_t i = 0; i < 2; ++i) ExpectMatches(*r, i, refs[i]);
 }
 

@@ -60,6 +60,8 @@ absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
 
 absl::Status JobOptimizer::Load(const std::string& path) {
   absl::MutexLock lock(&mu_);
+  // A failed iteration's update still queued would otherwise write over the restored state.
+  if (!failure_.empty()) AwaitTasksLocked();
   if (InProgressLocked() && failure_.empty()) {
     return absl::FailedPreconditionError("a step is in progress; restore between steps");
   }
@@ -71,6 +73,7 @@ absl::Status JobOptimizer::Load(const std::string& path) {
   iteration_ = loaded.iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = loaded.params[i].step;
+    params_[i].updated_in = 0;  // the restored state holds no update of the next iteration
     // The model-dtype copy follows the restored master.
     if (params_[i].param_ptr != nullptr) {
       kernels::ConvertFromFloat(params_[i].master_ptr, params_[i].param_ptr,
@@ -84,6 +87,8 @@ absl::Status JobOptimizer::Load(const std::string& path) {
 
 absl::Status JobOptimizer::SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps) {
   absl::MutexLock lock(&mu_);
+  // As in Load: none of a failed iteration's tasks may run after the progress is reset.
+  if (!failure_.empty()) AwaitTasksLocked();
   if (InProgressLocked() && failure_.empty()) {
     return absl::FailedPreconditionError("a step is in progress; set the step between steps");
   }
@@ -94,6 +99,7 @@ absl::Status JobOptimizer::SetSteps(uint64_t iteration, const std::vector<uint64
   iteration_ = iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = param_steps.empty() ? iteration : param_steps[i];
+    params_[i].updated_in = 0;  // the caller's state replaces what a failed iteration did
   }
   failure_.clear();
   ResetProgressLocked();

@@ -117,8 +117,11 @@ void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
   params_[index].phase = Phase::kDone;
   ++params_done_;
   ++params_with_stats_;
+  if (SteppedThisIterationLocked(params_[index])) ++params_updated_;
+  // One stepped for this iteration before a failure keeps that step (see the class comment):
+  // its ranks must still copy the value in place.
   SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
-                    ipc::kFlagNoGradient));
+                    SteppedThisIterationLocked(params_[index]) ? 0 : ipc::kFlagNoGradient));
   if (settings_.deferred()) MaybeDecideLocked();
   MaybeFinishIterationLocked();
 }
@@ -137,7 +140,7 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, overwrite, final_micro] {
+    SubmitLocked([self, index, c, grads, overwrite, final_micro] {
       float* accum;
       kernels::ScalarType type;
       uint64_t numel;
@@ -265,6 +268,7 @@ void JobOptimizer::ResetProgressLocked() {
   iteration_started_ = false;
   params_done_ = 0;
   params_with_stats_ = 0;
+  params_updated_ = 0;
   update_busy_s_ = 0;
   update_bytes_ = 0;
   update_nonfinite_ = 0;
@@ -272,6 +276,11 @@ void JobOptimizer::ResetProgressLocked() {
   guard_first_.clear();
   guard_tensors_before_ = 0;
   pending_report_ = {};
+  if (next_groups_) {
+    settings_.groups = std::move(next_groups_->groups);
+    settings_.max_grad_norm = next_groups_->max_grad_norm;
+    next_groups_.reset();
+  }
 }
 
 bool JobOptimizer::InProgressLocked() const {
@@ -319,6 +328,19 @@ void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message
                        absl::StrFormat("could not notify rank %d: %s", rank, sent.message()), {},
                        it->second, job_.uid);
   }
+}
+
+void JobOptimizer::SubmitLocked(std::function<void()> task) {
+  ++tasks_in_flight_;
+  deps_.pool->Submit([self = shared_from_this(), task = std::move(task)] {
+    task();
+    absl::MutexLock lock(&self->mu_);
+    --self->tasks_in_flight_;
+  });
+}
+
+void JobOptimizer::AwaitTasksLocked() {
+  mu_.Await(absl::Condition(this, &JobOptimizer::NoTasksLocked));
 }
 
 void JobOptimizer::SendToAll(const ipc::DoorbellMessage& message) {

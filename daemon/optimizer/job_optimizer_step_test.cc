@@ -316,6 +316,41 @@ TEST_F(JobOptimizerTest, GuardStopsUpdatingAtTheFirstNonFiniteTensor) {
   EXPECT_EQ(report.state, "ready");
 }
 
+// The step-skipped event counts the tensors updated before the non-finite one; a tensor without
+// a gradient was left alone, not updated.
+TEST_F(JobOptimizerTest, GuardCountsOnlyTensorsUpdatedBeforeTheNonFiniteOne) {
+  OptimizerSettings settings = Settings();
+  settings.nonfinite = NonFinitePolicy::kGuard;
+  auto opt = Make(settings);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("unused", 16), Param("first", 16),
+                                                    Param("poisoned", 16)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  Initialize(*r, params);
+  PostNone(*opt, *r, 0, 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[0], ipc::kFlagNoGradient);
+  Post(*opt, *r, 1, RandomFloats(16, 1), 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[1], 0u);
+  std::vector<float> bad = RandomFloats(16, 2);
+  bad[0] = std::numeric_limits<float>::infinity();
+  Post(*opt, *r, 2, bad, 1);
+  EXPECT_EQ(UpdatesDone(*r, 1, 1)[2], ipc::kFlagSkipped);
+  // The event follows the last kUpdateDone under the job's lock, which Report takes.
+  EXPECT_EQ(opt->Report().iteration, 1u);
+  std::vector<Event> skipped = events_->Since(
+      0, [](const Event& e) { return e.kind == "optimizer.step_skipped"; });
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(skipped[0].message, "(1 of 3 had been before it"))
+      << skipped[0].message;
+  double before = -1;
+  for (const auto& number : skipped[0].numbers) {
+    if (number.first == "tensors_updated_before") before = number.second;
+  }
+  EXPECT_EQ(before, 1.0);
+  EXPECT_EQ(opt->Report().param_steps, (std::vector<uint64_t>{0, 1, 0}));
+}
+
 TEST_F(JobOptimizerTest, ClippingScalesTheAveragedGradientByTheGlobalNorm) {
   OptimizerSettings settings = Settings();
   settings.max_grad_norm = 0.5;

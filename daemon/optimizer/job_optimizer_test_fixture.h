@@ -11,13 +11,17 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "ipc/doorbell_ring.h"
 #include "ipc/shared_mapping.h"
@@ -128,6 +132,69 @@ struct Rank {
   RegistrationResult registration;
 };
 
+// Holds every worker of a pool, so the optimizer's tasks wait in its queue (a test can then fail
+// the job while some are still to run). Workers are let go one at a time, from this thread or,
+// for a call that waits for the job's tasks, from another one after a delay; the rest go when
+// the blocker is destroyed.
+class PoolBlocker {
+ public:
+  explicit PoolBlocker(ThreadPool& pool) {
+    for (size_t i = 0; i < pool.size(); ++i) {
+      gates_.push_back(std::make_unique<absl::Notification>());
+      absl::Notification* gate = gates_.back().get();
+      pool.Submit([this, gate] {
+        ++holding_;
+        gate->WaitForNotification();
+        ++left_;
+      });
+    }
+    while (holding_.load() < gates_.size()) absl::SleepFor(absl::Milliseconds(1));
+  }
+  ~PoolBlocker() {
+    if (timer_.joinable()) timer_.join();
+    ReleaseAll();
+    // The gates outlive the workers' waits on them.
+    while (left_.load() < gates_.size()) absl::SleepFor(absl::Milliseconds(1));
+  }
+  PoolBlocker(const PoolBlocker&) = delete;
+  PoolBlocker& operator=(const PoolBlocker&) = delete;
+
+  // Lets one more worker go: the queued tasks then run one at a time, in order.
+  void ReleaseOne() {
+    if (released_ < gates_.size()) gates_[released_++]->Notify();
+  }
+  void ReleaseAll() {
+    while (released_ < gates_.size()) ReleaseOne();
+  }
+  // ReleaseOne from another thread after `delay`. Call once, and touch the blocker again only
+  // once the delay has passed (or destroy it: that waits).
+  void ReleaseOneAfter(absl::Duration delay) {
+    timer_ = std::thread([this, delay] {
+      absl::SleepFor(delay);
+      ReleaseOne();
+    });
+  }
+  void Join() {
+    if (timer_.joinable()) timer_.join();
+  }
+
+ private:
+  std::vector<std::unique_ptr<absl::Notification>> gates_;
+  size_t released_ = 0;
+  std::atomic<size_t> holding_{0}, left_{0};
+  std::thread timer_;
+};
+
+// Returns once every task queued on `pool` before the call has finished: each worker must take
+// one of these tasks, which wait for each other.
+inline void Drain(ThreadPool& pool) {
+  std::atomic<size_t> started{0};
+  pool.ParallelFor(pool.size(), [&](size_t) {
+    ++started;
+    while (started.load() < pool.size()) std::this_thread::yield();
+  });
+}
+
 class JobOptimizerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -228,6 +295,14 @@ class JobOptimizerTest : public ::testing::Test {
     Write(r.registration.params.at(index).grad, grad);
     opt.OnGradientReady(r.session_id, {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0,
                                        index, step, micro});
+  }
+  // A post for a parameter the job doesn't have: fails the job, as a rank out of turn does.
+  void PostOutOfTurn(JobOptimizer& opt, Rank& r) {
+    opt.OnGradientReady(r.session_id,
+                        {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0, 1000, 1, 0});
+    std::vector<DoorbellMessage> m = Receive(r, 1);
+    ASSERT_EQ(m.size(), 1u);
+    EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
   }
   void PostNone(JobOptimizer& opt, const Rank& r, uint32_t index, uint64_t step,
                 uint64_t micro = 0) {

@@ -54,7 +54,7 @@ void JobOptimizer::StartStatsLocked(uint32_t index) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, type, numel] {
+    SubmitLocked([self, index, c, grads, type, numel] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
       kernels::GradientStats stats =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
@@ -99,8 +99,10 @@ void JobOptimizer::MaybeDecideLocked() {
         if (params_[i].phase == Phase::kDone) continue;
         params_[i].phase = Phase::kDone;
         ++params_done_;
+        // A tensor stepped for this iteration before a failure keeps that step (see the class
+        // comment): its rank must still copy the value in place.
         SendToAll(Message(ipc::DoorbellKind::kUpdateDone, i, iteration_ + 1, 0,
-                          ipc::kFlagSkipped));
+                          SteppedThisIterationLocked(params_[i]) ? 0 : ipc::kFlagSkipped));
       }
       MaybeFinishIterationLocked();
       return;
@@ -127,6 +129,10 @@ void JobOptimizer::MaybeDecideLocked() {
 }
 
 void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
+  if (SteppedThisIterationLocked(params_[index])) {
+    KeepEarlierUpdateLocked(index);
+    return;
+  }
   if (settings_.nonfinite == NonFinitePolicy::kGuard && !settings_.deferred()) {
     CheckThenUpdateLocked(index, grad_scale);
   } else {
@@ -146,7 +152,7 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, type, numel, grad_scale] {
+    SubmitLocked([self, index, c, grads, type, numel, grad_scale] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
       const uint64_t nonfinite =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b,
@@ -159,7 +165,7 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
       if (q.stats.nonfinite > 0 && !self->guard_tripped_) {
         self->guard_tripped_ = true;
         self->guard_first_ = q.desc.name;
-        self->guard_tensors_before_ = self->params_done_;
+        self->guard_tensors_before_ = self->params_updated_;
       }
       if (!self->guard_tripped_) {
         self->ApplyUpdateLocked(index, grad_scale);
@@ -212,12 +218,13 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
       4 * kernels::ElementSize(settings_.moment_type) +
       (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
+  p.update_failed = false;
   if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
   const size_t chunks = Chunks(p.desc.numel);
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    deps_.pool->Submit([self, index, c, grads, tensor, step, bytes_per_element] {
+    SubmitLocked([self, index, c, grads, tensor, step, bytes_per_element] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(tensor.numel, b + kChunkElements);
       const absl::Time start = absl::Now();
       uint64_t nonfinite = 0;
@@ -228,16 +235,36 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       self->update_nonfinite_ += nonfinite;
       self->update_busy_s_ += busy;
       self->update_bytes_ += (e - b) * bytes_per_element;
-      if (!updated.ok()) self->FailLocked(std::string(updated.message()));
       Parameter& q = self->params_[index];
-      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
-      ++q.param_step;
+      if (!updated.ok()) {
+        q.update_failed = true;
+        self->FailLocked(std::string(updated.message()));
+      }
+      if (--q.chunks_left != 0) return;
+      // Counted even when the job failed while it ran: every chunk did run, so the tensor is
+      // stepped for this iteration, and a redone iteration must not step it again.
       q.phase = Phase::kDone;
       ++self->params_done_;
+      if (!q.update_failed) {
+        ++q.param_step;
+        q.updated_in = self->iteration_ + 1;
+        ++self->params_updated_;
+      }
+      if (!self->failure_.empty()) return;
       self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1));
       self->MaybeFinishIterationLocked();
     });
   }
+}
+
+void JobOptimizer::KeepEarlierUpdateLocked(uint32_t index) {
+  // Its weights, moments and step count already hold this iteration's update, and the shared
+  // parameter slot its value: the ranks copy it back as for any update.
+  params_[index].phase = Phase::kDone;
+  ++params_done_;
+  ++params_updated_;
+  SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1));
+  MaybeFinishIterationLocked();
 }
 
 }  // namespace trainstream::daemon
