@@ -152,6 +152,17 @@ def test_parameters_without_gradients_are_left_alone(client):
     assert opt.info()["param_steps"] == [1, 0]
 
 
+def test_ranks_that_disagree_on_a_parameter_are_refused(start_daemon):
+    d = start_daemon()
+    with trainstream.connect(d.socket, job_id="pair", world_size=2) as first, \
+            trainstream.connect(d.socket, job_id="pair", rank=1, world_size=2) as second:
+        HostOptimizer(first, [ParameterSpec("p0", (16,))])
+        with pytest.raises(trainstream.FailedPreconditionError,
+                           match="ranks do not agree on parameter 0: this rank has 'p0' .17 "):
+            HostOptimizer(second, [ParameterSpec("p0", (17,))])
+        HostOptimizer(second, [ParameterSpec("p0", (16,))])  # the refusal changed nothing
+
+
 def test_bad_input_gets_clear_errors(daemon, client):
     ref = make_params(7, [(16,)])
     opt = HostOptimizer(client, specs(ref))
@@ -164,10 +175,13 @@ def test_bad_input_gets_clear_errors(daemon, client):
         HostOptimizer(client, specs(ref), nonfinite="maybe")
     with pytest.raises(trainstream.InvalidArgumentError, match="dtype"):
         HostOptimizer(client, [ParameterSpec("x", (4,), torch.int64)])
-    with trainstream.connect(daemon.socket, job_id="opt") as other:  # same job, other rank
+    with trainstream.connect(daemon.socket, job_id="opt") as other:  # same job, same rank
         with pytest.raises(trainstream.FailedPreconditionError, match="do not agree"):
             HostOptimizer(other, specs(ref), moment_dtype=torch.bfloat16)
-        with pytest.raises(trainstream.FailedPreconditionError, match="do not agree"):
+        # The rank is taken: refused before its parameters are compared, naming who holds it.
+        with pytest.raises(trainstream.FailedPreconditionError,
+                           match=f"rank 0 of job 'opt' is already attached .session "
+                                 f"{client.session_id}"):
             HostOptimizer(other, [ParameterSpec("p0", (17,))])
     with pytest.raises(trainstream.InvalidArgumentError, match="lr"):
         opt.set_groups([dict(lr=-1.0)])

@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Streamed weights (a part of BlockPager, memory/pager.py): which blocks keep their weights in host
+memory, the device slots they borrow while they run, the fetches into a slot ahead of the block
+that needs it, and binding a block's parameters to its slot and back to placeholders."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import FailedPreconditionError, InvalidArgumentError
+from ..hooks import weak_hook
+from ..transport import device as cuda_device
+
+
+class Slot:
+    """One device buffer big enough for any paged block."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Its address range: a saved tensor is a view of the slot when its data lies inside.
+        self.base = self.storage.data_ptr()
+        self.end = self.base + nbytes
+        self.block: int | None = None
+        self.generation = -1        # the weights' generation it holds
+        self.ready: Any = None      # event: the fetch into it landed
+        self.released: Any = None   # event: compute finished with it
+        self.views: dict[int, list] = {}  # per block: its parameters' views of the storage
+        self.unpacked: dict[tuple, torch.Tensor] = {}  # saved weights' views, by packed layout
+
+
+class WeightSlots:
+    """BlockPager's streamed weights (a part of the class: it reads the pager's state)."""
+
+    def page_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` start streaming their weights (between steps); returns those that
+        were not paged yet. Their parameters' values are read from ``host_copy`` from now on,
+        and their device memory goes back to the allocator."""
+        added = sorted(set(int(i) for i in indices) - set(self.paged))
+        if not added:
+            return []
+        if self.bound:
+            raise FailedPreconditionError("blocks can start paging only between steps")
+        for b in added:
+            self.params[b] = list(self.blocks[b].parameters(recurse=True))
+            for p in self.params[b]:
+                host = self._host_copy(p)
+                if (host.dtype != p.dtype or host.shape != p.shape
+                        or not host.is_contiguous()):
+                    raise InvalidArgumentError(
+                        f"the host copy of a {tuple(p.shape)} {p.dtype} parameter of block {b} "
+                        f"is a {tuple(host.shape)} {host.dtype} tensor"
+                        f"{'' if host.is_contiguous() else ' (not contiguous)'}: it must match "
+                        "the parameter, contiguous")
+                self.host[id(p)] = host
+            offset, parts = 0, []
+            for p in self.params[b]:
+                offset = (offset + 255) // 256 * 256  # every view aligned as the allocator would
+                parts.append((p, offset, p.numel() * p.element_size()))
+                offset += p.numel() * p.element_size()
+            self.layout[b] = parts
+            self.layout_bytes[b] = sum(nbytes for _, _, nbytes in parts)
+            self.slot_bytes = max(self.slot_bytes, (offset + 255) // 256 * 256)
+        self.paged = sorted(set(self.paged) | set(added))
+        self.position = {b: k for k, b in enumerate(self.paged)}
+        if self.cuda:
+            self._wait_for_copies()
+        # The blocks' device weights go first (their values are in the host copies now), then
+        # the old slots, then slots sized for the biggest paged block are made: the peak is the
+        # larger of before and after, not their sum.
+        for b in added:
+            for p in self.params[b]:
+                self.placeholders[id(p)] = torch.zeros(
+                    (), dtype=p.dtype, device=self.device).expand(p.shape)
+                p.data = self.placeholders[id(p)]
+                if p.requires_grad:
+                    self._grad_hooks.setdefault(b, []).append(
+                        p.register_post_accumulate_grad_hook(
+                            weak_hook(self, "_gradient_landed_timed", b)))
+        self.slots = []
+        self.slots = [Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
+        return added
+
+    def unpage_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` keep their weights in VRAM again (between steps): each parameter
+        gets a device tensor holding the host copy's current value. Returns those that were
+        streaming."""
+        removed = sorted(set(int(i) for i in indices) & set(self.paged))
+        if not removed:
+            return []
+        if self.bound:
+            raise FailedPreconditionError("blocks can stop paging only between steps")
+        if self.cuda:
+            self._wait_for_copies()
+        self.slots = []  # back to the allocator before the blocks' device copies are made
+        for b in removed:
+            for handle in self._grad_hooks.pop(b, []):
+                handle.remove()
+            for p in self.params.pop(b):
+                # On a CPU the host copy is the daemon's buffer its updates land in: used as is.
+                host = self.host.pop(id(p))
+                p.data = host.to(self.device, copy=True) if self.cuda else host
+                self.placeholders.pop(id(p), None)
+            self.layout.pop(b)
+            self.layout_bytes.pop(b)
+            self.pending_grads.pop(b, None)
+        self.paged = [b for b in self.paged if b not in removed]
+        self.position = {b: k for k, b in enumerate(self.paged)}
+        self.slot_bytes = max((self._slot_size(b) for b in self.paged), default=0)
+        self.slots = []
+        if self.paged:
+            self.slots = [Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
+        return removed
+
+    def _slot_size(self, b: int) -> int:
+        _, offset, nbytes = self.layout[b][-1]
+        return (offset + nbytes + 255) // 256 * 256
+
+    def weights_changed(self) -> None:
+        """The host copies were updated (an optimizer step): later fetches read them anew, and
+        a block still bound (a parameter that got no gradient) lets go of its slot."""
+        for b in list(self.bound):
+            self._unbind(b)
+        self.generation += 1
+        # Slots added when every one was bound (a block some of whose parameters got no
+        # gradient) go back.
+        del self.slots[self.depth + 1:]
+
+    def _slot_of(self, b: int) -> Slot | None:
+        return next((s for s in self.slots
+                     if s.block == b and s.generation == self.generation), None)
+
+    def _fetch(self, b: int, needed: bool = True) -> Slot | None:
+        """Starts copying block ``b`` into a slot (or finds it there already). A prefetch
+        (``needed`` false) only takes a slot no bound block uses; a needed fetch adds a slot
+        when every one is bound."""
+        slot = self._slot_of(b)
+        if slot is not None:
+            return slot
+        candidates = [s for s in self.slots if not self._in_use(s)]
+        if not candidates:
+            if not needed:
+                return None
+            self.slots.append(Slot(self.slot_bytes, self.device))
+            candidates = [self.slots[-1]]
+        # An empty slot (or one holding an earlier generation's weights), else the one holding
+        # the block that runs furthest from this one.
+        slot = min(candidates, key=lambda s: (self._holds_current(s),
+                                              self._distance(s.block, b)
+                                              if self._holds_current(s) else 0))
+        slot.block, slot.generation = b, self.generation
+        if self.cuda:
+            if slot.released is None:
+                self.stream.wait_stream(cuda_device.current(self._device_index))
+            else:
+                self.stream.wait_event(slot.released)
+            self._copy_in(b, slot)
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(self.stream)
+        else:
+            self._copy_in(b, slot)
+        return slot
+
+    def _holds_current(self, slot: Slot) -> bool:
+        return slot.block is not None and slot.generation == self.generation
+
+    def _in_use(self, slot: Slot) -> bool:
+        return self._holds_current(slot) and slot.block in self.bound
+
+    def _distance(self, held: int | None, wanted: int) -> int:
+        return 0 if held is None else -abs(self.position[held] - self.position[wanted])
+
+    def _views(self, b: int, slot: Slot) -> list:
+        """Block ``b``'s parameters as views of ``slot``, made once per slot and block (the
+        slots live as long as the layout: both change only between steps)."""
+        views = slot.views.get(b)
+        if views is None:
+            views = [slot.storage[offset:offset + nbytes].view(p.dtype).view(p.shape)
+                     for p, offset, nbytes in self.layout[b]]
+            slot.views[b] = views
+        return views
+
+    def _copy_in(self, b: int, slot: Slot) -> None:
+        host = self.host
+        pairs = zip(self.layout[b], self._views(b, slot))
+        if self.cuda:
+            # The block's weights in one native call, on the weight stream (torch would
+            # dispatch each tensor's copy on its own: a block has a score of them).
+            cuda_device.copy_pieces(self.stream.cuda_stream,
+                                    [(view.data_ptr(), host[id(p)].data_ptr(), nbytes)
+                                     for (p, _, nbytes), view in pairs])
+        else:
+            for (p, _, _), view in pairs:
+                view.copy_(host[id(p)])
+        self.bytes_fetched += self.layout_bytes[b]
+
+    def _bind(self, b: int) -> None:
+        """Points block ``b``'s parameters at its slot, once the fetch has landed."""
+        slot = self._fetch(b)
+        if self.cuda and slot.ready is not None:
+            cuda_device.current(self._device_index).wait_event(slot.ready)
+        for (p, _, _), view in zip(self.layout[b], self._views(b, slot)):
+            p.data = view
+        self.bound.add(b)
+        self._bound_slots[b] = slot
+
+    def _unbind(self, b: int) -> None:
+        """Lets block ``b``'s slot go once the compute stream is done with it. The slot keeps
+        the weights until another block takes it: the last blocks of forward are still there
+        when backward starts with them, and are not fetched again."""
+        slot = self._slot_of(b)
+        self.bound.discard(b)
+        self._bound_slots.pop(b, None)
+        for p in self.params[b]:
+            p.data = self.placeholders[id(p)]
+        if slot is None:
+            return
+        if self.cuda:
+            slot.released = torch.cuda.Event()
+            slot.released.record(cuda_device.current(self._device_index))
+
+    def _prefetch_after(self, b: int, step: int) -> None:
+        k = self.position[b]
+        for ahead in range(1, self.depth + 1):
+            j = k + step * ahead
+            if 0 <= j < len(self.paged):
+                self._fetch(self.paged[j], needed=False)
+
+    def _gradient_landed(self, b: int, p: torch.Tensor) -> None:
+        if b not in self.position:
+            return
+        left = self.pending_grads.get(b, 0) - 1
+        self.pending_grads[b] = left
+        if left == 0:
+            self._unbind(b)
