@@ -4,7 +4,6 @@
 #include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
 #include "rpc/trainstream_service.h"
-#include "status_conversion.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -56,22 +55,22 @@ void ToProto(const BaseSnapshot& s, v1::BaseInfo* out) {
 
 }  // namespace
 
-grpc::Status TrainStreamService::LoadBase(grpc::ServerContext* context,
-                                          const v1::LoadBaseRequest* request,
-                                          v1::BaseInfo* reply) {
+absl::Status TrainStreamService::ServeLoadBase(grpc::ServerContext* context,
+                                               const v1::LoadBaseRequest* request,
+                                               v1::BaseInfo* reply) {
   if (request->path().size() > kMaxPathBytes || request->name().size() > kMaxNameLength ||
       request->quantize_size() > kMaxQuantizeNames) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "path, name or the list of tensors to quantize is longer than a base request may be"));
+    return absl::InvalidArgumentError(
+        "path, name or the list of tensors to quantize is longer than a base request may be");
   }
   for (unsigned char c : request->name()) {
     if (c < 0x20 || c == 0x7f) {  // shown by tsctl and in events: no terminal control codes
-      return ToGrpcStatus(absl::InvalidArgumentError("a base name holds no control characters"));
+      return absl::InvalidArgumentError("a base name holds no control characters");
     }
   }
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   BaseLoadRequest load;
   load.path = request->path();
   load.format = request->format().empty() ? "bf16" : request->format();
@@ -82,44 +81,45 @@ grpc::Status TrainStreamService::LoadBase(grpc::ServerContext* context,
   if (!base.ok()) {
     events_->Emit("base.refused", std::string(base.status().message()), {}, (*session)->id,
                   (*session)->owner.uid);
-    return ToGrpcStatus(base.status());
+    return base.status();
   }
   ToProto(*base, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::GetBase(grpc::ServerContext* context,
-                                         const v1::GetBaseRequest* request, v1::BaseInfo* reply) {
+absl::Status TrainStreamService::ServeGetBase(grpc::ServerContext* context,
+                                              const v1::GetBaseRequest* request,
+                                              v1::BaseInfo* reply) {
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::StatusOr<BaseSnapshot> base =
       bases_->Get((*session)->owner.uid, /*admin=*/false, request->base_id());
-  if (!base.ok()) return ToGrpcStatus(base.status());
+  if (!base.ok()) return base.status();
   ToProto(*base, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::DetachBase(grpc::ServerContext* context,
-                                            const v1::DetachBaseRequest* request,
-                                            v1::DetachBaseReply* reply) {
+absl::Status TrainStreamService::ServeDetachBase(grpc::ServerContext* context,
+                                                 const v1::DetachBaseRequest* request,
+                                                 v1::DetachBaseReply* reply) {
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(bases_->Detach(**session, request->base_id()));
+  if (!session.ok()) return session.status();
+  return bases_->Detach(**session, request->base_id());
 }
 
-grpc::Status TrainStreamService::ListBases(grpc::ServerContext* context,
-                                           const v1::ListBasesRequest* request,
-                                           v1::ListBasesReply* reply) {
+absl::Status TrainStreamService::ServeListBases(grpc::ServerContext* context,
+                                                const v1::ListBasesRequest* request,
+                                                v1::ListBasesReply* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   for (BaseSnapshot& base : bases_->List(caller->uid, caller->admin)) {
     base.tensors.clear();  // the listing is a summary; GetBase gives the table
     base.buffers.clear();
     ToProto(base, reply->add_bases());
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 }  // namespace trainstream::daemon

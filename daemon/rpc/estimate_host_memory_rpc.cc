@@ -7,7 +7,6 @@
 #include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
 #include "rpc/trainstream_service.h"
-#include "status_conversion.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
@@ -63,13 +62,13 @@ absl::Status Estimate(const Arena& arena, const v1::EstimateHostMemoryRequest& r
 
 }  // namespace
 
-grpc::Status TrainStreamService::EstimateHostMemory(grpc::ServerContext* context,
-                                                    const v1::EstimateHostMemoryRequest* request,
-                                                    v1::HostMemoryEstimate* reply) {
+absl::Status TrainStreamService::ServeEstimateHostMemory(
+    grpc::ServerContext* context, const v1::EstimateHostMemoryRequest* request,
+    v1::HostMemoryEstimate* reply) {
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(Estimate(*arena_, *request, reply));
+  if (!session.ok()) return session.status();
+  return Estimate(*arena_, *request, reply);
 }
 
 }  // namespace trainstream::daemon

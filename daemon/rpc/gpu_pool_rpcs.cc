@@ -4,7 +4,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "rpc/trainstream_service.h"
-#include "status_conversion.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -35,53 +34,53 @@ void ToProto(const PoolSummary& pool, v1::GpuPoolInfo* out) {
 
 }  // namespace
 
-grpc::Status TrainStreamService::PlaceBaseOnGpu(grpc::ServerContext* context,
-                                                const v1::PlaceBaseOnGpuRequest* request,
-                                                v1::GpuPoolInfo* reply) {
+absl::Status TrainStreamService::ServePlaceBaseOnGpu(grpc::ServerContext* context,
+                                                     const v1::PlaceBaseOnGpuRequest* request,
+                                                     v1::GpuPoolInfo* reply) {
   if (!IsGpuUuid(request->gpu_uuid())) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
+    return absl::InvalidArgumentError(absl::StrFormat(
         "'%s' is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, lower-case hex)",
-        request->gpu_uuid().substr(0, 64))));
+        request->gpu_uuid().substr(0, 64)));
   }
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   if (gpu_pools_.bases == nullptr) {
-    return ToGrpcStatus(absl::FailedPreconditionError(
-        absl::StrCat("this daemon makes no GPU pools: ", gpu_pools_.note)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("this daemon makes no GPU pools: ", gpu_pools_.note));
   }
   absl::StatusOr<PoolSummary> pool =
       gpu_pools_.bases->Place(**session, request->base_id(), request->gpu_uuid());
-  if (!pool.ok()) return ToGrpcStatus(pool.status());
+  if (!pool.ok()) return pool.status();
   ToProto(*pool, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::ReleaseGpuPool(grpc::ServerContext* context,
-                                                const v1::ReleaseGpuPoolRequest* request,
-                                                v1::ReleaseGpuPoolReply*) {
+absl::Status TrainStreamService::ServeReleaseGpuPool(grpc::ServerContext* context,
+                                                     const v1::ReleaseGpuPoolRequest* request,
+                                                     v1::ReleaseGpuPoolReply*) {
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   if (gpu_pools_.pools == nullptr) {
-    return ToGrpcStatus(absl::NotFoundError(
-        absl::StrFormat("this session has not imported GPU pool %d", request->pool_id())));
+    return absl::NotFoundError(
+        absl::StrFormat("this session has not imported GPU pool %d", request->pool_id()));
   }
-  return ToGrpcStatus(gpu_pools_.pools->Release(request->pool_id(), (*session)->id));
+  return gpu_pools_.pools->Release(request->pool_id(), (*session)->id);
 }
 
-grpc::Status TrainStreamService::ListGpuPools(grpc::ServerContext* context,
-                                              const v1::ListGpuPoolsRequest*,
-                                              v1::ListGpuPoolsReply* reply) {
+absl::Status TrainStreamService::ServeListGpuPools(grpc::ServerContext* context,
+                                                   const v1::ListGpuPoolsRequest*,
+                                                   v1::ListGpuPoolsReply* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   reply->set_note(gpu_pools_.note);
-  if (gpu_pools_.pools == nullptr) return grpc::Status::OK;
+  if (gpu_pools_.pools == nullptr) return absl::OkStatus();
   for (const PoolSummary& pool : gpu_pools_.pools->List(
            caller->admin ? std::nullopt : std::optional<uid_t>(caller->uid))) {
     ToProto(pool, reply->add_pools());
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 }  // namespace trainstream::daemon

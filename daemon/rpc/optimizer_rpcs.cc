@@ -6,7 +6,6 @@
 #include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
 #include "rpc/trainstream_service.h"
-#include "status_conversion.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
@@ -41,39 +40,39 @@ TrainStreamService::CheckpointTarget(grpc::ServerContext* context,
   return found;
 }
 
-grpc::Status TrainStreamService::CreateOptimizer(grpc::ServerContext* context,
-                                                 const v1::CreateOptimizerRequest* request,
-                                                 v1::OptimizerInfo* reply) {
+absl::Status TrainStreamService::ServeCreateOptimizer(grpc::ServerContext* context,
+                                                      const v1::CreateOptimizerRequest* request,
+                                                      v1::OptimizerInfo* reply) {
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::StatusOr<OptimizerSettings> settings = FromProto(request->spec());
-  if (!settings.ok()) return ToGrpcStatus(settings.status());
+  if (!settings.ok()) return settings.status();
   absl::StatusOr<std::shared_ptr<JobOptimizer>> optimizer =
       optimizers_->CreateOrJoin(**session, *settings);
   if (!optimizer.ok()) {
     events_->Emit("optimizer.refused", std::string(optimizer.status().message()), {},
                   (*session)->id, (*session)->owner.uid);
-    return ToGrpcStatus(optimizer.status());
+    return optimizer.status();
   }
   ToProto((*optimizer)->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::RegisterParameters(grpc::ServerContext* context,
-                                                    const v1::RegisterParametersRequest* request,
-                                                    v1::RegisterParametersReply* reply) {
+absl::Status TrainStreamService::ServeRegisterParameters(
+    grpc::ServerContext* context, const v1::RegisterParametersRequest* request,
+    v1::RegisterParametersReply* reply) {
   auto found = CallersOptimizer(context, request->session_id());
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   auto& [session, optimizer] = *found;
   absl::StatusOr<std::vector<ParameterDescription>> params = FromProto(request->params());
-  if (!params.ok()) return ToGrpcStatus(params.status());
+  if (!params.ok()) return params.status();
   absl::StatusOr<RegistrationResult> result =
       optimizer->Register(session->id, session->rank, *params);
   if (!result.ok()) {
     events_->Emit("optimizer.refused", std::string(result.status().message()), {}, session->id,
                   session->owner.uid);
-    return ToGrpcStatus(result.status());
+    return result.status();
   }
   for (const ParameterSlots& slots : result->params) {
     v1::ParameterBuffers* out = reply->add_params();
@@ -97,51 +96,51 @@ grpc::Status TrainStreamService::RegisterParameters(grpc::ServerContext* context
                  {"elements", static_cast<double>(report.elements)},
                  {"state_bytes", static_cast<double>(report.state_bytes)}},
                 session->id, session->owner.uid);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::SetHyperParameters(grpc::ServerContext* context,
-                                                    const v1::SetHyperParametersRequest* request,
-                                                    v1::OptimizerInfo* reply) {
+absl::Status TrainStreamService::ServeSetHyperParameters(
+    grpc::ServerContext* context, const v1::SetHyperParametersRequest* request,
+    v1::OptimizerInfo* reply) {
   auto found = CallersOptimizer(context, request->session_id());
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   auto& optimizer = found->second;
   absl::Status set = optimizer->SetGroups(FromProto(request->groups()), request->max_grad_norm());
-  if (!set.ok()) return ToGrpcStatus(set);
+  if (!set.ok()) return set;
   ToProto(optimizer->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::GetOptimizer(grpc::ServerContext* context,
-                                              const v1::GetOptimizerRequest* request,
-                                              v1::OptimizerInfo* reply) {
+absl::Status TrainStreamService::ServeGetOptimizer(grpc::ServerContext* context,
+                                                   const v1::GetOptimizerRequest* request,
+                                                   v1::OptimizerInfo* reply) {
   auto found = CallersOptimizer(context, request->session_id());
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   ToProto(found->second->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::SetOptimizerStep(grpc::ServerContext* context,
-                                                  const v1::SetOptimizerStepRequest* request,
-                                                  v1::OptimizerInfo* reply) {
+absl::Status TrainStreamService::ServeSetOptimizerStep(grpc::ServerContext* context,
+                                                       const v1::SetOptimizerStepRequest* request,
+                                                       v1::OptimizerInfo* reply) {
   auto found = CallersOptimizer(context, request->session_id());
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   std::vector<uint64_t> steps(request->param_steps().begin(), request->param_steps().end());
   absl::Status set = found->second->SetSteps(request->step(), steps);
-  if (!set.ok()) return ToGrpcStatus(set);
+  if (!set.ok()) return set;
   ToProto(found->second->Report(), static_cast<uint32_t>(optimizers_->threads()), reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::SaveCheckpoint(grpc::ServerContext* context,
-                                                const v1::CheckpointRequest* request,
-                                                v1::CheckpointReply* reply) {
+absl::Status TrainStreamService::ServeSaveCheckpoint(grpc::ServerContext* context,
+                                                     const v1::CheckpointRequest* request,
+                                                     v1::CheckpointReply* reply) {
   auto found = CheckpointTarget(context, *request);
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   auto& [session, optimizer] = *found;
   const absl::Time start = absl::Now();
   absl::StatusOr<uint64_t> bytes = optimizer->Save(request->path());
-  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  if (!bytes.ok()) return bytes.status();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   reply->set_bytes(*bytes);
   reply->set_seconds(seconds);
@@ -152,35 +151,35 @@ grpc::Status TrainStreamService::SaveCheckpoint(grpc::ServerContext* context,
                  {"seconds", seconds},
                  {"step", static_cast<double>(reply->step())}},
                 session->id, session->owner.uid);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::LoadCheckpoint(grpc::ServerContext* context,
-                                                const v1::CheckpointRequest* request,
-                                                v1::CheckpointReply* reply) {
+absl::Status TrainStreamService::ServeLoadCheckpoint(grpc::ServerContext* context,
+                                                     const v1::CheckpointRequest* request,
+                                                     v1::CheckpointReply* reply) {
   auto found = CheckpointTarget(context, *request);
-  if (!found.ok()) return ToGrpcStatus(found.status());
+  if (!found.ok()) return found.status();
   auto& [session, optimizer] = *found;
   const absl::Time start = absl::Now();
   absl::Status loaded = optimizer->Load(request->path());
-  if (!loaded.ok()) return ToGrpcStatus(loaded);
+  if (!loaded.ok()) return loaded;
   reply->set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   reply->set_step(optimizer->Report().iteration);
   events_->Emit("optimizer.checkpoint_loaded",
                 absl::StrFormat("optimizer state restored from %s", request->path()),
                 {{"step", static_cast<double>(reply->step())}}, session->id, session->owner.uid);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::ListOptimizers(grpc::ServerContext* context,
-                                                const v1::ListOptimizersRequest* request,
-                                                v1::ListOptimizersReply* reply) {
+absl::Status TrainStreamService::ServeListOptimizers(grpc::ServerContext* context,
+                                                     const v1::ListOptimizersRequest* request,
+                                                     v1::ListOptimizersReply* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   for (const OptimizerReport& report : optimizers_->List(*caller)) {
     ToProto(report, static_cast<uint32_t>(optimizers_->threads()), reply->add_optimizers());
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 }  // namespace trainstream::daemon

@@ -3,15 +3,14 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
-#include "status_conversion.h"
 #include "rpc/request_validation.h"
 #include "rpc/trainstream_service.h"
 
 namespace trainstream::daemon {
 
-grpc::Status TrainStreamService::ReportEvent(grpc::ServerContext* context,
-                                             const v1::ReportEventRequest* request,
-                                             v1::ReportEventReply* reply) {
+absl::Status TrainStreamService::ServeReportEvent(grpc::ServerContext* context,
+                                                  const v1::ReportEventRequest* request,
+                                                  v1::ReportEventReply* reply) {
   absl::Status valid = ValidateEventKind(request->kind());
   if (valid.ok()) valid = ValidateEventMessage(request->message());
   if (valid.ok() && request->numbers_size() > static_cast<int>(kMaxEventNumbers)) {
@@ -26,15 +25,15 @@ grpc::Status TrainStreamService::ReportEvent(grpc::ServerContext* context,
     if (!valid.ok()) break;
     valid = ValidateEventNumber(name, value);
   }
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::Status admitted = reported_events_.Admit((*session)->owner.uid, absl::Now());
-  if (!admitted.ok()) return ToGrpcStatus(admitted);
+  if (!admitted.ok()) return admitted;
   reply->set_seq(events_->Emit("client." + request->kind(), request->message(),
                                std::move(numbers), (*session)->id, (*session)->owner.uid));
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 }  // namespace trainstream::daemon

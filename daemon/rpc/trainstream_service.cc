@@ -6,7 +6,6 @@
 #include "absl/strings/str_format.h"
 #include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
-#include "status_conversion.h"
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
@@ -55,28 +54,28 @@ absl::StatusOr<std::shared_ptr<const Session>> TrainStreamService::CallersSessio
   return sessions_->Get(caller, session_id);
 }
 
-grpc::Status TrainStreamService::OpenSession(grpc::ServerContext* context,
-                                             const v1::OpenSessionRequest* request,
-                                             v1::OpenSessionReply* reply) {
+absl::Status TrainStreamService::ServeOpenSession(grpc::ServerContext* context,
+                                                  const v1::OpenSessionRequest* request,
+                                                  v1::OpenSessionReply* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   absl::Status valid = ValidateJobId(request->job_id());
   if (valid.ok()) valid = ValidateRank(request->rank(), request->world_size());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   OpenSessionParams params;
   params.job_id = request->job_id().empty() ? "default" : request->job_id();
   params.rank = request->rank();
   params.world_size = request->world_size();
   params.claimed_pid = static_cast<pid_t>(request->pid());
   if (caller->pid == 0) {
-    return ToGrpcStatus(absl::UnavailableError(
-        "the connection's credentials are not known yet; retry the call"));
+    return absl::UnavailableError(
+        "the connection's credentials are not known yet; retry the call");
   }
   absl::StatusOr<std::shared_ptr<const Session>> session = sessions_->Open(*caller, params);
   if (!session.ok()) {
     events_->Emit("session.refused", std::string(session.status().message()),
                   {{"pid", caller->pid}}, "", caller->uid);
-    return ToGrpcStatus(session.status());
+    return session.status();
   }
   const Session& s = **session;
   const std::string in_namespace =
@@ -94,34 +93,34 @@ grpc::Status TrainStreamService::OpenSession(grpc::ServerContext* context,
   reply->set_lease_ms(static_cast<uint32_t>(
       absl::ToInt64Milliseconds(sessions_->Heartbeat(*caller, s.id).value_or(absl::ZeroDuration()))));
   reply->set_daemon_version(facts_.version);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::Heartbeat(grpc::ServerContext* context,
-                                           const v1::HeartbeatRequest* request,
-                                           v1::HeartbeatReply* reply) {
+absl::Status TrainStreamService::ServeHeartbeat(grpc::ServerContext* context,
+                                                const v1::HeartbeatRequest* request,
+                                                v1::HeartbeatReply* reply) {
   absl::Status valid = ValidateSessionId(request->session_id());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   absl::StatusOr<absl::Duration> lease = sessions_->Heartbeat(*caller, request->session_id());
-  if (!lease.ok()) return ToGrpcStatus(lease.status());
+  if (!lease.ok()) return lease.status();
   reply->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*lease)));
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::CloseSession(grpc::ServerContext* context,
-                                              const v1::CloseSessionRequest* request,
-                                              v1::CloseSessionReply* reply) {
+absl::Status TrainStreamService::ServeCloseSession(grpc::ServerContext* context,
+                                                   const v1::CloseSessionRequest* request,
+                                                   v1::CloseSessionReply* reply) {
   absl::Status valid = ValidateSessionId(request->session_id());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   // The caller's own session only: its job is what end_job ends.
   absl::StatusOr<std::shared_ptr<const Session>> session =
       request->end_job() ? CallersSession(context, request->session_id())
                          : absl::StatusOr<std::shared_ptr<const Session>>(nullptr);
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::Status closed = sessions_->Close(*caller, request->session_id());
   if (closed.ok() && *session != nullptr && optimizers_->EndIfIdle((*session)->job)) {
     const Session& s = **session;
@@ -131,20 +130,20 @@ grpc::Status TrainStreamService::CloseSession(grpc::ServerContext* context,
                                   s.job.job_id),
                   {}, s.id, s.owner.uid);
   }
-  return ToGrpcStatus(closed);
+  return closed;
 }
 
-grpc::Status TrainStreamService::AllocateBuffer(grpc::ServerContext* context,
-                                                const v1::AllocateBufferRequest* request,
-                                                v1::Buffer* reply) {
+absl::Status TrainStreamService::ServeAllocateBuffer(grpc::ServerContext* context,
+                                                     const v1::AllocateBufferRequest* request,
+                                                     v1::Buffer* reply) {
   for (absl::Status valid :
        {ValidateBufferName(request->name()), ValidateBufferSize(request->bytes()),
         ValidateAlignment(request->alignment()), ValidateTag(request->tag())}) {
-    if (!valid.ok()) return ToGrpcStatus(valid);
+    if (!valid.ok()) return valid;
   }
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   AllocationRequest allocation;
   allocation.job = (*session)->job;
   allocation.session_id = (*session)->id;
@@ -161,60 +160,60 @@ grpc::Status TrainStreamService::AllocateBuffer(grpc::ServerContext* context,
                      {"reserved_bytes", static_cast<double>(arena_->reserved_bytes())}},
                     (*session)->id, (*session)->owner.uid);
     }
-    return ToGrpcStatus(record.status());
+    return record.status();
   }
   ToProto(*record, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::LookupBuffer(grpc::ServerContext* context,
-                                              const v1::LookupBufferRequest* request,
-                                              v1::Buffer* reply) {
+absl::Status TrainStreamService::ServeLookupBuffer(grpc::ServerContext* context,
+                                                   const v1::LookupBufferRequest* request,
+                                                   v1::Buffer* reply) {
   absl::Status valid = ValidateBufferName(request->name());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::StatusOr<BufferRecord> record = arena_->Lookup((*session)->job, request->name());
-  if (!record.ok()) return ToGrpcStatus(record.status());
+  if (!record.ok()) return record.status();
   ToProto(*record, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::FreeBuffer(grpc::ServerContext* context,
-                                            const v1::FreeBufferRequest* request,
-                                            v1::FreeBufferReply* reply) {
+absl::Status TrainStreamService::ServeFreeBuffer(grpc::ServerContext* context,
+                                                 const v1::FreeBufferRequest* request,
+                                                 v1::FreeBufferReply* reply) {
   absl::Status valid = ValidateBufferId(request->buffer_id());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  return ToGrpcStatus(arena_->Free((*session)->job, (*session)->id, request->buffer_id()));
+  if (!session.ok()) return session.status();
+  return arena_->Free((*session)->job, (*session)->id, request->buffer_id());
 }
 
-grpc::Status TrainStreamService::SealBuffer(grpc::ServerContext* context,
-                                            const v1::SealBufferRequest* request,
-                                            v1::Buffer* reply) {
+absl::Status TrainStreamService::ServeSealBuffer(grpc::ServerContext* context,
+                                                 const v1::SealBufferRequest* request,
+                                                 v1::Buffer* reply) {
   absl::Status valid = ValidateBufferId(request->buffer_id());
-  if (!valid.ok()) return ToGrpcStatus(valid);
+  if (!valid.ok()) return valid;
   absl::StatusOr<std::shared_ptr<const Session>> session =
       CallersSession(context, request->session_id());
-  if (!session.ok()) return ToGrpcStatus(session.status());
+  if (!session.ok()) return session.status();
   absl::StatusOr<BufferRecord> record =
       arena_->Seal((*session)->job, (*session)->id, request->buffer_id());
-  if (!record.ok()) return ToGrpcStatus(record.status());
+  if (!record.ok()) return record.status();
   events_->Emit("arena.sealed", absl::StrFormat("buffer '%s' is now read-only", record->name),
                 {{"bytes", static_cast<double>(record->bytes)}}, (*session)->id,
                 (*session)->owner.uid);
   ToProto(*record, reply);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::GetStatus(grpc::ServerContext* context,
-                                           const v1::GetStatusRequest* request,
-                                           v1::Status* reply) {
+absl::Status TrainStreamService::ServeGetStatus(grpc::ServerContext* context,
+                                                const v1::GetStatusRequest* request,
+                                                v1::Status* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   reply->set_version(facts_.version);
   reply->set_pid(static_cast<uint32_t>(::getpid()));
   reply->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - facts_.started));
@@ -233,14 +232,14 @@ grpc::Status TrainStreamService::GetStatus(grpc::ServerContext* context,
     info->set_total_bytes(gpu.total_bytes);
   }
   reply->set_gpu_note(facts_.gpus.note);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::ListSessions(grpc::ServerContext* context,
-                                              const v1::ListSessionsRequest* request,
-                                              v1::ListSessionsReply* reply) {
+absl::Status TrainStreamService::ServeListSessions(grpc::ServerContext* context,
+                                                   const v1::ListSessionsRequest* request,
+                                                   v1::ListSessionsReply* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   ArenaUsage usage = arena_->Usage();
   const absl::Time now = absl::Now();
   for (const SessionSnapshot& snapshot : sessions_->List(*caller)) {
@@ -262,14 +261,14 @@ grpc::Status TrainStreamService::ListSessions(grpc::ServerContext* context,
     info->set_lease_left_s(absl::ToDoubleSeconds(snapshot.lease_left));
     info->set_attached(snapshot.attached);
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::GetMemory(grpc::ServerContext* context,
-                                           const v1::GetMemoryRequest* request,
-                                           v1::MemoryReport* reply) {
+absl::Status TrainStreamService::ServeGetMemory(grpc::ServerContext* context,
+                                                const v1::GetMemoryRequest* request,
+                                                v1::MemoryReport* reply) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   ArenaUsage usage = arena_->Usage();
   reply->set_budget_bytes(usage.budget_bytes);
   reply->set_reserved_bytes(usage.reserved_bytes);
@@ -303,14 +302,14 @@ grpc::Status TrainStreamService::GetMemory(grpc::ServerContext* context,
   FillRows(usage.by_uid, reply->mutable_by_uid());
   FillRows(usage.by_session, reply->mutable_by_session());
   FillRows(usage.by_tag, reply->mutable_by_tag());
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status TrainStreamService::StreamEvents(grpc::ServerContext* context,
-                                              const v1::StreamEventsRequest* request,
-                                              grpc::ServerWriter<v1::Event>* writer) {
+absl::Status TrainStreamService::ServeStreamEvents(grpc::ServerContext* context,
+                                                   const v1::StreamEventsRequest* request,
+                                                   grpc::ServerWriter<v1::Event>* writer) {
   absl::StatusOr<PeerCredentials> caller = Caller(context);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller.ok()) return caller.status();
   const PeerCredentials viewer = *caller;
   auto visible = [viewer](const Event& e) {
     return viewer.admin || !e.uid.has_value() || *e.uid == viewer.uid;
@@ -328,13 +327,13 @@ grpc::Status TrainStreamService::StreamEvents(grpc::ServerContext* context,
       out.set_message(e.message);
       out.set_uid(e.uid.value_or(0));
       for (const auto& [key, value] : e.numbers) (*out.mutable_numbers())[key] = value;
-      if (!writer->Write(out)) return grpc::Status::OK;
+      if (!writer->Write(out)) return absl::OkStatus();
       last = e.seq;
     }
     last = std::max(last, examined);
-    if (!request->follow()) return grpc::Status::OK;
+    if (!request->follow()) return absl::OkStatus();
     while (!events_->WaitForNewer(last, absl::Milliseconds(200))) {
-      if (context->IsCancelled() || shutting_down_) return grpc::Status::OK;
+      if (context->IsCancelled() || shutting_down_) return absl::OkStatus();
     }
   }
 }

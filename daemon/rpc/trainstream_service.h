@@ -15,6 +15,7 @@
 #include "rpc/connection_credentials.h"
 #include "rpc/reported_event_limiter.h"
 #include "sessions/session_registry.h"
+#include "status_conversion.h"
 #include "trainstream/v1/trainstream.grpc.pb.h"
 
 namespace trainstream::daemon {
@@ -39,6 +40,15 @@ struct GpuPoolAccess {
   std::string note;  // why no pool can be made on this machine, when none can
 };
 
+// Each RPC's handler, Serve<Name>, returns an absl::Status like the rest of the daemon; the one
+// conversion to a gRPC status is here, at the edge, instead of one at every early return.
+#define TRAINSTREAM_RPC(Name, Request, Reply)                                                  \
+  grpc::Status Name(grpc::ServerContext* context, const Request* request, Reply* reply)       \
+      override {                                                                               \
+    return ToGrpcStatus(Serve##Name(context, request, reply));                                 \
+  }                                                                                            \
+  absl::Status Serve##Name(grpc::ServerContext* context, const Request* request, Reply* reply)
+
 // The control plane for one uid (see UserServers): validates every request and acts on the
 // registry, arena and event log as that uid. The caller's pid comes from the kernel
 // credentials recorded for its connection. Thread-safe (gRPC calls it from its pool). Refusals
@@ -53,72 +63,44 @@ class TrainStreamService final : public v1::TrainStream::Service {
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
 
-  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
-                           v1::OpenSessionReply*) override;
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
-                         v1::HeartbeatReply*) override;
-  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
-                            v1::CloseSessionReply*) override;
-  grpc::Status AllocateBuffer(grpc::ServerContext*, const v1::AllocateBufferRequest*,
-                              v1::Buffer*) override;
-  grpc::Status LookupBuffer(grpc::ServerContext*, const v1::LookupBufferRequest*,
-                            v1::Buffer*) override;
-  grpc::Status FreeBuffer(grpc::ServerContext*, const v1::FreeBufferRequest*,
-                          v1::FreeBufferReply*) override;
-  grpc::Status SealBuffer(grpc::ServerContext*, const v1::SealBufferRequest*,
-                          v1::Buffer*) override;
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
-                         v1::Status*) override;
-  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
-                            v1::ListSessionsReply*) override;
-  grpc::Status GetMemory(grpc::ServerContext*, const v1::GetMemoryRequest*,
-                         v1::MemoryReport*) override;
-  grpc::Status StreamEvents(grpc::ServerContext*, const v1::StreamEventsRequest*,
-                            grpc::ServerWriter<v1::Event>*) override;
+  TRAINSTREAM_RPC(OpenSession, v1::OpenSessionRequest, v1::OpenSessionReply);
+  TRAINSTREAM_RPC(Heartbeat, v1::HeartbeatRequest, v1::HeartbeatReply);
+  TRAINSTREAM_RPC(CloseSession, v1::CloseSessionRequest, v1::CloseSessionReply);
+  TRAINSTREAM_RPC(AllocateBuffer, v1::AllocateBufferRequest, v1::Buffer);
+  TRAINSTREAM_RPC(LookupBuffer, v1::LookupBufferRequest, v1::Buffer);
+  TRAINSTREAM_RPC(FreeBuffer, v1::FreeBufferRequest, v1::FreeBufferReply);
+  TRAINSTREAM_RPC(SealBuffer, v1::SealBufferRequest, v1::Buffer);
+  TRAINSTREAM_RPC(GetStatus, v1::GetStatusRequest, v1::Status);
+  TRAINSTREAM_RPC(ListSessions, v1::ListSessionsRequest, v1::ListSessionsReply);
+  TRAINSTREAM_RPC(GetMemory, v1::GetMemoryRequest, v1::MemoryReport);
+  TRAINSTREAM_RPC(StreamEvents, v1::StreamEventsRequest, grpc::ServerWriter<v1::Event>);
   // plan_host_memory_rpc.cc
-  grpc::Status PlanHostMemory(grpc::ServerContext*, const v1::PlanHostMemoryRequest*,
-                              v1::HostPlan*) override;
+  TRAINSTREAM_RPC(PlanHostMemory, v1::PlanHostMemoryRequest, v1::HostPlan);
   // estimate_host_memory_rpc.cc
-  grpc::Status EstimateHostMemory(grpc::ServerContext*, const v1::EstimateHostMemoryRequest*,
-                                  v1::HostMemoryEstimate*) override;
+  TRAINSTREAM_RPC(EstimateHostMemory, v1::EstimateHostMemoryRequest, v1::HostMemoryEstimate);
   // report_event_rpc.cc
-  grpc::Status ReportEvent(grpc::ServerContext*, const v1::ReportEventRequest*,
-                           v1::ReportEventReply*) override;
+  TRAINSTREAM_RPC(ReportEvent, v1::ReportEventRequest, v1::ReportEventReply);
 
   // The host optimizer (optimizer_rpcs.cc).
-  grpc::Status CreateOptimizer(grpc::ServerContext*, const v1::CreateOptimizerRequest*,
-                               v1::OptimizerInfo*) override;
-  grpc::Status RegisterParameters(grpc::ServerContext*, const v1::RegisterParametersRequest*,
-                                  v1::RegisterParametersReply*) override;
-  grpc::Status SetHyperParameters(grpc::ServerContext*, const v1::SetHyperParametersRequest*,
-                                  v1::OptimizerInfo*) override;
-  grpc::Status GetOptimizer(grpc::ServerContext*, const v1::GetOptimizerRequest*,
-                            v1::OptimizerInfo*) override;
-  grpc::Status SetOptimizerStep(grpc::ServerContext*, const v1::SetOptimizerStepRequest*,
-                                v1::OptimizerInfo*) override;
-  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
-                              v1::CheckpointReply*) override;
-  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
-                              v1::CheckpointReply*) override;
-  grpc::Status ListOptimizers(grpc::ServerContext*, const v1::ListOptimizersRequest*,
-                              v1::ListOptimizersReply*) override;
+  TRAINSTREAM_RPC(CreateOptimizer, v1::CreateOptimizerRequest, v1::OptimizerInfo);
+  TRAINSTREAM_RPC(RegisterParameters, v1::RegisterParametersRequest, v1::RegisterParametersReply);
+  TRAINSTREAM_RPC(SetHyperParameters, v1::SetHyperParametersRequest, v1::OptimizerInfo);
+  TRAINSTREAM_RPC(GetOptimizer, v1::GetOptimizerRequest, v1::OptimizerInfo);
+  TRAINSTREAM_RPC(SetOptimizerStep, v1::SetOptimizerStepRequest, v1::OptimizerInfo);
+  TRAINSTREAM_RPC(SaveCheckpoint, v1::CheckpointRequest, v1::CheckpointReply);
+  TRAINSTREAM_RPC(LoadCheckpoint, v1::CheckpointRequest, v1::CheckpointReply);
+  TRAINSTREAM_RPC(ListOptimizers, v1::ListOptimizersRequest, v1::ListOptimizersReply);
 
   // Shared frozen bases (base_rpcs.cc).
-  grpc::Status LoadBase(grpc::ServerContext*, const v1::LoadBaseRequest*,
-                        v1::BaseInfo*) override;
-  grpc::Status GetBase(grpc::ServerContext*, const v1::GetBaseRequest*, v1::BaseInfo*) override;
-  grpc::Status DetachBase(grpc::ServerContext*, const v1::DetachBaseRequest*,
-                          v1::DetachBaseReply*) override;
-  grpc::Status ListBases(grpc::ServerContext*, const v1::ListBasesRequest*,
-                         v1::ListBasesReply*) override;
+  TRAINSTREAM_RPC(LoadBase, v1::LoadBaseRequest, v1::BaseInfo);
+  TRAINSTREAM_RPC(GetBase, v1::GetBaseRequest, v1::BaseInfo);
+  TRAINSTREAM_RPC(DetachBase, v1::DetachBaseRequest, v1::DetachBaseReply);
+  TRAINSTREAM_RPC(ListBases, v1::ListBasesRequest, v1::ListBasesReply);
 
   // GPU pools (gpu_pool_rpcs.cc).
-  grpc::Status PlaceBaseOnGpu(grpc::ServerContext*, const v1::PlaceBaseOnGpuRequest*,
-                              v1::GpuPoolInfo*) override;
-  grpc::Status ReleaseGpuPool(grpc::ServerContext*, const v1::ReleaseGpuPoolRequest*,
-                              v1::ReleaseGpuPoolReply*) override;
-  grpc::Status ListGpuPools(grpc::ServerContext*, const v1::ListGpuPoolsRequest*,
-                            v1::ListGpuPoolsReply*) override;
+  TRAINSTREAM_RPC(PlaceBaseOnGpu, v1::PlaceBaseOnGpuRequest, v1::GpuPoolInfo);
+  TRAINSTREAM_RPC(ReleaseGpuPool, v1::ReleaseGpuPoolRequest, v1::ReleaseGpuPoolReply);
+  TRAINSTREAM_RPC(ListGpuPools, v1::ListGpuPoolsRequest, v1::ListGpuPoolsReply);
 
  private:
   absl::StatusOr<PeerCredentials> Caller(grpc::ServerContext* context) const;
@@ -148,5 +130,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
 };
 
 }  // namespace trainstream::daemon
+
+#undef TRAINSTREAM_RPC
 
 #endif  // TRAINSTREAM_DAEMON_RPC_TRAINSTREAM_SERVICE_H_
