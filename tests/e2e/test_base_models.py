@@ -141,7 +141,10 @@ def test_attach_base_maps_the_models_names_onto_the_checkpoints(client, tmp_path
     safetensors_torch.save_file({f"model.{n}": t for n, t in base_weights(net).items()},
                                 str(tmp_path / "model.safetensors"))
     base = trainstream.load_base(str(tmp_path), format="int8", client=client, progress=False)
-    assert trainstream.attach_base(copy.deepcopy(net), base)["linear"] == []  # names differ
+    # Names that differ take nothing: refused, with names from both sides, not silently.
+    with pytest.raises(trainstream.FailedPreconditionError,
+                       match="the model has blocks.0.norm.weight.*the base model.blocks"):
+        trainstream.attach_base(copy.deepcopy(net), base)
     reference = copy.deepcopy(net)
     with torch.no_grad():
         for name, p in reference.named_parameters():
@@ -362,3 +365,148 @@ def test_quantize_model_writes_the_reference_quantizers_bytes(fmt):
         assert layer.scales.numpy().tobytes() == scales
         assert layer.stored.tensor_scale == pytest.approx(tensor_scale, rel=0, abs=0)
         assert layer.stored.block == block
+
+
+def _tiny_qwen2_checkpoint(folder, tied=False):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(4)
+    original = transformers.Qwen2ForCausalLM(config)
+    for p in original.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    original.save_pretrained(str(folder), safe_serialization=True)
+    return original
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft", reason="peft is not installed (scripts/bootstrap.sh "
+                                              "installs it)")
+    torch.manual_seed(11)  # the same adapters' initial values on either model
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                           "up_proj", "down_proj"], init_lora_weights="gaussian"))
+
+
+def _train_lora(model, steps=3):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for s in range(steps):
+        x = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(s))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "nf4", "fp8", "nvfp4"])
+def test_peft_adds_lora_to_a_load_model_base_in_every_format(client, tmp_path, fmt):
+    """get_peft_model takes load_model's frozen layers as linear layers: LoRA on every
+    projection trains, as it does on the same model holding the base's values in nn.Linear."""
+    original = _tiny_qwen2_checkpoint(tmp_path)
+    model = trainstream.load_model(str(tmp_path), quantize=fmt, device="cpu", client=client,
+                                   progress=False)
+    base = model._trainstream_base
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if name in base.tensors:
+                p.copy_(base.dequantize(name, dtype=p.dtype))
+    original.requires_grad_(False)
+    ours, reference = _lora(model), _lora(original)
+    lora_layers = [m for m in ours.modules() if type(m).__name__ == "Linear"
+                   and isinstance(getattr(m, "base_layer", None), trainstream.BaseLinear)]
+    assert len(lora_layers) == 7 * 2
+    before = {n: p.detach().clone() for n, p in ours.named_parameters() if p.requires_grad}
+    got, expected = _train_lora(ours), _train_lora(reference)
+    assert all(abs(a - b) < 2e-2 for a, b in zip(got, expected)), (got, expected)
+    moved = [n for n, p in ours.named_parameters() if p.requires_grad
+             and not torch.equal(p.detach(), before[n])]
+    assert len(moved) == len(before) == 7 * 2 * 2
+    with pytest.raises(trainstream.FailedPreconditionError, match="cannot be replaced"):
+        lora_layers[0].base_layer.weight = torch.zeros(1)
+
+
+def test_attach_base_takes_the_base_after_peft_wrapped_the_layers(client, tmp_path):
+    """Adapters added first: the layers are PEFT's (base_model.model....q_proj.base_layer), and
+    the base still gives every frozen weight; a model of which the base holds nothing is
+    refused rather than silently left as it was."""
+    transformers = pytest.importorskip("transformers")
+    original = _tiny_qwen2_checkpoint(tmp_path)
+    base = trainstream.load_base(str(tmp_path), format="nf4", client=client, progress=False)
+    model = _lora(copy.deepcopy(original))
+    taken = trainstream.attach_base(model, base, device="cpu")
+    adapted = [n for n in taken["linear"] if ".base_layer." in n]
+    assert len(adapted) == 14 and set(taken["linear"]) - set(adapted) == {
+        "base_model.model.lm_head.weight"}
+    assert "base_model.model.model.embed_tokens.weight" in taken["copied"]
+    assert all(not isinstance(m, torch.nn.Linear) or isinstance(m, trainstream.BaseLinear)
+               or m.weight.requires_grad or "lm_head" in n for n, m in model.named_modules())
+    stranger = transformers.Qwen2ForCausalLM(original.config)
+    for n, p in stranger.named_parameters():
+        p.requires_grad_(False)
+    with pytest.raises(trainstream.FailedPreconditionError, match="holds none of the model"):
+        trainstream.attach_base(stranger, base, device="cpu",
+                                rename=lambda name: "elsewhere." + name)
+
+
+def test_load_model_finds_a_hub_id_in_the_local_cache_and_never_downloads(client, tmp_path):
+    """An ``org/name`` id resolves as from_pretrained would offline (the cache's refs/main to
+    its snapshot); one that is not there fails saying it is not downloaded. With no device
+    named, the model goes to the GPU when there is one, else the CPU."""
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-qwen2" / "snapshots" / ("ab" * 20)
+    snapshot.mkdir(parents=True)
+    (cache / "models--tiny-org--tiny-qwen2" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-qwen2" / "refs" / "main").write_text("ab" * 20)
+    _tiny_qwen2_checkpoint(snapshot)
+    model = trainstream.load_model("tiny-org/tiny-qwen2", cache_dir=str(cache), client=client,
+                                   progress=False)
+    assert model._trainstream_base.format == "bf16"
+    wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    assert {p.device.type for p in model.parameters()} == {wanted}
+    with pytest.raises(trainstream.NotFoundError, match="does not download"):
+        trainstream.load_model("tiny-org/absent", cache_dir=str(cache), client=client)
+    with pytest.raises(trainstream.InvalidArgumentError, match="no field 'hiden_size'"):
+        trainstream.load_model(str(snapshot), hiden_size=3, client=client)
+
+
+def test_wrap_trains_peft_lora_over_a_load_model_base_like_stock_adamw(client, tmp_path):
+    """The issue's path as a user writes it: get_peft_model(load_model(path, quantize="nf4")),
+    then wrap() with torch.optim.AdamW and every other option at its default; the same model
+    under stock AdamW gives the same losses."""
+    _tiny_qwen2_checkpoint(tmp_path)
+
+    def build():
+        return _lora(trainstream.load_model(str(tmp_path), quantize="nf4", device="cpu",
+                                            client=client, progress=False))
+
+    ours, reference = build(), build()
+    # The reference computes the loss wrap() puts on the model (the same values as
+    # transformers' loss to its last bits: test_chunked_loss.py), so that the optimizers are
+    # what differs.
+    from trainstream.integrations import chunked_loss
+
+    assert chunked_loss.LossSwitch(reference).switched
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(
+        [p for p in ours.parameters() if p.requires_grad], lr=1e-2))
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for s in range(4):
+        x = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(s))
+        got = ours(input_ids=x, labels=x).loss
+        got.backward()
+        opt.step()
+        opt.zero_grad()
+        expected = reference(input_ids=x, labels=x).loss
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # Adam divides by the root of the second moment: elements with rounding-sized
+        # gradients move by a good part of lr on the losses' last bits (as in test_hf_models).
+        assert abs(got.item() - expected.item()) < 2e-4, (s, got.item(), expected.item())
+    assert expected.item() < 4.85  # trained: ln(128) = 4.85 is a guess among 128 tokens
+    trainstream.unwrap(ours)

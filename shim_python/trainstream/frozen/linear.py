@@ -6,7 +6,10 @@ for every process) and ``quantize_model`` (weights quantized in this process).
 A ``BaseLinear`` keeps the weight as stored; each forward turns it into the compute dtype (the
 CUDA kernel on a GPU, torch operations on the CPU), multiplies, and lets it go; backward does
 the same for the input's gradient. The weight gets no gradient: adapters (LoRA) next to it
-train.
+train. It is an ``nn.Linear`` to the libraries that look for one (PEFT wraps it in its LoRA
+layer as it would any linear layer), without a weight parameter of its own: ``.weight`` is made
+from the stored bytes at each read, so merging adapters into it (``merge_and_unload``) cannot
+change it; merge into a model loaded with its own weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 
 from . import fp8_matmul
 from .store import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
-from ..errors import InvalidArgumentError
+from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..transport import kernels
 
 
@@ -66,7 +69,7 @@ class _FrozenLinear(torch.autograd.Function):
         return grad_x, grad_b, None
 
 
-class BaseLinear(nn.Module):
+class BaseLinear(nn.Linear):
     """A linear layer over a stored weight (``stored`` describes it; ``data`` and ``scales`` are
     its bytes, on the CPU as views of a shared base, or copied to a device).
 
@@ -77,7 +80,8 @@ class BaseLinear(nn.Module):
 
     def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
                  bias: Any, compute_dtype: torch.dtype, fp8_matmul: Any = "auto"):
-        super().__init__()
+        # nn.Linear's own constructor would allocate a weight: the module's is enough.
+        nn.Module.__init__(self)
         if fp8_matmul not in ("auto", True, False):
             raise InvalidArgumentError(f"fp8_matmul={fp8_matmul!r}: use 'auto', True or False")
         if len(stored.shape) != 2:
@@ -167,6 +171,13 @@ class BaseLinear(nn.Module):
         """The weight in the compute dtype, made now (for inspection; forward makes its own)."""
         return _weight(self, self.data.device)
 
+    @weight.setter
+    def weight(self, value: Any) -> None:
+        raise FailedPreconditionError(
+            f"the weight of a BaseLinear ({self.stored.name}, stored as {self.stored.stored}) is "
+            "the shared base's and cannot be replaced; load the model with its own weights to "
+            "change them")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenLinear.apply(x.to(self.compute_dtype), self.bias, self)
 
@@ -181,6 +192,15 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
+def checkpoint_name(name: str) -> str:
+    """A model tensor's name as a checkpoint holds it: PEFT's wrappers taken out (its
+    ``base_model.model.`` prefix, the ``base_layer`` of a LoRA layer, the ``original_module`` of
+    a module it keeps a trained copy of)."""
+    name = name.removeprefix("base_model.model.")
+    return ".".join(part for part in name.split(".")
+                    if part not in ("base_layer", "original_module"))
+
+
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 keep_on_host: bool = False, rename: Any = None,
                 fp8_matmul: Any = "auto", gpu_pool: bool = False) -> dict:
@@ -190,14 +210,19 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     ``keep_on_host``); other frozen
     tensors the base holds (norms, embeddings) get its values. Trainable parameters are left as
     they are. ``rename(model_name) -> base_name`` maps the model's tensor names to the
-    checkpoint's where they differ (adapters wrapping the layers, another prefix).
+    checkpoint's where they differ (another prefix); by default, names are taken as they are
+    or with PEFT's wrappers taken out (:func:`checkpoint_name`), so adapters added before or
+    after work alike. A model of which the base holds no frozen tensor is refused, with names
+    from both sides.
     ``fp8_matmul`` ("auto", True, False): whether an fp8 base's layers multiply on FP8 tensor
     cores (see :class:`BaseLinear`). ``gpu_pool=True`` (a CUDA ``device``): the layers read the
     base in place from the daemon's VRAM pool on that GPU, one copy shared by every process of
     the user there (:meth:`SharedBase.on_gpu`), and unquantized frozen tensors of the model's
     dtype are views of it too. Returns what was taken: {"linear": [...], "copied": [...],
     "viewed": [...], "bytes": n}, by the model's names."""
-    rename = rename or (lambda name: name)
+    if rename is None:
+        def rename(name: str) -> str:
+            return name if name in base.tensors else checkpoint_name(name)
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
     if gpu_pool not in (True, False):
@@ -211,7 +236,8 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     handled: set = set()  # biases of the layers replaced, set with them
     for name, module in list(model.named_modules()):
         key = rename(f"{name}.weight" if name else "weight")
-        if not isinstance(module, nn.Linear) or key not in base.tensors:
+        if (not isinstance(module, nn.Linear) or isinstance(module, BaseLinear)
+                or key not in base.tensors):
             continue
         if module.weight.requires_grad:
             continue  # trained: it is not the base's
@@ -261,6 +287,13 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
             value = base.dequantize(key, dtype=param.dtype, device=device)
             taken["copied"].append(name)
         setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
+    if not (taken["linear"] or taken["copied"] or taken["viewed"]) and base.tensors:
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        raise FailedPreconditionError(
+            f"attach_base: the base holds none of the model's frozen tensors (the model has "
+            f"{', '.join(frozen[:3]) or 'no frozen parameter'}; the base "
+            f"{', '.join(list(base.tensors)[:3])}): pass rename= to map the model's names "
+            "onto the checkpoint's")
     model._trainstream_base = base  # the mapping lives as long as the model
     if pool is not None:
         model._trainstream_gpu_base = pool
@@ -286,7 +319,8 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
     done = []
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for name, module in list(model.named_modules()):
-            if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            if (not isinstance(module, nn.Linear) or isinstance(module, BaseLinear)
+                    or module.weight.requires_grad):
                 continue
             w = module.weight.detach()
             data, scales, tensor_scale, block_used = _quantize_on_every_core(

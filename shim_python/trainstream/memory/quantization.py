@@ -17,6 +17,7 @@ from typing import Callable
 
 from torch import nn
 
+from ..frozen.linear import BaseLinear
 from .weight_plan import weight_plan_for_sizes
 from .planner import MemoryPlanError, size
 
@@ -56,8 +57,10 @@ class Candidate:
 
 
 def _frozen_linear(module: nn.Module) -> list:
+    # A BaseLinear is stored as its base keeps it already (and has no weight of its own).
     return [m.weight for m in module.modules()
-            if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+            if isinstance(m, nn.Linear) and not isinstance(m, BaseLinear)
+            and not m.weight.requires_grad]
 
 
 def _frozen_bytes(module: nn.Module) -> int:
