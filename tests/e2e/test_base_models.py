@@ -493,7 +493,7 @@ def test_wrap_trains_peft_lora_over_a_load_model_base_like_stock_adamw(client, t
 
     assert chunked_loss.LossSwitch(reference).switched
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(
-        [p for p in ours.parameters() if p.requires_grad], lr=1e-2))
+        [p for p in ours.parameters() if p.requires_grad], lr=1e-2), device="cpu")
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     for s in range(4):
         x = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(s))
