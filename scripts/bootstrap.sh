@@ -35,7 +35,7 @@ py="$VENV/bin/python"
 need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
 for mod in pytest grpc_tools grpc_health grpc_reflection scikit_build_core pybind11 numpy \
-           safetensors transformers peft; do
+           safetensors transformers peft accelerate; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then
