@@ -18,6 +18,8 @@ from .frozen.store import SharedBase, bases, load_base
 from .frozen.gpu_pool import GpuBase, gpu_pools
 from .frozen.linear import BaseLinear, attach_base, quantize_model
 from .integrations.huggingface import load_model
+from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_loss,
+                                  sequence_logprobs)
 from .memory.blocks import find_blocks
 from .memory.hardware import profile_hardware
 from .optim.offload_adamw import OffloadAdamW
@@ -51,4 +53,5 @@ __all__ = [
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
     "BaseLinear", "attach_base", "quantize_model", "load_model", "GpuBase", "gpu_pools",
+    "causal_lm_loss", "chunked_cross_entropy", "dpo_loss", "sequence_logprobs",
 ]
