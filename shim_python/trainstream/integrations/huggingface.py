@@ -14,6 +14,10 @@ import torch
 from ..frozen.linear import attach_base
 from ..frozen.store import load_base
 from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+# Where TrainStream 0.6's users import them from, beside load_model.
+from .logprobs import causal_lm_logprobs, reference_logprobs
+
+__all__ = ["causal_lm_logprobs", "load_model", "reference_logprobs", "resolve_checkpoint"]
 
 
 def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) -> None:
