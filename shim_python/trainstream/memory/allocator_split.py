@@ -40,21 +40,48 @@ def _set(mib: int) -> None:
     _setter()(f"max_split_size_mb:{mib}")
 
 
+def largest_split_segment_mib() -> int:
+    """The largest segment of the caching allocator's large pool that is cut into more than one
+    block, in MiB rounded up (0: none), after handing back every whole free segment.
+
+    Such a segment must stay below the split limit: torch 2.11's allocator, at its limit,
+    releases free blocks at or past ``max_split_size`` with ``cudaFree`` without checking that
+    they are whole segments, and a piece of one is not an address ``cudaMalloc`` returned:
+    "CUDA error: invalid argument" in whatever operation was allocating (the 1.5B full
+    fine-tune's embedding backward, H200 2026-12-04), or, for a segment's first piece, the
+    pieces after it freed under their users. Blocks split before the limit was lowered are the
+    only ones that can be there: past it, the allocator splits no block at or above it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    largest = max((int(segment["total_size"]) for segment in torch.cuda.memory_snapshot()
+                   if segment.get("segment_type", "large") == "large"
+                   and len(segment.get("blocks", ())) > 1), default=0)
+    return -(-largest >> 20) if largest else 0
+
+
 class LargeBlocksWhole:
     """One wrapped model's request that blocks the size of its step's largest tensors stay
     whole."""
 
     def __init__(self) -> None:
         self.mib = 0  # the limit this holder asked for (0: none)
+        # Where a segment already cut up was larger than the limit wanted: that limit, in MiB
+        # (the limit set is then above the segment: largest_split_segment_mib).
+        self.wanted_mib = 0
 
     def apply(self, largest_bytes: int) -> int:
         """Blocks of half ``largest_bytes`` and more are not split from now on; returns the limit
         in MiB, or 0 where nothing was set (the user's settings stand, or no CUDA allocator
-        setting can be changed in this torch)."""
+        setting can be changed in this torch). The limit is raised above any segment the
+        allocator has already cut up (largest_split_segment_mib)."""
         if (self.mib or _user_chose_settings() or not torch.cuda.is_available()
                 or _setter() is None):
             return 0
-        mib = max(_SMALLEST_MIB, (int(largest_bytes) // 2) >> 20)
+        wanted = max(_SMALLEST_MIB, (int(largest_bytes) // 2) >> 20)
+        lowest = min([wanted, *_holders.values()])
+        split = largest_split_segment_mib()
+        mib = max(wanted, split + 1) if split >= lowest else wanted
+        self.wanted_mib = wanted if mib != wanted else 0
         _holders[id(self)] = mib
         _set(min(_holders.values()))
         self.mib = mib

@@ -53,14 +53,18 @@ class ProbeStep:
         if self.cuda:
             # The logits and their gradient, half the loss's working memory each.
             limit = self.large_blocks.apply(loss // 2)
+            wanted = self.large_blocks.wanted_mib
+            raised = (f" (not {wanted} MiB: a {limit - 1} MiB segment was already cut up, and "
+                      "torch's allocator would hand a piece of it to cudaFree under a lower "
+                      "limit)") if wanted else ""
             if limit:
                 self._say("plan.allocator",
-                          f"the caching allocator no longer splits blocks of {limit} MiB or more "
-                          f"(max_split_size_mb, process-wide until unwrap()): the step's logits "
-                          f"({size(loss // 2)}, and as much for their gradient) come back to "
-                          "blocks of their own each step, rather than to reserved memory cut "
-                          "up by smaller tensors; set PYTORCH_CUDA_ALLOC_CONF to choose "
-                          "otherwise", max_split_mib=limit)
+                          f"the caching allocator no longer splits blocks of {limit} MiB or more"
+                          f"{raised} (max_split_size_mb, process-wide until unwrap()): the "
+                          f"step's logits ({size(loss // 2)}, and as much for their gradient) "
+                          "come back to blocks of their own each step, rather than to reserved "
+                          "memory cut up by smaller tensors; set PYTORCH_CUDA_ALLOC_CONF to "
+                          "choose otherwise", max_split_mib=limit, wanted_mib=wanted or limit)
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
