@@ -17,7 +17,7 @@ from .transport.host_optimizer import HostOptimizer, ParameterSpec
 from .frozen.store import SharedBase, bases, load_base
 from .frozen.gpu_pool import GpuBase, gpu_pools
 from .frozen.linear import BaseLinear, attach_base, quantize_model
-from .integrations.huggingface import load_model
+from .integrations.huggingface import load_model, wrap_hf
 from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_loss,
                                   sequence_logprobs)
 from .memory.blocks import find_blocks
@@ -52,6 +52,6 @@ __all__ = [
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
-    "BaseLinear", "attach_base", "quantize_model", "load_model", "GpuBase", "gpu_pools",
+    "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "GpuBase", "gpu_pools",
     "causal_lm_loss", "chunked_cross_entropy", "dpo_loss", "sequence_logprobs",
 ]

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hugging Face causal LMs over a shared base: ``load_model(name_or_path, quantize=...)`` builds the
-model from its config without allocating its weights, has trainstreamd hold the checkpoint once
-(bf16 or quantized), and takes every frozen weight from that one copy. Adapters (PEFT LoRA, or
-your own) added afterwards train through ``trainstream.wrap`` as usual."""
+"""Hugging Face causal LMs through trainstreamd, where a Hugging Face user looks for them.
+``load_model(name_or_path, quantize=...)`` builds the model from its config without allocating
+its weights, has trainstreamd hold the checkpoint once (bf16 or quantized), and takes every
+frozen weight from that one copy; adapters (PEFT LoRA, or your own) added afterwards train as
+usual. ``wrap_hf`` is ``wrap()`` over the decoder's layers. ``TrainStreamTrainer`` and
+``TrainStreamCallback`` (trainer.py) are imported when first asked for: they need
+``transformers``, which ``import trainstream`` does not."""
 
 from __future__ import annotations
 
@@ -14,10 +17,53 @@ import torch
 from ..frozen.linear import attach_base
 from ..frozen.store import load_base
 from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..memory.blocks import find_blocks
+from ..wrap import wrap
 # Where TrainStream 0.6's users import them from, beside load_model.
 from .logprobs import causal_lm_logprobs, reference_logprobs
 
-__all__ = ["causal_lm_logprobs", "load_model", "reference_logprobs", "resolve_checkpoint"]
+__all__ = ["TrainStreamCallback", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_layers",
+           "load_model", "reference_logprobs", "resolve_checkpoint", "wrap_hf"]
+_FROM_TRAINER = ("TrainStreamCallback", "TrainStreamTrainer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_TRAINER:
+        try:
+            from . import trainer
+        except ImportError as e:
+            raise ImportError(f"trainstream.integrations.huggingface.{name} needs transformers "
+                              "(pip install 'trainstream[hf]')") from e
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def decoder_layers(model: torch.nn.Module) -> list:
+    """The decoder's repeated layers of a transformers model (through a PEFT wrapper): the
+    ``nn.ModuleList`` holding ``config.num_hidden_layers`` of them, the outermost such. Models
+    without that config field get :func:`trainstream.find_blocks`' answer."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    count = getattr(getattr(inner, "config", None), "num_hidden_layers", None)
+    if count:
+        lists = [(name.count("."), name, m) for name, m in inner.named_modules()
+                 if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+        if lists:
+            return list(min(lists, key=lambda t: (t[0], t[1]))[2])
+    return find_blocks(inner)
+
+
+def wrap_hf(model: torch.nn.Module, optimizer: Any = None, **options: Any):
+    """``trainstream.wrap()`` with ``blocks`` set to the decoder's layers
+    (:func:`decoder_layers`); returns ``(model, optimizer)``. ``options``: any ``wrap()``
+    option (``blocks`` given here wins)."""
+    if "blocks" not in options:
+        layers = decoder_layers(model)
+        if not layers:
+            raise InvalidArgumentError(
+                f"wrap_hf: {type(model).__name__} has no stack of decoder layers to find; pass "
+                "blocks=[...] (or use trainstream.wrap)")
+        options["blocks"] = layers
+    return wrap(model, optimizer, **options)
 
 
 def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) -> None:

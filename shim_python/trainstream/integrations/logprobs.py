@@ -15,7 +15,7 @@ from ..errors import InvalidArgumentError
 from .losses import sequence_logprobs
 
 
-def _plain_head(model: torch.nn.Module) -> torch.nn.Module | None:
+def plain_output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The output head when the logits are exactly ``hidden @ head.weight.T (+ bias)``: a linear
     layer with no adapter of its own, on a model that neither soft-caps nor scales its logits
     (those use their own logits)."""
@@ -47,7 +47,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
         raise InvalidArgumentError(f"labels of shape {tuple(labels.shape)} for input_ids of "
                                    f"shape {tuple(input_ids.shape)}")
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = _plain_head(inner)
+    head = plain_output_head(inner)
     if head is None:  # the model's own logits, whole
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        **model_kwargs).logits.float()
