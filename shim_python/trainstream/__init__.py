@@ -21,6 +21,7 @@ from .integrations.huggingface import load_model, wrap_hf
 from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_loss,
                                   sequence_logprobs)
 from .memory.blocks import find_blocks
+from .memory.paged_kv_cache import PagedKVCache
 from .memory.hardware import profile_hardware
 from .optim.offload_adamw import OffloadAdamW
 from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
@@ -48,10 +49,23 @@ _moved.install(sys.modules[__name__])
 __all__ = [
     "AlreadyExistsError", "Buffer", "Client", "DaemonUnavailableError", "DeadlineExceededError",
     "FailedPreconditionError", "HostOptimizer", "InternalError", "OffloadAdamW", "ParameterSpec",
-    "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice", "NotFoundError",
+    "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice",
+    "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
-    "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "GpuBase", "gpu_pools",
+    "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "PagedKVCache",
+    "GpuBase", "gpu_pools",
     "causal_lm_loss", "chunked_cross_entropy", "dpo_loss", "sequence_logprobs",
 ]
+
+# Imported on first use: they need transformers, which importing trainstream does not.
+_HUGGING_FACE = ("TrainStreamCache", "TrainStreamCallback", "TrainStreamTrainer")
+
+
+def __getattr__(name: str):
+    if name in _HUGGING_FACE:
+        from .integrations import huggingface
+
+        return getattr(huggingface, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,8 +4,8 @@
 its weights, has trainstreamd hold the checkpoint once (bf16 or quantized), and takes every
 frozen weight from that one copy; adapters (PEFT LoRA, or your own) added afterwards train as
 usual. ``wrap_hf`` is ``wrap()`` over the decoder's layers. ``TrainStreamTrainer`` and
-``TrainStreamCallback`` (trainer.py) are imported when first asked for: they need
-``transformers``, which ``import trainstream`` does not."""
+``TrainStreamCallback`` (trainer.py) and ``TrainStreamCache`` (generation.py) are imported when
+first asked for: they need ``transformers``, which ``import trainstream`` does not."""
 
 from __future__ import annotations
 
@@ -22,19 +22,23 @@ from ..wrap import wrap
 # Where TrainStream 0.6's users import them from, beside load_model.
 from .logprobs import causal_lm_logprobs, reference_logprobs
 
-__all__ = ["TrainStreamCallback", "TrainStreamTrainer", "causal_lm_logprobs", "decoder_layers",
-           "load_model", "reference_logprobs", "resolve_checkpoint", "wrap_hf"]
-_FROM_TRAINER = ("TrainStreamCallback", "TrainStreamTrainer")
+__all__ = ["TrainStreamCache", "TrainStreamCallback", "TrainStreamTrainer", "causal_lm_logprobs",
+           "decoder_layers", "load_model", "reference_logprobs", "resolve_checkpoint", "wrap_hf"]
+_NEED_TRANSFORMERS = ("TrainStreamCache", "TrainStreamCallback", "TrainStreamTrainer")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_TRAINER:
+    if name in _NEED_TRANSFORMERS:
         try:
-            from . import trainer
+            if name == "TrainStreamCache":
+                from .generation import TrainStreamCache as found
+            else:
+                from . import trainer
+                found = getattr(trainer, name)
         except ImportError as e:
             raise ImportError(f"trainstream.integrations.huggingface.{name} needs transformers "
                               "(pip install 'trainstream[hf]')") from e
-        return getattr(trainer, name)
+        return found
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

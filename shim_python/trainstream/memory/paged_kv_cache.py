@@ -1,0 +1,317 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A key/value cache for generation whose offloaded layers keep their keys and values in host
+pages from the daemon's buffers (pinned, counted against the job like everything it holds).
+Resident layers keep theirs in VRAM. Attention reads an offloaded layer's keys and values from a
+device slot: two slots shared by every offloaded layer, one filled from the pages on a copy
+stream while the layer before uses the other. Pages and slots are laid out position-major
+([positions, batch, heads, head_dim]), so that a run of positions is one contiguous block each
+way over PCIe; attention gets a [batch, heads, positions, head_dim] view of the slot. Inference
+only (no autograd through the pages)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+_ids = itertools.count()
+
+
+def _check(num_layers: Any, max_tokens: Any, resident_layers: Any, page_tokens: Any,
+           vram_fraction: Any) -> None:
+    for name, value in (("num_layers", num_layers), ("max_tokens", max_tokens),
+                        ("page_tokens", page_tokens)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise InvalidArgumentError(f"PagedKVCache: {name}={value!r} must be an integer >= 1")
+    if not (isinstance(vram_fraction, (int, float)) and 0 < vram_fraction <= 1):
+        raise InvalidArgumentError(
+            f"PagedKVCache: vram_fraction={vram_fraction!r} must be in (0, 1]")
+    if resident_layers == "auto":
+        return
+    if isinstance(resident_layers, int) and not isinstance(resident_layers, bool):
+        if not 0 <= resident_layers <= num_layers:
+            raise InvalidArgumentError(
+                f"PagedKVCache: resident_layers={resident_layers} must be in [0, {num_layers}]")
+        return
+    if (isinstance(resident_layers, (list, tuple))
+            and all(isinstance(i, int) and 0 <= i < num_layers for i in resident_layers)
+            and len(set(resident_layers)) == len(resident_layers)):
+        return
+    raise InvalidArgumentError(
+        f"PagedKVCache: resident_layers={resident_layers!r} must be 'auto', a count, or a list "
+        f"of distinct layer indices below {num_layers}")
+
+
+def spread(count: int, num_layers: int) -> list:
+    """``count`` layer indices spread evenly through ``num_layers``."""
+    return sorted({min(num_layers - 1, int((i + 0.5) * num_layers / count))
+                   for i in range(count)}) if count else []
+
+
+class PagedKVCache:
+    """``update(layer, keys, values)`` appends ``[batch, heads, tokens, head_dim]`` keys and
+    values and returns the layer's whole keys and values on their device. ``resident_layers``:
+    ``"auto"`` (as many as fit in ``vram_fraction`` of the free VRAM at the first update, the
+    rest spread through the stack; all of them without a GPU), a count (the others spread
+    among them) or a list of indices. ``page_tokens``: positions per host page. ``max_tokens``
+    sizes the slots and the ``"auto"`` budget; longer sequences reallocate."""
+
+    def __init__(self, num_layers: int, max_tokens: int, *, resident_layers: Any = "auto",
+                 page_tokens: int = 256, vram_fraction: float = 0.5, client: Any = None):
+        _check(num_layers, max_tokens, resident_layers, page_tokens, vram_fraction)
+        self.num_layers, self.max_tokens = num_layers, max_tokens
+        self.page_tokens, self.vram_fraction = page_tokens, float(vram_fraction)
+        self._asked = resident_layers
+        self._client = client
+        self._name = f"kv-cache/{next(_ids)}"
+        self.resident: list = []
+        self.offloaded: list = []
+        self._decided = False
+        self._lengths = [0] * num_layers
+        self._device_kv: dict = {}   # resident layer -> (keys, values), capacity >= length
+        self._pages: dict = {}       # offloaded layer -> list of (keys page, values page)
+        self._buffers: list = []     # the daemon's buffers the pages view, kept alive
+        self._slots: list = []       # two (keys, values) device slots for offloaded layers
+        self._slot_of: dict = {}     # offloaded layer -> the slot it uses
+        self._filled: dict = {}      # slot -> (layer, tokens, event): what a prefetch put there
+        self._copy_stream = None
+        self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
+        self.stats = {"pages": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
+                      "prefetch_misses": 0, "reallocations": 0}
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def _layer_bytes(self) -> int:
+        batch, heads, dim, dtype, _ = self._shape
+        return 2 * batch * heads * self.max_tokens * dim * dtype.itemsize
+
+    def _decide(self) -> None:
+        device = self._shape[4]
+        if self._asked == "auto":
+            if device.type != "cuda":
+                count = self.num_layers  # no VRAM to spare: host memory is where they are
+            else:
+                free, _ = torch.cuda.mem_get_info(device)
+                # The two slots offloaded layers share come out of the same budget.
+                budget = int(free * self.vram_fraction)
+                count = min(self.num_layers, max(0, budget // self._layer_bytes()))
+                if count < self.num_layers:
+                    count = max(0, min(count, budget // self._layer_bytes() - 2))
+            offloaded = spread(self.num_layers - count, self.num_layers)
+            self.resident = [i for i in range(self.num_layers) if i not in offloaded]
+        elif isinstance(self._asked, int):
+            offloaded = spread(self.num_layers - self._asked, self.num_layers)
+            self.resident = [i for i in range(self.num_layers) if i not in offloaded]
+        else:
+            self.resident = sorted(self._asked)
+        self.offloaded = [i for i in range(self.num_layers) if i not in self.resident]
+        for n, layer in enumerate(self.offloaded):
+            self._slot_of[layer] = n % 2
+        self._decided = True
+
+    # -- storage -------------------------------------------------------------------------
+
+    def _empty(self, tokens: int, device: Any, position_major: bool) -> tuple:
+        batch, heads, dim, dtype, _ = self._shape
+        shape = (tokens, batch, heads, dim) if position_major else (batch, heads, tokens, dim)
+        return (torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device))
+
+    def _grown(self, kv: tuple, needed: int, device: Any, position_major: bool = False) -> tuple:
+        """``kv`` with room for ``needed`` positions (doubled when it had too little)."""
+        axis = 0 if position_major else 2
+        if kv is not None and kv[0].shape[axis] >= needed:
+            return kv
+        grown = self._empty(max(needed, self.max_tokens,
+                                2 * (kv[0].shape[axis] if kv is not None else 0)), device,
+                            position_major)
+        if kv is not None:
+            self.stats["reallocations"] += 1
+            for old, new in zip(kv, grown):
+                new.narrow(axis, 0, old.shape[axis]).copy_(old)
+        return grown
+
+    def _page_client(self) -> Any:
+        if self._client is None:
+            from ..transport.client import connect
+
+            self._client = connect()
+        return self._client
+
+    def _add_page(self, layer: int) -> None:
+        batch, heads, dim, dtype, _ = self._shape
+        half = batch * heads * self.page_tokens * dim * dtype.itemsize
+        pages = self._pages.setdefault(layer, [])
+        buffer = self._page_client().allocate(f"{self._name}/{layer}/{len(pages)}", 2 * half)
+        self._buffers.append(buffer)
+        raw = buffer.tensor(torch.uint8, (2 * half,))
+        shape = (self.page_tokens, batch, heads, dim)
+        pages.append((raw[:half].view(dtype).view(shape), raw[half:].view(dtype).view(shape)))
+        self.stats["pages"] += 1
+
+    def _to_pages(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies positions ``start`` onward (``keys``, ``values``, position-major and
+        contiguous) into the layer's pages."""
+        done, count = 0, keys.shape[0]
+        while done < count:
+            page, offset = divmod(start + done, self.page_tokens)
+            while page >= len(self._pages.get(layer, [])):
+                self._add_page(layer)
+            n = min(count - done, self.page_tokens - offset)
+            k_page, v_page = self._pages[layer][page]
+            k_page[offset:offset + n].copy_(keys[done:done + n], non_blocking=True)
+            v_page[offset:offset + n].copy_(values[done:done + n], non_blocking=True)
+            done += n
+        self.stats["d2h_bytes"] += 2 * keys.numel() * keys.element_size()
+
+    def _from_pages(self, layer: int, tokens: int, slot: tuple) -> None:
+        """The layer's first ``tokens`` positions into ``slot``, on the current stream."""
+        done = 0
+        for k_page, v_page in self._pages.get(layer, []):
+            if done >= tokens:
+                break
+            n = min(self.page_tokens, tokens - done)
+            slot[0][done:done + n].copy_(k_page[:n], non_blocking=True)
+            slot[1][done:done + n].copy_(v_page[:n], non_blocking=True)
+            done += n
+        self.stats["h2d_bytes"] += 2 * tokens * slot[0][0].numel() * slot[0].element_size()
+
+    # -- the cache -----------------------------------------------------------------------
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgumentError(f"PagedKVCache: layer {layer} of {self.num_layers}")
+        if keys.dim() != 4 or keys.shape != values.shape:
+            raise InvalidArgumentError(
+                f"PagedKVCache: keys {tuple(keys.shape)} and values {tuple(values.shape)} must "
+                "be [batch, heads, tokens, head_dim] alike")
+        shape = (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, keys.device)
+        if self._shape is not None and shape != self._shape:
+            if any(self._lengths):
+                raise InvalidArgumentError(
+                    f"PagedKVCache: keys of {tuple(keys.shape)} {keys.dtype} on {keys.device} "
+                    f"after {self._shape[:2]} {self._shape[3]}; reset() before other prompts")
+            self._drop_storage()  # other prompts after reset(): sized afresh
+        self._shape = shape
+        if not self._decided:
+            self._decide()
+        start, count = self._lengths[layer], keys.shape[2]
+        self._lengths[layer] = start + count
+        device = keys.device
+        if layer in self._device_kv or layer in self.resident:
+            kv = self._grown(self._device_kv.get(layer), start + count, device)
+            self._device_kv[layer] = kv
+            kv[0][:, :, start:start + count].copy_(keys)
+            kv[1][:, :, start:start + count].copy_(values)
+            return kv[0][:, :, :start + count], kv[1][:, :, :start + count]
+        return self._update_offloaded(layer, start, keys, values)
+
+    def _update_offloaded(self, layer: int, start: int, keys: torch.Tensor,
+                          values: torch.Tensor) -> tuple:
+        device, count = keys.device, keys.shape[2]
+        cuda = device.type == "cuda"
+        while len(self._slots) < 2:
+            self._slots.append(None)
+        index = self._slot_of[layer]
+        current = torch.cuda.current_stream(device) if cuda else None
+        old = self._slots[index]
+        if cuda and self._copy_stream is not None and (old is None
+                                                       or old[0].shape[0] < start + count):
+            # A slot about to be replaced may still be written by the copy stream.
+            current.wait_stream(self._copy_stream)
+        slot = self._grown(old, start + count, device, position_major=True)
+        resized = slot is not old
+        self._slots[index] = slot
+        filled = self._filled.pop(index, None)
+        if filled is not None and filled[:2] == (layer, start) and not resized:
+            self.stats["prefetch_hits"] += 1
+            if cuda:
+                current.wait_event(filled[2])
+        elif start:
+            self.stats["prefetch_misses"] += 1
+            if cuda and self._copy_stream is not None:
+                # The pages' last positions (and any other prefetch into this slot) are still
+                # crossing on the copy stream.
+                current.wait_stream(self._copy_stream)
+            self._from_pages(layer, start, slot)
+        # Position-major once, on the device: the slot takes them, and the pages from there.
+        keys = keys.permute(2, 0, 1, 3).contiguous()
+        values = values.permute(2, 0, 1, 3).contiguous()
+        slot[0][start:start + count].copy_(keys)
+        slot[1][start:start + count].copy_(values)
+        if cuda:
+            # The new positions go to the pages on the copy stream once the compute stream
+            # has them; the next offloaded layer's slot is filled there too, after the layer
+            # that last used it (enqueued before this update) is done with it.
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
+            ready = torch.cuda.Event()
+            ready.record(current)
+            stream = self._copy_stream
+            stream.wait_event(ready)
+            keys.record_stream(stream)
+            values.record_stream(stream)
+            with torch.cuda.stream(stream):
+                self._to_pages(layer, start, keys, values)
+                self._prefetch_next(layer, device)
+        else:
+            self._to_pages(layer, start, keys, values)
+        return (slot[0][:start + count].permute(1, 2, 0, 3),
+                slot[1][:start + count].permute(1, 2, 0, 3))
+
+    def _prefetch_next(self, layer: int, device: Any) -> None:
+        """Fills the other slot with the next offloaded layer's positions (the first one again
+        after the last: the next token's), on the copy stream."""
+        if len(self.offloaded) < 2:
+            return
+        nxt = self.offloaded[(self.offloaded.index(layer) + 1) % len(self.offloaded)]
+        tokens = self._lengths[nxt]
+        index = self._slot_of[nxt]
+        slot = self._slots[index]
+        # Not into the slot this layer's attention is about to read (an odd count of offloaded
+        # layers wraps from the last to the first on the same slot).
+        if (not tokens or slot is None or slot[0].shape[0] < tokens + 1
+                or index == self._slot_of[layer]):
+            return
+        self._from_pages(nxt, tokens, slot)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        self._filled[index] = (nxt, tokens, done)
+
+    def _drop_storage(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        for buffer in self._buffers:
+            self._client.free(buffer)
+        self._buffers, self._pages, self._device_kv = [], {}, {}
+        self._slots, self._filled = [], {}
+        self._decided = False
+
+    def close(self) -> None:
+        """Gives the host pages back to the daemon and the VRAM to the allocator."""
+        self._drop_storage()
+        self._shape = None
+
+    def seq_length(self, layer: int = 0) -> int:
+        return self._lengths[layer]
+
+    def reset(self) -> None:
+        """Empties every layer (the next prompts start at position 0); keeps the memory."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        self._lengths = [0] * self.num_layers
+        self._filled.clear()
+
+    def memory(self) -> dict:
+        """Bytes held: VRAM (resident layers and the slots) and the daemon's host pages."""
+        def size(kv: Any) -> int:
+            return 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
+
+        host = sum(b.nbytes for b in self._buffers) if self._buffers else 0
+        return {"resident_layers": len(self.resident), "offloaded_layers": len(self.offloaded),
+                "resident_bytes": sum(size(kv) for kv in self._device_kv.values()),
+                "slot_bytes": sum(size(s) for s in self._slots),
+                "host_page_bytes": host, "tokens": max(self._lengths)}

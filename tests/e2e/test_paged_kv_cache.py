@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PagedKVCache (resident layers on the device, the others in the daemon's host pages read back
+through two shared device slots) against plain concatenation, and TrainStreamCache generating
+with tiny Qwen2 and Llama models exactly as transformers' own cache does. On the CPU here; the
+GPU variant runs the copy stream and the prefetches."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import trainstream  # noqa: E402
+from trainstream import PagedKVCache  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _feed(cache, layers, steps, device, dtype=torch.float32):
+    """Appends a prompt of 5 positions, then ``steps`` single positions, to every layer in
+    order (as a decoder does); returns what each update handed back and the reference."""
+    g = torch.Generator().manual_seed(3)
+    want = [None] * layers
+    for step in range(steps + 1):
+        tokens = 5 if step == 0 else 1
+        for layer in range(layers):
+            k = torch.randn(2, 3, tokens, 8, generator=g).to(device, dtype)
+            v = torch.randn(2, 3, tokens, 8, generator=g).to(device, dtype)
+            got_k, got_v = cache.update(layer, k, v)
+            want[layer] = (k, v) if want[layer] is None else (
+                torch.cat([want[layer][0], k], 2), torch.cat([want[layer][1], v], 2))
+            assert torch.equal(got_k, want[layer][0]) and torch.equal(got_v, want[layer][1]), \
+                (step, layer)
+    return want
+
+
+@pytest.mark.parametrize("resident", [0, 1, 2, [0, 3], 4])
+def test_every_layer_reads_back_what_was_appended(resident):
+    cache = PagedKVCache(4, 16, resident_layers=resident, page_tokens=4)
+    _feed(cache, 4, 20, "cpu")  # past max_tokens (16) and over several pages
+    offloaded = 4 - (len(resident) if isinstance(resident, list) else resident)
+    assert len(cache.offloaded) == offloaded and len(cache.resident) == 4 - offloaded
+    memory = cache.memory()
+    assert memory["tokens"] == 25 and cache.seq_length(3) == 25
+    # 25 positions in pages of 4: 7 pages a layer, each holding keys and values.
+    assert cache.stats["pages"] == 7 * offloaded
+    assert memory["host_page_bytes"] == 7 * offloaded * 2 * (2 * 3 * 4 * 8 * 4)
+    assert cache.stats["d2h_bytes"] == offloaded * 2 * 25 * (2 * 3 * 8 * 4)
+    if offloaded:
+        assert cache.stats["reallocations"] >= 1  # the slots grew past max_tokens
+    cache.reset()
+    assert cache.seq_length(0) == 0
+    _feed(cache, 4, 2, "cpu")  # the same pages again after reset()
+    assert cache.stats["pages"] == 7 * offloaded
+    cache.close()
+
+
+def test_other_prompts_after_reset_are_sized_afresh_and_before_it_refused():
+    cache = PagedKVCache(2, 8, resident_layers=0, page_tokens=4)
+    cache.update(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(trainstream.InvalidArgumentError, match="reset\\(\\) before"):
+        cache.update(1, torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
+    cache.reset()
+    k, v = cache.update(0, torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4))
+    assert k.shape == (2, 2, 3, 4) and bool((k == 1).all())
+    cache.close()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(num_layers=0, max_tokens=8), "num_layers=0"),
+    (dict(num_layers=2, max_tokens=8, resident_layers=3), "resident_layers=3"),
+    (dict(num_layers=2, max_tokens=8, resident_layers=[0, 0]), "distinct"),
+    (dict(num_layers=2, max_tokens=8, page_tokens=0), "page_tokens=0"),
+    (dict(num_layers=2, max_tokens=8, vram_fraction=1.5), "vram_fraction=1.5"),
+])
+def test_bad_arguments_say_why(arguments, message):
+    with pytest.raises(trainstream.InvalidArgumentError, match=message):
+        PagedKVCache(**arguments)
+
+
+def test_keys_of_the_wrong_shape_are_refused():
+    cache = PagedKVCache(2, 8)
+    with pytest.raises(trainstream.InvalidArgumentError, match="batch, heads, tokens"):
+        cache.update(0, torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
+    with pytest.raises(trainstream.InvalidArgumentError, match="layer 2 of 2"):
+        cache.update(2, torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+
+
+def _generate(preset, device, make_cache=None):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                       "(scripts/bootstrap.sh installs it)")
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+    import hf_models
+
+    model, _ = hf_models.build(preset, "full", device=device)
+    model.eval()
+    prompt = hf_models.batch(preset, 2, 9, 0, device)
+    options = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = model.generate(prompt, **options)
+    cache = make_cache(model) if make_cache else None
+    got = model.generate(prompt, past_key_values=cache, **options)
+    assert isinstance(transformers.__version__, str)
+    return expected, got, cache
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])
+def test_greedy_generation_equals_transformers_own_cache(preset):
+    from trainstream.integrations.huggingface import TrainStreamCache
+
+    expected, got, cache = _generate(preset, "cpu", lambda m: TrainStreamCache(
+        m, max_tokens=16, resident_layers=2, page_tokens=8))
+    assert torch.equal(expected, got), (expected, got)
+    assert len(cache.kv.offloaded) == 2 and cache.kv.stats["pages"] == 2 * 4  # 29 positions
+    assert cache.get_seq_length() == 28  # the last token is returned, not fed back
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    cache.kv.close()
+
+
+def test_models_with_sliding_windows_are_refused():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                       "(scripts/bootstrap.sh installs it)")
+    from trainstream.integrations.huggingface import TrainStreamCache
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(trainstream.InvalidArgumentError, match="not full attention"):
+        TrainStreamCache(transformers.MistralForCausalLM(config), max_tokens=16)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_pages_cross_on_a_copy_stream_and_generation_matches():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    cache = PagedKVCache(6, 64, resident_layers=2, page_tokens=16)
+    _feed(cache, 6, 40, "cuda", torch.bfloat16)
+    assert cache.stats["prefetch_hits"] > 30 * 3, cache.stats  # the slots were filled ahead
+    cache.close()
+    from trainstream.integrations.huggingface import TrainStreamCache
+
+    expected, got, cache = _generate("tiny-llama", "cuda", lambda m: TrainStreamCache(
+        m, max_tokens=32, resident_layers=1, page_tokens=8))
+    assert torch.equal(expected, got)
+    assert cache.kv.memory()["host_page_bytes"] > 0
+    cache.kv.close()
