@@ -261,6 +261,7 @@ class Session::Impl {
     request.set_block(options.block);
     for (const std::string& name : options.quantize) request.add_quantize(name);
     request.set_name(options.name);
+    request.set_plan_only(options.plan_only);
     v1::BaseInfo reply;
     RETURN_IF_ERROR(channel_.Call(
         [&](grpc::ClientContext* c) { return channel_.stub().LoadBase(c, request, &reply); }));

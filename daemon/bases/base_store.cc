@@ -37,6 +37,7 @@ const char* BaseStateName(BaseState state) {
     case BaseState::kLoading: return "loading";
     case BaseState::kReady: return "ready";
     case BaseState::kFailed: return "failed";
+    case BaseState::kPlanned: return "planned";
   }
   return "unknown";
 }
@@ -142,6 +143,7 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   }
   for (auto& [id, base] : bases_) {
     if (base->key == key && base->state != BaseState::kFailed) {
+      if (request.plan_only) return SnapshotLocked(*base);  // held already: nothing more
       base->users.insert(session.id);
       base->idle_since.reset();
       events_->Emit("base.attached",
@@ -156,7 +158,7 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   }
 
   auto base = std::make_shared<Base>();
-  base->id = next_id_++;
+  base->id = request.plan_only ? 0 : next_id_++;
   base->uid = session.owner.uid;
   base->key = key;
   base->source = path;
@@ -223,6 +225,10 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
                                        : 1);
   }
   for (uint64_t b : buffer_sizes) base->stored_bytes += b;
+  if (request.plan_only) {
+    base->state = BaseState::kPlanned;
+    return SnapshotLocked(*base);
+  }
   // Admission first: a base that can't fit is refused with the numbers before any allocation.
   absl::StatusOr<PlanOutcome> planned =
       arena_->Plan(base->job, base->stored_bytes, absl::ZeroDuration());

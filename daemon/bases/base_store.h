@@ -39,6 +39,8 @@ struct BaseLoadRequest {
   // others as the file has them; a bf16 base converts every float to bf16.
   std::vector<std::string> quantize;
   std::string name;  // shown by tsctl; default: the checkpoint's folder or file name
+  // Only size it (state kPlanned, nothing loaded or attached): what a client weighs formats by.
+  bool plan_only = false;
 };
 
 struct BaseTensor {
@@ -53,7 +55,7 @@ struct BaseTensor {
   uint64_t data_offset = 0, data_bytes = 0, scale_offset = 0, scale_bytes = 0;
 };
 
-enum class BaseState { kLoading, kReady, kFailed };
+enum class BaseState { kLoading, kReady, kFailed, kPlanned };
 const char* BaseStateName(BaseState state);
 
 struct BaseSnapshot {

@@ -180,6 +180,33 @@ TEST_F(BaseStoreTest, AnotherUserGetsNeitherTheBaseNorItsSegments) {
   EXPECT_NE(own.id, base.id);  // a copy of its own
 }
 
+TEST_F(BaseStoreTest, APlanOnlyRequestSizesTheBaseAsTheLoadStoresIt) {
+  BaseStore& store = Store();
+  const Session a = MakeSession("s-a", 1000, "job-a");
+  for (const char* format : {"bf16", "int8", "nf4"}) {
+    BaseLoadRequest plan = Request(Path("model.safetensors"), format);
+    plan.plan_only = true;
+    absl::StatusOr<BaseSnapshot> planned = store.Load(a, plan);
+    ASSERT_TRUE(planned.ok()) << planned.status();
+    EXPECT_EQ(planned->state, BaseState::kPlanned);
+    EXPECT_EQ(planned->id, 0u);
+    EXPECT_TRUE(planned->users.empty());
+    EXPECT_EQ(BaseBytesInArena(), 0u) << format;  // nothing taken
+    EXPECT_TRUE(store.List(1000, false).empty()) << format;
+    const BaseSnapshot loaded =
+        WaitLoaded(store.Load(a, Request(Path("model.safetensors"), format))->id);
+    ASSERT_EQ(loaded.state, BaseState::kReady) << loaded.error;
+    EXPECT_EQ(planned->stored_bytes, loaded.stored_bytes) << format;
+    // Asked again once it is held: the base as it is, with no user added.
+    const BaseSnapshot held = *store.Load(a, plan);
+    EXPECT_EQ(held.id, loaded.id);
+    EXPECT_EQ(held.state, BaseState::kReady);
+    EXPECT_EQ(held.users.size(), 1u);
+    store.OnSessionEnded(a);
+    store.ExpireIdle(absl::Now() + absl::Hours(1));
+  }
+}
+
 TEST_F(BaseStoreTest, ABaseIsKeptWarmAfterItsLastUserThenFreed) {
   BaseStore& store = Store(absl::Seconds(60));
   const Session a = MakeSession("s-a", 1000, "job-a");

@@ -77,6 +77,7 @@ absl::Status TrainStreamService::ServeLoadBase(grpc::ServerContext* context,
   load.block = static_cast<int>(std::min<uint32_t>(request->block(), 1u << 30));
   load.quantize.assign(request->quantize().begin(), request->quantize().end());
   load.name = request->name();
+  load.plan_only = request->plan_only();
   absl::StatusOr<BaseSnapshot> base = bases_->Load(**session, load);
   if (!base.ok()) {
     events_->Emit("base.refused", std::string(base.status().message()), {}, (*session)->id,

@@ -345,15 +345,19 @@ PYBIND11_MODULE(_trainstream, m) {
       })
       .def("load_base",
            [](Session& s, const std::string& path, const std::string& format, uint32_t block,
-              const std::vector<std::string>& quantize, const std::string& name) {
+              const std::vector<std::string>& quantize, const std::string& name,
+              bool plan_only) {
              Session::LoadBaseOptions options;
              options.path = path;
              options.format = format;
              options.block = block;
              options.quantize = quantize;
              options.name = name;
+             options.plan_only = plan_only;
              return Released([&] { return s.LoadBase(options); });
-           })
+           },
+           py::arg("path"), py::arg("format"), py::arg("block"), py::arg("quantize"),
+           py::arg("name"), py::arg("plan_only") = false)
       .def("base_json", [](Session& s, uint64_t id) {
         return Released([&] { return s.GetBaseJson(id); });
       })

@@ -319,15 +319,7 @@ def test_base_linear_on_cuda_matches_the_reference(client, tmp_path):
 
 @pytest.mark.parametrize("fmt,tied", [(None, False), ("nf4", False), ("int8", True)])
 def test_load_model_builds_a_hugging_face_lm_over_the_shared_base(client, tmp_path, fmt, tied):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=tied)
-    torch.manual_seed(4)
-    original = transformers.Qwen2ForCausalLM(config).eval()
-    for p in original.parameters():  # bf16 weights; computed buffers (rotary) stay fp32
-        p.data = p.data.to(torch.bfloat16)
-    original.save_pretrained(str(tmp_path), safe_serialization=True)
+    original = _tiny_qwen2_checkpoint(tmp_path, tied).eval()
     model = trainstream.load_model(str(tmp_path), quantize=fmt, device="cpu", client=client,
                                    progress=False).eval()
     assert not any(p.requires_grad for p in model.parameters())
@@ -374,7 +366,7 @@ def _tiny_qwen2_checkpoint(folder, tied=False):
                                       num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(4)
     original = transformers.Qwen2ForCausalLM(config)
-    for p in original.parameters():
+    for p in original.parameters():  # bf16 weights; computed buffers (rotary) stay fp32
         p.data = p.data.to(torch.bfloat16)
     original.save_pretrained(str(folder), safe_serialization=True)
     return original
@@ -510,3 +502,77 @@ def test_wrap_trains_peft_lora_over_a_load_model_base_like_stock_adamw(client, t
         assert abs(got.item() - expected.item()) < 2e-4, (s, got.item(), expected.item())
     assert expected.item() < 4.85  # trained: ln(128) = 4.85 is a guess among 128 tokens
     trainstream.unwrap(ours)
+
+
+def _planned(client, folder, fmt):
+    info = client.load_base(str(folder), fmt, 0, [], "", plan_only=True)
+    assert info["state"] == "planned" and int(info["base_id"]) == 0, info
+    return int(info["stored_bytes"])
+
+
+def _room(client):
+    memory = client.memory()
+    return int(memory["budget_bytes"]) - int(memory["committed_bytes"])
+
+
+def test_a_plan_only_request_sizes_the_base_as_the_load_stores_it(client, tmp_path):
+    _tiny_qwen2_checkpoint(tmp_path)
+    sizes = {fmt: _planned(client, tmp_path, fmt) for fmt in ("bf16", "int8", "nf4")}
+    assert sizes["bf16"] > sizes["int8"] > sizes["nf4"] > 0, sizes
+    assert trainstream.bases(client) == []  # nothing loaded
+    base = trainstream.load_base(str(tmp_path), format="int8", client=client, progress=False)
+    assert base.stored_bytes == sizes["int8"]
+
+
+def test_quantize_auto_takes_bf16_when_it_fits_and_says_why(client, tmp_path):
+    _tiny_qwen2_checkpoint(tmp_path)
+    model = trainstream.load_model(str(tmp_path), device="cpu", client=client, progress=False)
+    assert model.trainstream_format == "bf16"
+    said = [e for e in client.events() if e["kind"] == "client.load_model.quantize"]
+    assert said and "bf16: " in said[-1]["message"] and "fits in" in said[-1]["message"], said
+
+
+def test_quantize_auto_quantizes_when_bf16_does_not_fit(client, tmp_path):
+    _tiny_qwen2_checkpoint(tmp_path)
+    bf16, int8 = _planned(client, tmp_path, "bf16"), _planned(client, tmp_path, "int8")
+    between = (bf16 + int8) / 2 / _room(client)  # room for int8, not for bf16
+    model = trainstream.load_model(str(tmp_path), device="cpu", client=client, progress=False,
+                                   ram_fraction=between)
+    assert model.trainstream_format == "int8"
+    said = [e for e in client.events() if e["kind"] == "client.load_model.quantize"]
+    assert "not bf16" in said[-1]["message"], said
+
+
+def test_quantize_auto_refuses_with_every_formats_size_when_none_fits(client, tmp_path):
+    _tiny_qwen2_checkpoint(tmp_path)
+    nf4 = _planned(client, tmp_path, "nf4")
+    with pytest.raises(trainstream.ResourceExhaustedError, match="in any format \\(bf16 .*nf4"):
+        trainstream.load_model(str(tmp_path), device="cpu", client=client, progress=False,
+                               ram_fraction=nf4 / 2 / _room(client))
+    assert trainstream.bases(client) == []
+
+
+def test_quantize_auto_takes_a_base_this_user_holds_already(client, tmp_path):
+    _tiny_qwen2_checkpoint(tmp_path)
+    held = trainstream.load_base(str(tmp_path), format="int8", client=client, progress=False)
+    tiny = 1e-9  # no room for anything new
+    model = trainstream.load_model(str(tmp_path), device="cpu", client=client, progress=False,
+                                   ram_fraction=tiny)
+    assert model.trainstream_format == "int8"
+    assert [b["base_id"] for b in trainstream.bases(client)] == [held.id]
+
+
+def test_random_weights_build_the_architecture_without_reading_a_checkpoint(client, tmp_path):
+    original = _tiny_qwen2_checkpoint(tmp_path)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()  # the config alone
+    model = trainstream.load_model(str(tmp_path), random_weights=True, quantize="int8",
+                                   device="cpu", client=client, progress=False)
+    assert trainstream.bases(client) == []
+    assert not any(p.requires_grad for p in model.parameters())
+    assert sum(isinstance(m, trainstream.BaseLinear) for m in model.modules()) == 2 * 7
+    assert type(model) is type(original)
+    idx = torch.randint(0, 128, (1, 6))
+    assert torch.isfinite(model(idx).logits).all()
+    with pytest.raises(trainstream.InvalidArgumentError, match="ram_fraction=0"):
+        trainstream.load_model(str(tmp_path), random_weights=True, ram_fraction=0)

@@ -167,6 +167,7 @@ class Session {
     uint32_t block = 0;
     std::vector<std::string> quantize;
     std::string name;
+    bool plan_only = false;  // only its size as stored (state "planned"); nothing is loaded
   };
   absl::StatusOr<std::string> LoadBase(const LoadBaseOptions& options);
   absl::StatusOr<std::string> GetBaseJson(uint64_t base_id);

@@ -16,7 +16,8 @@ import torch
 
 from ..frozen.linear import attach_base
 from ..frozen.store import load_base
-from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from ..errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError,
+                      ResourceExhaustedError)
 from ..memory.blocks import find_blocks
 from ..wrap import wrap
 # Where TrainStream 0.6's users import them from, beside load_model.
@@ -90,7 +91,8 @@ def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, rebuilt)
 
 
-def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None) -> str:
+def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None,
+                       config_only: bool = False) -> str:
     """The local folder of ``name_or_path``: the folder itself, or a Hub id (``org/name``)
     found in the local Hugging Face cache (``cache_dir``, else the default one), as
     ``from_pretrained`` would find it offline. Nothing is downloaded: the daemon reads the
@@ -108,7 +110,8 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None) -> str:
                             "(which finds Hub ids in the local cache) is not installed") from e
     try:
         return snapshot_download(name_or_path, local_files_only=True, cache_dir=cache_dir,
-                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+                                 allow_patterns=["*.json"] if config_only else [
+                                     "*.json", "*.safetensors", "*.model", "*.txt"])
     except HFValidationError as e:
         raise NotFoundError(f"load_model: {name_or_path} is neither a folder nor a Hub id") from e
     except LocalEntryNotFoundError as e:
@@ -120,40 +123,113 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None) -> str:
             f"(hf download {name_or_path})") from e
 
 
-def load_model(name_or_path: str, quantize: str | None = None, device: Any = None,
+FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4")
+# quantize="auto" weighs these, in this order: the first the daemon has room for.
+AUTO_FORMATS = ("bf16", "int8", "nf4")
+
+
+def _room(client: Any, ram_fraction: float) -> int:
+    """``ram_fraction`` of the host memory the daemon could still give this user: its budget
+    less what is committed, within this user's quota less what they hold (the daemon's own
+    accounting)."""
+    memory = client.memory()
+    free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
+    quota = int(memory.get("uid_quota_bytes", 0) or 0)
+    if quota:
+        mine = sum(int(r.get("bytes", 0)) for r in memory.get("by_uid", [])
+                   if str(r.get("key")) == str(os.getuid()))
+        free = min(free, quota - mine)
+    return int(max(0, free) * ram_fraction)
+
+
+def choose_format(path: str, client: Any, block: int, ram_fraction: float) -> tuple:
+    """``quantize="auto"``: the first of bf16, int8, NF4 that this user's processes already hold,
+    or whose size as the daemon would store it (its own layout, LoadBase with plan_only) fits in
+    ``ram_fraction`` of the host memory the daemon could give; (format, why)."""
+    room = _room(client, ram_fraction)
+    sizes = []
+    for fmt in AUTO_FORMATS:
+        info = client.load_base(os.path.abspath(path), fmt, 0 if fmt == "bf16" else block, [], "",
+                                plan_only=True)
+        need = int(info["stored_bytes"])
+        sizes.append(f"{fmt} {need / 1e9:.2f} GB")
+        if info["state"] in ("ready", "loading"):
+            return fmt, f"{fmt}: this user's processes hold that base already"
+        if need <= room:
+            return fmt, (f"{fmt}: {need / 1e9:.2f} GB fits in {room / 1e9:.2f} GB "
+                         f"({ram_fraction:.0%} of what the daemon could still give)" +
+                         (f"; not {', '.join(sizes[:-1])}" if len(sizes) > 1 else ""))
+    raise ResourceExhaustedError(
+        f"load_model: {path} does not fit in {room / 1e9:.2f} GB ({ram_fraction:.0%} of the "
+        f"host memory the daemon could still give) in any format ({', '.join(sizes)}); raise "
+        "ram_fraction, end other jobs, or give the daemon a larger --memory_budget")
+
+
+def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
                dtype: torch.dtype = torch.bfloat16, keep_on_host: bool = False,
                client: Any = None, progress: bool = True,
                fp8_matmul: Any = "auto", gpu_pool: bool = False, quant_block_size: int = 0,
                trust_remote_code: bool = False, cache_dir: str | None = None,
+               random_weights: bool = False, ram_fraction: float = 0.85,
                **config_overrides: Any) -> torch.nn.Module:
     """A causal LM from a Hugging Face checkpoint (a folder with config.json and .safetensors,
     or a Hub id found in the local cache: :func:`resolve_checkpoint`), frozen, its weights from
-    the daemon's shared base: bf16 (``quantize=None``) or ``"int8"``, ``"nf4"``, ``"fp8"``,
-    ``"nvfp4"`` for the block weights (embeddings, norms and the head stay as the checkpoint
-    has them), ``quant_block_size`` values a scale (0: the format's default). Every process
-    loading the same checkpoint and format uses the one host copy. ``device``: the first GPU
-    when there is one, else the CPU. ``config_overrides`` set fields of the model's config
-    (``attn_implementation="sdpa"``, say). PEFT's ``get_peft_model`` takes the result in every
-    format: its frozen layers are linear layers to PEFT. ``fp8_matmul``, ``gpu_pool`` (one VRAM
-    copy per GPU): see :func:`attach_base`."""
+    the daemon's shared base: bf16 (``quantize=None``, ``"none"`` or ``False``) or ``"int8"``,
+    ``"nf4"``, ``"fp8"``, ``"nvfp4"`` for the block weights (embeddings, norms and the head stay
+    as the checkpoint has them), ``quant_block_size`` values a scale (0: the format's default).
+    ``quantize="auto"`` (the default): bf16 if it fits in ``ram_fraction`` of the host memory
+    the daemon could still give this user, else int8, else NF4 (:func:`choose_format`; an
+    identical base already held costs nothing and is taken). Every process loading the same
+    checkpoint and format uses the one host copy. ``device``: the first GPU when there is one,
+    else the CPU. ``random_weights=True``: the architecture from the config alone, with random
+    weights in this process (no checkpoint read, nothing shared; a format named in
+    ``quantize`` is applied here to the decoder layers with
+    :func:`trainstream.quantize_model`). ``config_overrides`` set fields of the model's config
+    (``attn_implementation="sdpa"``, say). PEFT's
+    ``get_peft_model`` takes the result in every format: its frozen layers are linear layers to
+    PEFT. ``fp8_matmul``, ``gpu_pool`` (one VRAM copy per GPU): see :func:`attach_base`."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # an optional dependency: only this function needs it
         raise FailedPreconditionError("load_model needs the transformers package") from e
-    fmt = quantize or "bf16"
-    if fmt not in ("bf16", "int8", "nf4", "fp8", "nvfp4"):
-        raise InvalidArgumentError(f"quantize={quantize!r} is not one of None, 'int8', 'nf4', "
-                                   "'fp8', 'nvfp4'")
+    if quantize in (None, False, "none"):
+        quantize = "bf16"
+    if quantize != "auto" and quantize not in FORMATS:
+        raise InvalidArgumentError(f"quantize={quantize!r} is not one of 'auto', None, 'none', "
+                                   "False, 'int8', 'nf4', 'fp8', 'nvfp4'")
+    if not (isinstance(ram_fraction, (int, float)) and 0 < ram_fraction <= 1):
+        raise InvalidArgumentError(f"load_model: ram_fraction={ram_fraction!r} must be in (0, 1]")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    path = resolve_checkpoint(name_or_path, cache_dir)
+    path = (name_or_path if random_weights and os.path.isdir(name_or_path)
+            else resolve_checkpoint(name_or_path, cache_dir, config_only=random_weights))
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in config_overrides.items():
         if not hasattr(config, key) and not key.startswith("attn_implementation"):
             raise InvalidArgumentError(f"load_model: {type(config).__name__} has no field "
                                        f"{key!r} to set")
         setattr(config, key, value)
+    if random_weights:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = model.to(dtype)
+        model.requires_grad_(False)
+        if quantize not in ("auto", "bf16"):
+            from ..frozen.linear import quantize_model
+
+            for layer in decoder_layers(model):  # as a base: the head and embeddings as they are
+                quantize_model(layer, quantize, quant_block_size)
+        model._trainstream_loaded = 0
+        return model
+    if client is None:
+        from ..transport.client import connect
+
+        client = connect(job_id=f"base-{os.getpid()}")
+    fmt = quantize
+    if quantize == "auto":
+        fmt, why = choose_format(path, client, quant_block_size, ram_fraction)
+        client.report_event("load_model.quantize", f"load_model {name_or_path}: {why}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     model = model.to(dtype)
@@ -171,4 +247,5 @@ def load_model(name_or_path: str, quantize: str | None = None, device: Any = Non
             f"load_model: {len(left)} tensors are in neither {path} nor the model's own "
             f"computed buffers, e.g. {', '.join(left[:5])}")
     model._trainstream_loaded = taken
+    model.trainstream_format = fmt
     return model

@@ -190,10 +190,13 @@ class Client:
         return decode_json(self._native.plan_host_memory(int(nbytes), float(wait_s)))
 
     # Shared bases and their GPU pools (frozen/ builds on these).
-    def load_base(self, path: str, format: str, block: int, quantize: list, name: str) -> dict:
+    def load_base(self, path: str, format: str, block: int, quantize: list, name: str,
+                  plan_only: bool = False) -> dict:
         """Asks the daemon for the base of the checkpoint at ``path``; its state, "loading"
-        while the daemon reads it."""
-        return decode_json(self._native.load_base(path, format, block, list(quantize), name))
+        while the daemon reads it. ``plan_only``: only the bytes it would be stored in (state
+        "planned"), from the daemon's own layout; nothing is loaded."""
+        return decode_json(self._native.load_base(path, format, block, list(quantize), name,
+                                                  plan_only))
 
     def base_info(self, base_id: int) -> dict:
         """The daemon's view of base ``base_id`` now (state, progress, users, tensors)."""
