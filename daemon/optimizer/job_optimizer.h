@@ -228,6 +228,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   std::vector<const void*> GradientsLocked(const Parameter& p) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads tensor `index`'s gradients in chunks on the pool into its `stats` (cleared first);
+  // `scanned` runs under the lock once the last chunk has been counted.
+  void ScanGradientsLocked(uint32_t index, std::function<void(JobOptimizer&, Parameter&)> scanned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartStatsLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -42,33 +42,42 @@ std::vector<const void*> JobOptimizer::GradientsLocked(const Parameter& p) const
   return grads;
 }
 
-void JobOptimizer::StartStatsLocked(uint32_t index) {
+void JobOptimizer::ScanGradientsLocked(
+    uint32_t index, std::function<void(JobOptimizer&, Parameter&)> scanned) {
   Parameter& p = params_[index];
-  p.phase = Phase::kStatsPending;
   p.stats = {};
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
   const kernels::ScalarType type =
       settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
-  const size_t chunks = Chunks(p.desc.numel);
   const uint64_t numel = p.desc.numel;
+  const size_t chunks = Chunks(numel);
   p.chunks_left = chunks;
   auto self = shared_from_this();
+  auto done = std::make_shared<std::function<void(JobOptimizer&, Parameter&)>>(
+      std::move(scanned));
   for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, grads, type, numel] {
+    SubmitLocked([self, index, c, grads, type, numel, done] {
       const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
-      kernels::GradientStats stats =
+      const kernels::GradientStats stats =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
                                         kernels::BestIsa());
       absl::MutexLock lock(&self->mu_);
       Parameter& q = self->params_[index];
       q.stats.sum_squares += stats.sum_squares;
       q.stats.nonfinite += stats.nonfinite;
-      if (--q.chunks_left != 0) return;
-      q.phase = Phase::kStatsDone;
-      ++self->params_with_stats_;
-      if (self->failure_.empty()) self->MaybeDecideLocked();
+      if (--q.chunks_left == 0) (*done)(*self, q);
     });
   }
+}
+
+void JobOptimizer::StartStatsLocked(uint32_t index) {
+  params_[index].phase = Phase::kStatsPending;
+  ScanGradientsLocked(index, [](JobOptimizer& self, Parameter& q) {
+    self.mu_.AssertHeld();
+    q.phase = Phase::kStatsDone;
+    ++self.params_with_stats_;
+    if (self.failure_.empty()) self.MaybeDecideLocked();
+  });
 }
 
 void JobOptimizer::MaybeDecideLocked() {
@@ -141,46 +150,28 @@ void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
 }
 
 void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
-  Parameter& p = params_[index];
-  p.phase = Phase::kUpdating;
-  p.stats = {};
-  auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
-  const kernels::ScalarType type =
-      settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
-  const uint64_t numel = p.desc.numel;
-  const size_t chunks = Chunks(numel);
-  p.chunks_left = chunks;
-  auto self = shared_from_this();
-  for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, grads, type, numel, grad_scale] {
-      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
-      const uint64_t nonfinite =
-          kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b,
-                                        e, kernels::BestIsa())
-              .nonfinite;
-      absl::MutexLock lock(&self->mu_);
-      Parameter& q = self->params_[index];
-      q.stats.nonfinite += nonfinite;
-      if (--q.chunks_left != 0 || !self->failure_.empty()) return;
-      if (q.stats.nonfinite > 0 && !self->guard_tripped_) {
-        self->guard_tripped_ = true;
-        self->guard_first_ = q.desc.name;
-        self->guard_tensors_before_ = self->params_updated_;
-      }
-      if (!self->guard_tripped_) {
-        self->ApplyUpdateLocked(index, grad_scale);
-        return;
-      }
-      // This tensor's gradient, or an earlier one's, held a non-finite value: it keeps its
-      // weights and moments, and the client copies nothing back.
-      self->update_nonfinite_ += q.stats.nonfinite;
-      q.phase = Phase::kDone;
-      ++self->params_done_;
-      self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1, 0,
-                              ipc::kFlagSkipped));
-      self->MaybeFinishIterationLocked();
-    });
-  }
+  params_[index].phase = Phase::kUpdating;
+  ScanGradientsLocked(index, [index, grad_scale](JobOptimizer& self, Parameter& q) {
+    self.mu_.AssertHeld();
+    if (!self.failure_.empty()) return;
+    if (q.stats.nonfinite > 0 && !self.guard_tripped_) {
+      self.guard_tripped_ = true;
+      self.guard_first_ = q.desc.name;
+      self.guard_tensors_before_ = self.params_updated_;
+    }
+    if (!self.guard_tripped_) {
+      self.ApplyUpdateLocked(index, grad_scale);
+      return;
+    }
+    // This tensor's gradient, or an earlier one's, held a non-finite value: it keeps its
+    // weights and moments, and the client copies nothing back.
+    self.update_nonfinite_ += q.stats.nonfinite;
+    q.phase = Phase::kDone;
+    ++self.params_done_;
+    self.SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self.iteration_ + 1, 0,
+                           ipc::kFlagSkipped));
+    self.MaybeFinishIterationLocked();
+  });
 }
 
 void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
