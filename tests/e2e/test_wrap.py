@@ -752,3 +752,26 @@ def test_a_host_bound_run_moves_optimizer_state_to_vram_by_itself(start_daemon, 
     train(ref, ref_opt, 4, start=4)
     train(ours, opt, 4, start=4)
     assert max_diff(ref, ours) <= 1e-5
+
+
+def test_two_offload_adamw_of_one_process_are_two_jobs():
+    """Without a job_id, each OffloadAdamW of a single-rank process is a job of its own (they
+    collided before: "rank 0 of job 'default' is already attached"), and each steps like
+    torch.optim.AdamW on its own parameters."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(8, 4) for _ in range(2)]
+    references = [copy.deepcopy(m) for m in models]
+    ours = [trainstream.OffloadAdamW(m.parameters(), lr=1e-2) for m in models]
+    theirs = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in references]
+    assert len({o.stats()["job_id"] for o in ours}) == 2
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, opt in [*zip(models, ours), *zip(references, theirs)]:
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for model, reference in zip(models, references):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p, q, atol=1e-6), (p, q)
+    for opt in ours:
+        opt.detach()

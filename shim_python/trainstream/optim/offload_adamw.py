@@ -12,7 +12,9 @@ parameters' copies.
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -112,6 +114,10 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         specs = [ParameterSpec(safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
                                self._grad_dtypes[i], group_of[id(p)])
                  for i, p in enumerate(self._params)]
+        if client is None and not job_id and world_size == 1:
+            # Independent optimizers of one process are independent jobs; ranks of one job
+            # name theirs (wrap() derives it from the launcher).
+            job_id = f"adamw-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.client = client or _client.connect(job_id=job_id, rank=rank, world_size=world_size)
         # CUDA gradients leave VRAM at every backward, so the daemon sums the micro-steps; CPU
         # gradients accumulate in place in their shared slots and the daemon sees one.
