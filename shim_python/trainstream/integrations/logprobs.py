@@ -57,6 +57,19 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
             -1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         total = (logp * counted).sum(-1)
         return total / counted.sum(-1).clamp(min=1) if average else total
+    hidden = hidden_entering_head(
+        model, head, dict(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs),
+        tuple(input_ids.shape), "causal_lm_logprobs", "pass logits_to_keep=0 if it takes one")
+    return sequence_logprobs(hidden, head.weight, labels.to(hidden.device), head.bias,
+                             chunk_size=chunk_size, average=average)
+
+
+def hidden_entering_head(model: torch.nn.Module, head: torch.nn.Module, inputs: dict,
+                         positions: tuple, caller: str, remedy: str) -> torch.Tensor:
+    """Runs ``model(**inputs)`` (its own forward, so hooks such as wrap()'s see it) and returns
+    the final hidden states as they enter ``head``, which is handed one position only: the
+    logits are never made whole. ``positions``: the [batch, positions] the hidden states must
+    cover; ``caller`` and ``remedy`` name the error when they do not."""
     captured: list = []
 
     def take_hidden(module: torch.nn.Module, args: tuple) -> tuple:
@@ -65,15 +78,14 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
 
     handle = head.register_forward_pre_hook(take_hidden)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+        model(**inputs)
     finally:
         handle.remove()
-    if len(captured) != 1 or captured[0].shape[:2] != input_ids.shape:
+    if len(captured) != 1 or tuple(captured[0].shape[:2]) != positions:
         raise InvalidArgumentError(
-            "causal_lm_logprobs: the model's head did not see every position's hidden state "
-            "once (a model that slices them first); pass logits_to_keep=0 if it takes one")
-    return sequence_logprobs(captured[0], head.weight, labels.to(captured[0].device), head.bias,
-                             chunk_size=chunk_size, average=average)
+            f"{caller}: the model's head did not see every position's hidden state once (a "
+            f"model that slices them first); {remedy}")
+    return captured[0]
 
 
 def reference_logprobs(model: torch.nn.Module, batches: Iterable[dict], *,

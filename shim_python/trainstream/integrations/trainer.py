@@ -19,7 +19,7 @@ from ..options import check_options
 from ..report import memory_report
 from ..session import session_of
 from ..wrap import wrap
-from .logprobs import plain_output_head
+from .logprobs import hidden_entering_head, plain_output_head
 from .losses import causal_lm_loss
 
 __all__ = ["TrainStreamCallback", "TrainStreamTrainer", "training_metrics"]
@@ -223,26 +223,14 @@ class TrainStreamTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        captured: list = []
-
-        def take_hidden(module: torch.nn.Module, args: tuple) -> tuple:
-            captured.append(args[0])
-            return (args[0][:, -1:],)  # the head computes one position's logits, not all
-
-        handle = head.register_forward_pre_hook(take_hidden)
-        try:
-            model(**inputs)
-        finally:
-            handle.remove()
-        if len(captured) != 1 or captured[0].shape[:2] != labels.shape:
-            raise InvalidArgumentError(
-                "TrainStreamTrainer: the model's head did not see every position's hidden "
-                "state once; pass trainstream={'chunked_loss': False} for this model")
+        hidden = hidden_entering_head(model, head, inputs, tuple(labels.shape),
+                                      "TrainStreamTrainer", "pass trainstream={'chunked_loss': "
+                                      "False} for this model")
         # As the model's own loss: summed over the accumulated batch's tokens and divided by
         # their count when the Trainer counts them (it then leaves the loss unscaled).
         num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
-        return causal_lm_loss(captured[0], head.weight, labels.to(captured[0].device),
-                              head.bias, chunk_size=self.loss_chunk_size, num_items=num_items)
+        return causal_lm_loss(hidden, head.weight, labels.to(hidden.device), head.bias,
+                              chunk_size=self.loss_chunk_size, num_items=num_items)
 
 
 def _inner(optimizer: Any) -> Any:
