@@ -22,7 +22,7 @@ from ..wrap import wrap
 from .logprobs import hidden_entering_head, plain_output_head
 from .losses import causal_lm_loss
 
-__all__ = ["TrainStreamCallback", "TrainStreamTrainer", "training_metrics"]
+__all__ = ["TrainStreamCallback", "TrainStreamTrainer", "TrainingMetrics"]
 
 GIB = 2 ** 30
 # TrainingArguments.optim values that mean plain AdamW: the update the daemon runs.
@@ -67,10 +67,6 @@ class TrainingMetrics:
         out["ts_h2d_gb"] = round((pcie[1] - before[1]) / GIB, 3)
         self._pcie = pcie
         return out
-
-
-def training_metrics() -> TrainingMetrics:
-    return TrainingMetrics()
 
 
 class TrainStreamCallback(TrainerCallback):
@@ -170,7 +166,7 @@ class TrainStreamTrainer(Trainer):
         """wrap() puts each part of the model where the memory plan says, at train()."""
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        if isinstance(self.optimizer, OffloadAdamW):
+        if isinstance(_inner(self.optimizer), OffloadAdamW):  # given, or made by a train()
             return self.optimizer
         model = self.model if model is None else model
         optimizer = self.optimizer

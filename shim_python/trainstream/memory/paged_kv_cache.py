@@ -284,10 +284,11 @@ class PagedKVCache:
     def _drop_storage(self) -> None:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
-        for buffer in self._buffers:
+        # The views of the pages go before the buffers they view are given back.
+        self._pages, self._device_kv, self._slots, self._filled = {}, {}, [], {}
+        buffers, self._buffers = self._buffers, []
+        for buffer in buffers:
             self._client.free(buffer)
-        self._buffers, self._pages, self._device_kv = [], {}, {}
-        self._slots, self._filled = [], {}
         self._decided = False
 
     def close(self) -> None:
