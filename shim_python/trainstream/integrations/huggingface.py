@@ -202,8 +202,7 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    path = (name_or_path if random_weights and os.path.isdir(name_or_path)
-            else resolve_checkpoint(name_or_path, cache_dir, config_only=random_weights))
+    path = resolve_checkpoint(name_or_path, cache_dir, config_only=random_weights)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in config_overrides.items():
         if not hasattr(config, key) and not key.startswith("attn_implementation"):
@@ -221,6 +220,7 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
             for layer in decoder_layers(model):  # as a base: the head and embeddings as they are
                 quantize_model(layer, quantize, quant_block_size)
         model._trainstream_loaded = 0
+        model.trainstream_format = "bf16" if quantize in ("auto", "bf16") else quantize
         return model
     if client is None:
         from ..transport.client import connect
