@@ -20,6 +20,9 @@
 #                                            $OUT/step_N.log): several checks in one device call
 #   scripts/gpu_check.sh hf_matrix           the Hugging Face GPU tests (the model matrix, -s:
 #                                            each case's reasons) and bench/chunked_loss.py
+#   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
+#                                            allocator split), memory_plan.py's hf_qwen1.5b_full,
+#                                            bench/hf_trainer.py and bench/generation.py
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
@@ -104,6 +107,17 @@ if [[ $what == hf_matrix ]]; then
   timeout 480 python3 -m pytest -s -ra -m gpu tests/e2e/test_hf_models.py \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
 fi
+if [[ $what == hf_layer ]]; then
+  timeout 240 python3 -m pytest -ra -m gpu tests/e2e/test_hf_trainer.py \
+    tests/e2e/test_paged_kv_cache.py tests/gpu/test_allocator_split.py \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  timeout 240 python3 bench/memory_plan.py --cases hf_qwen1.5b_full --modes wrap \
+    --json "$OUT/memory_plan.json" > "$OUT/memory_plan.txt" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 600 python3 bench/hf_trainer.py --json "$OUT/hf_trainer.json" \
+    > "$OUT/hf_trainer.txt" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 400 python3 bench/generation.py --json "$OUT/generation.json" \
+    > "$OUT/generation.txt" 2>&1 || status=1
+fi
 if [[ $what == gpu ]]; then
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
   ctest --test-dir build/py --output-on-failure -j8 -L gpu > "$OUT/ctest.log" 2>&1 || status=1
@@ -153,7 +167,7 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
          dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt \
-         base_lora.txt gpu_pool.txt; do
+         base_lora.txt gpu_pool.txt hf_trainer.txt generation.txt; do
   [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"
 done
 for f in "$OUT"/step_*.log; do

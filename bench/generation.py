@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation with a long context through ``TrainStreamCache`` (half the layers' keys and values
+in the daemon's pinned pages) against transformers' own ``DynamicCache`` (all in VRAM) and its
+offloaded ``DynamicCache(offloading=True)``: new tokens a second and the VRAM the cache took,
+each engine in a fresh process, greedy decoding of the same prompt, the outputs compared.
+
+    python bench/generation.py [--cases qwen7b_8k ...] [--modes dynamic offloaded trainstream]
+        [--json out.json]
+
+A case's bound: the bytes each new token must bring from host memory (the offloaded layers'
+keys and values) over the pinned copy bandwidth measured in the same run. On a machine without
+a GPU, ``--cases tiny`` runs the tiny Llama on the CPU (timings that do not count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
+
+CASES = {
+    "qwen7b_8k": dict(preset="qwen2.5-7b", prompt=8192, new=128, batch=1),
+    "llama8b_16k": dict(preset="llama-3.1-8b", prompt=16384, new=128, batch=1),
+    "tiny": dict(preset="tiny-llama", prompt=96, new=16, batch=2),
+}
+MODES = ("dynamic", "offloaded", "trainstream")
+
+
+def worker(mode: str, case: dict) -> dict:
+    import hf_models
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model, _ = hf_models.build(case["preset"], "full", torch.bfloat16 if cuda else torch.float32,
+                               device=device, init_device=device)
+    model.eval()
+    prompt = hf_models.batch(case["preset"], case["batch"], case["prompt"], 0, device)
+    total = case["prompt"] + case["new"]
+    layers = model.config.num_hidden_layers
+    if mode == "dynamic":
+        cache = transformers.DynamicCache(config=model.config)
+    elif mode == "offloaded":
+        cache = transformers.DynamicCache(config=model.config, offloading=True)
+    else:
+        from trainstream.integrations.huggingface import TrainStreamCache
+
+        cache = TrainStreamCache(model, max_tokens=total, resident_layers=layers // 2)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    weights = torch.cuda.memory_allocated() if cuda else 0
+    options = dict(max_new_tokens=case["new"], min_new_tokens=case["new"], do_sample=False,
+                   pad_token_id=0, past_key_values=cache)
+    with torch.no_grad():
+        began = time.perf_counter()
+        first = model.generate(prompt, **{**options, "max_new_tokens": 1, "min_new_tokens": 1})
+        if cuda:
+            torch.cuda.synchronize()
+        prefill = time.perf_counter() - began
+        if hasattr(cache, "reset"):
+            cache.reset()
+        began = time.perf_counter()
+        out = model.generate(prompt, **options)
+        if cuda:
+            torch.cuda.synchronize()
+        whole = time.perf_counter() - began
+    row = {"mode": mode, **case, "tokens": out[0, -case["new"]:].tolist()[:32],
+           "first_token": int(first[0, -1]), "prefill_s": round(prefill, 4),
+           "decode_tokens_per_s": round(case["batch"] * (case["new"] - 1)
+                                        / max(1e-9, whole - prefill), 2),
+           "peak_over_weights_gib": round((torch.cuda.max_memory_allocated() - weights) / 2**30, 3)
+           if cuda else 0.0}
+    if mode == "trainstream":
+        row["memory"] = cache.kv.memory()
+        row["stats"] = dict(cache.kv.stats)
+        cache.kv.close()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["qwen7b_8k"], choices=list(CASES))
+    parser.add_argument("--timeout", type=int, default=900)
+    add_worker_arguments(parser)
+    args = parser.parse_args()
+    if answered_as_worker(args, worker, CASES):
+        return
+    bandwidth = None
+    if torch.cuda.is_available():
+        from step_bench import pinned_bandwidth
+
+        bandwidth = pinned_bandwidth()
+        print(f"pinned copies: host->device {bandwidth['h2d_gbps']} GB/s", flush=True)
+    rows = []
+    for name in args.cases:
+        by_mode = {}
+        for mode in args.modes or MODES:
+            row = run_worker(__file__, mode, name, None, args.timeout)
+            row["case"] = name
+            by_mode[mode] = row
+            rows.append(row)
+        print(f"\n== {name}: {CASES[name]}")
+        reference = by_mode.get("dynamic", {}).get("tokens")
+        for mode, row in by_mode.items():
+            if row.get("failed"):
+                print(f"  {mode:12s} failed: {row.get('stderr', '').strip().splitlines()[-1:]}")
+                continue
+            same = "" if reference is None else (
+                ", same tokens as DynamicCache" if row["tokens"] == reference
+                else ", TOKENS DIFFER from DynamicCache")
+            print(f"  {mode:12s} {row['decode_tokens_per_s']:9.2f} new tokens/s, prefill "
+                  f"{row['prefill_s']:.3f} s, VRAM over the weights "
+                  f"{row['peak_over_weights_gib']:.2f} GiB{same}")
+        ours = by_mode.get("trainstream", {})
+        if bandwidth and "memory" in ours:
+            # Each new token reads every offloaded layer's keys and values back once: the
+            # pages, at the context's end.
+            per_token = ours["memory"]["host_page_bytes"]
+            bound = per_token / (bandwidth["h2d_gbps"] * 1e9)
+            print(f"  bound: {per_token / 2**30:.2f} GiB over PCIe a token at "
+                  f"{bandwidth['h2d_gbps']} GB/s = {1 / bound:.1f} tokens/s at most (batch 1)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "generation", "date": time.strftime("%Y-%m-%d"),
+                       "host": platform.node(), "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                       "bandwidth": bandwidth, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
