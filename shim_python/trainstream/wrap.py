@@ -68,11 +68,7 @@ def _distributed(option: Any) -> _Topology:
     world = dist.get_world_size()
     if world == 1:
         return _Topology()
-    # Ranks on one machine form one job in its daemon: torchrun gives them a common run id.
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
-        f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local_rank, local_world, run = launcher_topology(os.environ, dist.get_rank(), world)
     if world % local_world:
         raise FailedPreconditionError(
             f"{world} ranks over machines of {local_world}: every machine needs the same number "
@@ -84,7 +80,35 @@ def _distributed(option: Any) -> _Topology:
         # gloo: the group all-reduces the daemon's shared-memory (CPU) buffers, whatever backend
         # the job trains with.
         group = dist.new_group([m * local_world for m in range(machines)], backend="gloo")
-    return _Topology(local_rank, local_world, machines, group, f"torchrun-{run}")
+    return _Topology(local_rank, local_world, machines, group, run)
+
+
+def _leading_int(text: str) -> int | None:
+    digits = ""
+    for c in text.strip():
+        if not c.isdigit():
+            break
+        digits += c
+    return int(digits) if digits else None
+
+
+def launcher_topology(environ: Any, rank: int, world: int) -> tuple:
+    """(rank on this machine, ranks on this machine, the job's name) from the launcher's
+    variables: torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / TORCHELASTIC_RUN_ID, else Slurm's
+    SLURM_LOCALID / SLURM_NTASKS_PER_NODE ("4", or "4(x2)" for 4 on each of 2 nodes) /
+    SLURM_JOB_ID and SLURM_STEP_ID; without either, every rank on this machine. Ranks of one
+    machine form one job in its daemon, under that name."""
+    if "LOCAL_WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
+        run = environ.get("TORCHELASTIC_RUN_ID") or (
+            f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}")
+        return (int(environ.get("LOCAL_RANK", rank)),
+                int(environ.get("LOCAL_WORLD_SIZE", world)), f"torchrun-{run}")
+    per_node = _leading_int(environ.get("SLURM_NTASKS_PER_NODE", ""))
+    if per_node and "SLURM_JOB_ID" in environ:
+        return (int(environ.get("SLURM_LOCALID", rank % per_node)), per_node,
+                f"slurm-{environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '0')}")
+    run = f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}"
+    return int(environ.get("LOCAL_RANK", rank)), world, f"torchrun-{run}"
 
 
 def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
@@ -219,7 +243,8 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
     auto = [isinstance(config[k], str) and config[k] == "auto"
             for k in ("activation_offload", "recompute")]
     moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = (launcher_topology(os.environ, 0, 1)[1] if "LOCAL_WORLD_SIZE" in os.environ
+             or "SLURM_NTASKS_PER_NODE" in os.environ else 1)
 
     def host_room() -> int:
         # What the daemon has free, less what the trainable state will take there.

@@ -102,3 +102,23 @@ def test_two_machines_with_their_own_daemons_equal_one_process(start_daemon, tsc
         jobs = {o["job_id"]: o for o in json.loads(listed.stdout).get("optimizers", [])}
         job = jobs["torchrun-two-machines"]
         assert int(job["step"]) == 6 and job["spec"]["machines"] == 2
+
+
+@pytest.mark.parametrize("environ, expected", [
+    # torchrun
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"},
+     (1, 2, "torchrun-abc")),
+    # srun: 4 tasks on each of 2 nodes, this one the third of its node
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_LOCALID": "2",
+      "SLURM_NTASKS_PER_NODE": "4(x2)"}, (2, 4, "slurm-77.3")),
+    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS_PER_NODE": "4"}, (5 % 4, 4, "slurm-77.0")),
+    # torchrun inside a Slurm allocation: torchrun's variables win
+    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS_PER_NODE": "1", "LOCAL_RANK": "0",
+      "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "r"}, (0, 8, "torchrun-r")),
+    # a bare process group: every rank on this machine
+    ({"MASTER_ADDR": "h", "MASTER_PORT": "9"}, (5, 8, "torchrun-h-9")),
+])
+def test_the_launchers_variables_place_a_rank_on_its_machine(environ, expected):
+    from trainstream.wrap import launcher_topology
+
+    assert launcher_topology(environ, 5, 8) == expected
