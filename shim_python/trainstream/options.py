@@ -52,10 +52,25 @@ ACCEPTED = {
                            "are updated on the GPU with their moments staged from the "
                            "daemon's memory (0: none)",
     "chunked_loss": (True, False),
+    # TrainStream 0.6's options, with its meaning: a forward always waits for the updates of
+    # the weights it reads (False, reading weights mid-update, is refused below); the slowdown
+    # bounds activation paging only where no VRAM target exists, and wrap() always has one.
+    "guard_params": (True,),
+    "max_activation_slowdown": "a float >= 0 (wrap() plans against its VRAM budget instead)",
 }
 
 
 def check_options(options: dict) -> None:
+    if options.get("guard_params", True) is not True:
+        raise InvalidArgumentError(
+            "trainstream.wrap: guard_params=False (forwards reading weights while their update "
+            "lands) is not offered: each forward waits only for the updates of the weights it "
+            "reads, which costs a step nothing measurable; leave it out")
+    slowdown = options.get("max_activation_slowdown", 0.15)
+    if not (isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool)
+            and slowdown >= 0):
+        raise InvalidArgumentError(
+            f"trainstream.wrap: max_activation_slowdown={slowdown!r} must be a float >= 0")
     for name, value in options.items():
         if name not in ACCEPTED:
             raise InvalidArgumentError(

@@ -131,7 +131,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
               "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
-              "chunked_loss": True}
+              "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15}
     config.update(options)
     events: list = []
 

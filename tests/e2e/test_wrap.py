@@ -208,7 +208,7 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
     dict(prefetch_depth=0), dict(param_offload="sometimes"), dict(recompute=[99]),
     dict(vram_budget=-1), dict(gpu_state_blocks=-1), dict(max_grad_norm=0),
     dict(host_arena=-5), dict(device="cpu", gradient_dtype="bfloat16"),
-    dict(optimizer="sgd"),
+    dict(optimizer="sgd"), dict(guard_params=False), dict(max_activation_slowdown=-0.1),
 ], ids=lambda o: ",".join(o))
 def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket, options):
     """``except trainstream.TrainStreamError`` catches every option wrap() refuses, and so does
@@ -775,3 +775,12 @@ def test_two_offload_adamw_of_one_process_are_two_jobs():
             assert torch.allclose(p, q, atol=1e-6), (p, q)
     for opt in ours:
         opt.detach()
+
+
+def test_trainstream_06_options_are_taken_with_their_meaning(daemon_socket):
+    """guard_params=True (forwards wait for the updates of the weights they read: how it always
+    works) and max_activation_slowdown (activation paging's bound where there is no VRAM
+    target; wrap() always has one) are accepted, as TrainStream 0.6 took them."""
+    model, opt = trainstream.wrap(TinyGPT(), guard_params=True, max_activation_slowdown=0.3)
+    assert model._trainstream_session.config["max_activation_slowdown"] == 0.3
+    trainstream.unwrap(model)
