@@ -19,6 +19,7 @@ from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhau
 from .frozen.linear import BaseLinear, quantize_model
 from .memory.blocks import find_blocks, has_forward
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
+from .transport.launcher import launcher_topology
 from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
@@ -81,34 +82,6 @@ def _distributed(option: Any) -> _Topology:
         # the job trains with.
         group = dist.new_group([m * local_world for m in range(machines)], backend="gloo")
     return _Topology(local_rank, local_world, machines, group, run)
-
-
-def _leading_int(text: str) -> int | None:
-    digits = ""
-    for c in text.strip():
-        if not c.isdigit():
-            break
-        digits += c
-    return int(digits) if digits else None
-
-
-def launcher_topology(environ: Any, rank: int, world: int) -> tuple:
-    """(rank on this machine, ranks on this machine, the job's name) from the launcher's
-    variables: torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / TORCHELASTIC_RUN_ID, else Slurm's
-    SLURM_LOCALID / SLURM_NTASKS_PER_NODE ("4", or "4(x2)" for 4 on each of 2 nodes) /
-    SLURM_JOB_ID and SLURM_STEP_ID; without either, every rank on this machine. Ranks of one
-    machine form one job in its daemon, under that name."""
-    if "LOCAL_WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
-        run = environ.get("TORCHELASTIC_RUN_ID") or (
-            f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}")
-        return (int(environ.get("LOCAL_RANK", rank)),
-                int(environ.get("LOCAL_WORLD_SIZE", world)), f"torchrun-{run}")
-    per_node = _leading_int(environ.get("SLURM_NTASKS_PER_NODE", ""))
-    if per_node and "SLURM_JOB_ID" in environ:
-        return (int(environ.get("SLURM_LOCALID", rank % per_node)), per_node,
-                f"slurm-{environ['SLURM_JOB_ID']}.{environ.get('SLURM_STEP_ID', '0')}")
-    run = f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}"
-    return int(environ.get("LOCAL_RANK", rank)), world, f"torchrun-{run}"
 
 
 def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):

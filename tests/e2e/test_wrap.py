@@ -784,3 +784,32 @@ def test_trainstream_06_options_are_taken_with_their_meaning(daemon_socket):
     model, opt = trainstream.wrap(TinyGPT(), guard_params=True, max_activation_slowdown=0.3)
     assert model._trainstream_session.config["max_activation_slowdown"] == 0.3
     trainstream.unwrap(model)
+
+
+def test_offload_adamw_takes_trainstream_06s_arguments(daemon_socket):
+    """mode='cpu' and attach(model) as TrainStream 0.6 had them: after attach, a forward between
+    the last backward and step() reads every update (it completes the iteration); mode='gpu',
+    attach(guard=False) and distributed=True without a process group say why they are refused."""
+    model = TinyGPT()
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-2, mode="cpu")
+    # torch keeps a module's forward pre-hooks in this dict: attach() adds the model's own.
+    hooks = len(model._forward_pre_hooks)
+    assert opt.attach(model) is opt
+    assert len(model._forward_pre_hooks) == hooks + 1
+    x = torch.randint(0, 64, (2, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).float().mean().backward()
+    model(x)  # the attached model's forward waits for the iteration's updates first
+    assert opt.stats()["step"] == 1
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.step()
+    opt.zero_grad()
+    assert opt.stats()["step"] == 1  # step() finds the iteration done; it does not step again
+    with pytest.raises(trainstream.InvalidArgumentError, match="guard=False"):
+        opt.attach(model, guard=False)
+    opt.detach()
+    assert len(model._forward_pre_hooks) == hooks
+    with pytest.raises(trainstream.InvalidArgumentError, match="mode='gpu'"):
+        trainstream.OffloadAdamW(TinyGPT().parameters(), mode="gpu")
+    with pytest.raises(trainstream.FailedPreconditionError, match="process group"):
+        trainstream.OffloadAdamW(TinyGPT().parameters(), distributed=True)

@@ -119,6 +119,6 @@ def test_two_machines_with_their_own_daemons_equal_one_process(start_daemon, tsc
     ({"MASTER_ADDR": "h", "MASTER_PORT": "9"}, (5, 8, "torchrun-h-9")),
 ])
 def test_the_launchers_variables_place_a_rank_on_its_machine(environ, expected):
-    from trainstream.wrap import launcher_topology
+    from trainstream.transport.launcher import launcher_topology
 
     assert launcher_topology(environ, 5, 8) == expected

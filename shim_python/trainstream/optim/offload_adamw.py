@@ -25,6 +25,7 @@ from ..transport import device as cuda_device
 from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..hooks import HookClock, weak_hook
 from ..transport.host_optimizer import HostOptimizer, ParameterSpec
+from ..transport.launcher import this_machines_ranks
 from .checkpoints import Checkpoints
 from .gpu_switch import AUTO_STEPS, GpuSwitch
 from .gradients import GradientRouting
@@ -69,7 +70,14 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                  rank: int = 0, world_size: int = 1, names: dict | None = None,
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
                  on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
-                 machine_group: Any = None, initial: dict | None = None):
+                 machine_group: Any = None, initial: dict | None = None, mode: str = "cpu",
+                 distributed: bool = False):
+        if mode != "cpu":
+            raise InvalidArgumentError(
+                f"OffloadAdamW: mode={mode!r}: only 'cpu' (AdamW on trainstreamd's threads, "
+                "the moments in its memory) is built; the zero-copy GPU kernel is not yet")
+        if distributed:
+            rank, world_size, job_id = this_machines_ranks(job_id)
         if moment_dtype not in MOMENT_DTYPES:
             raise InvalidArgumentError(
                 f"moment_dtype {moment_dtype!r} is not one of 'float32', "
@@ -465,6 +473,20 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         if self._model is not None:
             self.attach_forward_waits(self._model)
 
+    def attach(self, model: torch.nn.Module, guard: bool = True,
+               blocks: Iterable[Any] = ()) -> "OffloadAdamW":
+        """What wrap() does once it has the optimizer (TrainStream 0.6's name): each forward of
+        ``model`` waits for the new values of the weights it reads (``blocks``: repeated layers
+        that wait once each, for all of theirs), and a forward between the last backward and
+        step() for every update. ``guard=False`` (forwards reading weights mid-update) is not
+        offered. Returns the optimizer."""
+        if guard is not True:
+            raise InvalidArgumentError(
+                "OffloadAdamW.attach: guard=False (forwards reading weights while their "
+                "update lands) is not offered; each forward waits only for its own weights")
+        self.attach_forward_waits(model, list(blocks))
+        return self
+
     # What the layers above (the memory plan, wrap()) read and set, instead of its internals.
     @property
     def trained_params(self) -> list:
@@ -558,5 +580,4 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                                 "bytes_each_way": staged.bytes_each_way if staged else 0}
         info["steps"] = self.steps
         return info
-
 
