@@ -285,3 +285,18 @@ def test_profile_hardware_measures_once_then_reads_the_cache(tmp_path, monkeypat
     again = trainstream.profile_hardware(nbytes=8 << 20, repeats=2)
     assert again["cached"] is True and again["host_copy_gbps"] == first["host_copy_gbps"]
     assert trainstream.profile_hardware(refresh=True, nbytes=8 << 20, repeats=2)["cached"] is False
+
+
+def test_profile_hardware_takes_trainstream_06s_signature(tmp_path, monkeypatch):
+    import trainstream.hardware as hardware
+
+    monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
+    profile = trainstream.profile_hardware(quick=True, repeats=2, nbytes=8 << 20)
+    assert profile["cached"] is False
+    text = profile.summary()
+    assert f"host memory copy: {profile['host_copy_gbps']} GB/s" in text
+    assert ("no CUDA GPU" in text) == (not torch.cuda.is_available())
+    assert trainstream.profile_hardware()["cached"] is True
+    assert trainstream.profile_hardware(force=True, repeats=2, nbytes=8 << 20)["cached"] is False
+    with pytest.raises(trainstream.InvalidArgumentError, match="threads=4.*trainstreamd"):
+        trainstream.profile_hardware(threads=4)
