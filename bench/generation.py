@@ -15,9 +15,7 @@ a GPU, ``--cases tiny`` runs the tiny Llama on the CPU (timings that do not coun
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
@@ -26,7 +24,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
+from step_bench import (add_worker_arguments, answered_as_worker, run_worker,  # noqa: E402
+                        write_results)
 
 CASES = {
     "qwen7b_8k": dict(preset="qwen2.5-7b", prompt=8192, new=128, batch=1),
@@ -134,11 +133,7 @@ def main() -> None:
             print(f"  bound: {per_token / 2**30:.2f} GiB over PCIe a token at "
                   f"{bandwidth['h2d_gbps']} GB/s = {1 / bound:.1f} tokens/s at most (batch 1)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "generation", "date": time.strftime("%Y-%m-%d"),
-                       "host": platform.node(), "torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                       "bandwidth": bandwidth, "rows": rows}, f, indent=1)
+        write_results(args.json, "generation", rows, bandwidth=bandwidth)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ a tiny Qwen2 on the CPU (timings that do not count).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,7 +25,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from step_bench import add_worker_arguments, answered_as_worker, run_worker  # noqa: E402
+from step_bench import (add_worker_arguments, answered_as_worker, run_worker,  # noqa: E402
+                        write_results)
 
 CASES = {
     "qwen1.5b_full": dict(preset="qwen2.5-1.5b", tune="full", dtype="float32", batch=4, seq=512,
@@ -135,11 +134,7 @@ def main() -> None:
             print(f"  largest loss difference, trainstream under the cap against stock without "
                   f"it: {max(abs(a - b) for a, b in zip(stock, ours)):.4f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "hf_trainer", "date": time.strftime("%Y-%m-%d"),
-                       "host": platform.node(), "torch": torch.__version__,
-                       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                       "steps": STEPS, "rows": rows}, f, indent=1)
+        write_results(args.json, "hf_trainer", rows, steps=STEPS)
 
 
 if __name__ == "__main__":

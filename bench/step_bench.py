@@ -32,6 +32,18 @@ def answered_as_worker(args: argparse.Namespace, worker: Callable[[str, dict], d
     return True
 
 
+def write_results(path: str, bench: str, rows: list, **fields) -> None:
+    """A benchmark's recorded result: its rows with the date, machine, torch and GPU beside them
+    (and ``fields``: its bandwidth, steps, ...)."""
+    import platform
+
+    with open(path, "w") as f:
+        json.dump({"bench": bench, "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
+                   "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                   **fields, "rows": rows}, f, indent=1)
+
+
 def run_worker(script: str, mode: str, case: str, socket: str | None, timeout: int) -> dict:
     """Runs ``script --worker MODE --case CASE`` in a fresh Python process (nothing one
     configuration allocates reaches the next) and returns the JSON row it prints last."""

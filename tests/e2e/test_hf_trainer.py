@@ -240,9 +240,8 @@ def test_the_callback_reports_a_stock_trainer_given_wrap(tmp_path, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_equals_the_stock_trainer_on_a_gpu(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU on this machine")
     expected, want = _stock("tiny-qwen2", "full", tmp_path, "cuda", same_loss=False)
     model, _ = hf_models.build("tiny-qwen2", "full")
     trainer = TrainStreamTrainer(model=model, args=_args(str(tmp_path / "ours"), "cuda"),

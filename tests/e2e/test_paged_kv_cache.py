@@ -133,9 +133,8 @@ def test_models_with_sliding_windows_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_on_a_gpu_the_pages_cross_on_a_copy_stream_and_generation_matches():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU on this machine")
     cache = PagedKVCache(6, 64, resident_layers=2, page_tokens=16)
     _feed(cache, 6, 40, "cuda", torch.bfloat16)
     assert cache.stats["prefetch_hits"] > 30 * 3, cache.stats  # the slots were filled ahead
