@@ -45,16 +45,31 @@ def test_every_layer_reads_back_what_was_appended(resident):
     assert len(cache.offloaded) == offloaded and len(cache.resident) == 4 - offloaded
     memory = cache.memory()
     assert memory["tokens"] == 25 and cache.seq_length(3) == 25
-    # 25 positions in pages of 4: 7 pages a layer, each holding keys and values.
-    assert cache.stats["pages"] == 7 * offloaded
-    assert memory["host_page_bytes"] == 7 * offloaded * 2 * (2 * 3 * 4 * 8 * 4)
+    # 25 positions: an extent of max_tokens (16), then one as large again (16 >= 9 missing),
+    # each holding keys and values.
+    assert cache.stats["extents"] == 2 * offloaded
+    assert memory["host_page_bytes"] == 32 * offloaded * 2 * (2 * 3 * 8 * 4)
     assert cache.stats["d2h_bytes"] == offloaded * 2 * 25 * (2 * 3 * 8 * 4)
     if offloaded:
         assert cache.stats["reallocations"] >= 1  # the slots grew past max_tokens
     cache.reset()
     assert cache.seq_length(0) == 0
-    _feed(cache, 4, 2, "cpu")  # the same pages again after reset()
-    assert cache.stats["pages"] == 7 * offloaded
+    _feed(cache, 4, 2, "cpu")  # the same extents again after reset()
+    assert cache.stats["extents"] == 2 * offloaded
+    cache.close()
+
+
+def test_appends_that_straddle_two_extents_read_back_whole():
+    cache = PagedKVCache(2, 4, resident_layers=0, page_tokens=2)
+    g = torch.Generator().manual_seed(5)
+    want = None
+    for _ in range(6):  # 3 positions at a time: 0-3, 3-6 (over 4), ... up to 18
+        k = torch.randn(1, 2, 3, 4, generator=g)
+        got, _ = cache.update(0, k, -k)
+        want = k if want is None else torch.cat([want, k], 2)
+        assert torch.equal(got, want)
+    # extents of 4, then 4 (8), then 8 (16), then 16 (32): four in all for 18 positions
+    assert cache.stats["extents"] == 4 and cache.memory()["host_page_bytes"] == 32 * 2 * 8 * 4
     cache.close()
 
 
@@ -113,7 +128,7 @@ def test_greedy_generation_equals_transformers_own_cache(preset):
     expected, got, cache = _generate(preset, "cpu", lambda m: TrainStreamCache(
         m, max_tokens=16, resident_layers=2, page_tokens=8))
     assert torch.equal(expected, got), (expected, got)
-    assert len(cache.kv.offloaded) == 2 and cache.kv.stats["pages"] == 2 * 4  # 29 positions
+    assert len(cache.kv.offloaded) == 2 and cache.kv.stats["extents"] == 2 * 2  # 29: 16, then 16
     assert cache.get_seq_length() == 28  # the last token is returned, not fed back
     cache.reset()
     assert cache.get_seq_length() == 0

@@ -1,12 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """A key/value cache for generation whose offloaded layers keep their keys and values in host
-pages from the daemon's buffers (pinned, counted against the job like everything it holds).
+memory from the daemon's buffers (pinned, counted against the job like everything it holds).
 Resident layers keep theirs in VRAM. Attention reads an offloaded layer's keys and values from a
-device slot: two slots shared by every offloaded layer, one filled from the pages on a copy
-stream while the layer before uses the other. Pages and slots are laid out position-major
-([positions, batch, heads, head_dim]), so that a run of positions is one contiguous block each
-way over PCIe; attention gets a [batch, heads, positions, head_dim] view of the slot. Inference
-only (no autograd through the pages)."""
+device slot: two slots shared by every offloaded layer, one filled from host memory on a copy
+stream while the layer before uses the other.
+
+A layer's host memory is one extent (a daemon buffer) sized for ``max_tokens`` at first, and a
+further one each time a sequence outgrows what it has (twice as much again): reading a layer
+back is then one copy for its keys and one for its values, not one per page, which is what the
+Python side of decoding can afford for every offloaded layer and every new token. Extents and
+slots are laid out position-major ([positions, batch, heads, head_dim]), so that a run of
+positions is one contiguous block each way over PCIe; attention gets a [batch, heads, positions,
+head_dim] view of the slot. Inference only (no autograd through host memory)."""
 
 from __future__ import annotations
 
@@ -56,8 +61,9 @@ class PagedKVCache:
     values and returns the layer's whole keys and values on their device. ``resident_layers``:
     ``"auto"`` (as many as fit in ``vram_fraction`` of the free VRAM at the first update, the
     rest spread through the stack; all of them without a GPU), a count (the others spread
-    among them) or a list of indices. ``page_tokens``: positions per host page. ``max_tokens``
-    sizes the slots and the ``"auto"`` budget; longer sequences reallocate."""
+    among them) or a list of indices. ``max_tokens`` sizes the slots, the first host extent of
+    each offloaded layer and the ``"auto"`` budget; longer sequences take a further extent and
+    regrow the slots. ``page_tokens``: host extents hold whole pages of this many positions."""
 
     def __init__(self, num_layers: int, max_tokens: int, *, resident_layers: Any = "auto",
                  page_tokens: int = 256, vram_fraction: float = 0.5, client: Any = None):
@@ -72,14 +78,15 @@ class PagedKVCache:
         self._decided = False
         self._lengths = [0] * num_layers
         self._device_kv: dict = {}   # resident layer -> (keys, values), capacity >= length
-        self._pages: dict = {}       # offloaded layer -> list of (keys page, values page)
-        self._buffers: list = []     # the daemon's buffers the pages view, kept alive
+        # offloaded layer -> list of (first position, keys, values), position-major extents
+        self._extents: dict = {}
+        self._buffers: list = []     # the daemon's buffers the extents view, kept alive
         self._slots: list = []       # two (keys, values) device slots for offloaded layers
         self._slot_of: dict = {}     # offloaded layer -> the slot it uses
         self._filled: dict = {}      # slot -> (layer, tokens, event): what a prefetch put there
         self._copy_stream = None
         self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
-        self.stats = {"pages": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
+        self.stats = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
                       "prefetch_misses": 0, "reallocations": 0}
 
     # -- decisions -----------------------------------------------------------------------
@@ -141,42 +148,51 @@ class PagedKVCache:
             self._client = connect()
         return self._client
 
-    def _add_page(self, layer: int) -> None:
+    def _capacity(self, layer: int) -> int:
+        extents = self._extents.get(layer, [])
+        return extents[-1][0] + extents[-1][1].shape[0] if extents else 0
+
+    def _add_extent(self, layer: int, needed: int) -> None:
+        """Host room for the layer's positions up to ``needed``: ``max_tokens`` the first time,
+        then at least as much again as it has (whole pages of ``page_tokens`` positions)."""
         batch, heads, dim, dtype, _ = self._shape
-        half = batch * heads * self.page_tokens * dim * dtype.itemsize
-        pages = self._pages.setdefault(layer, [])
-        buffer = self._page_client().allocate(f"{self._name}/{layer}/{len(pages)}", 2 * half)
+        extents = self._extents.setdefault(layer, [])
+        have = self._capacity(layer)
+        positions = max(needed - have, self.max_tokens if not extents else have)
+        positions = -(-positions // self.page_tokens) * self.page_tokens
+        half = positions * batch * heads * dim * dtype.itemsize
+        buffer = self._page_client().allocate(f"{self._name}/{layer}/{len(extents)}", 2 * half)
         self._buffers.append(buffer)
         raw = buffer.tensor(torch.uint8, (2 * half,))
-        shape = (self.page_tokens, batch, heads, dim)
-        pages.append((raw[:half].view(dtype).view(shape), raw[half:].view(dtype).view(shape)))
-        self.stats["pages"] += 1
+        shape = (positions, batch, heads, dim)
+        extents.append((have, raw[:half].view(dtype).view(shape),
+                        raw[half:].view(dtype).view(shape)))
+        self.stats["extents"] += 1
 
-    def _to_pages(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _to_host(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copies positions ``start`` onward (``keys``, ``values``, position-major and
-        contiguous) into the layer's pages."""
-        done, count = 0, keys.shape[0]
-        while done < count:
-            page, offset = divmod(start + done, self.page_tokens)
-            while page >= len(self._pages.get(layer, [])):
-                self._add_page(layer)
-            n = min(count - done, self.page_tokens - offset)
-            k_page, v_page = self._pages[layer][page]
-            k_page[offset:offset + n].copy_(keys[done:done + n], non_blocking=True)
-            v_page[offset:offset + n].copy_(values[done:done + n], non_blocking=True)
-            done += n
+        contiguous) into the layer's host extents."""
+        count = keys.shape[0]
+        if self._capacity(layer) < start + count:
+            self._add_extent(layer, start + count)
+        for first, k_host, v_host in self._extents[layer]:
+            lo, hi = max(start, first), min(start + count, first + k_host.shape[0])
+            if lo < hi:
+                k_host[lo - first:hi - first].copy_(keys[lo - start:hi - start],
+                                                    non_blocking=True)
+                v_host[lo - first:hi - first].copy_(values[lo - start:hi - start],
+                                                    non_blocking=True)
         self.stats["d2h_bytes"] += 2 * keys.numel() * keys.element_size()
 
-    def _from_pages(self, layer: int, tokens: int, slot: tuple) -> None:
-        """The layer's first ``tokens`` positions into ``slot``, on the current stream."""
-        done = 0
-        for k_page, v_page in self._pages.get(layer, []):
-            if done >= tokens:
+    def _from_host(self, layer: int, tokens: int, slot: tuple) -> None:
+        """The layer's first ``tokens`` positions into ``slot``, on the current stream: one
+        copy each for keys and values per extent (one extent unless past ``max_tokens``)."""
+        for first, k_host, v_host in self._extents.get(layer, []):
+            n = min(k_host.shape[0], tokens - first)
+            if n <= 0:
                 break
-            n = min(self.page_tokens, tokens - done)
-            slot[0][done:done + n].copy_(k_page[:n], non_blocking=True)
-            slot[1][done:done + n].copy_(v_page[:n], non_blocking=True)
-            done += n
+            slot[0][first:first + n].copy_(k_host[:n], non_blocking=True)
+            slot[1][first:first + n].copy_(v_host[:n], non_blocking=True)
         self.stats["h2d_bytes"] += 2 * tokens * slot[0][0].numel() * slot[0].element_size()
 
     # -- the cache -----------------------------------------------------------------------
@@ -233,17 +249,17 @@ class PagedKVCache:
         elif start:
             self.stats["prefetch_misses"] += 1
             if cuda and self._copy_stream is not None:
-                # The pages' last positions (and any other prefetch into this slot) are still
+                # The host copy's last positions (and any other prefetch into this slot) are still
                 # crossing on the copy stream.
                 current.wait_stream(self._copy_stream)
-            self._from_pages(layer, start, slot)
-        # Position-major once, on the device: the slot takes them, and the pages from there.
+            self._from_host(layer, start, slot)
+        # Position-major once, on the device: the slot takes them, and host memory from there.
         keys = keys.permute(2, 0, 1, 3).contiguous()
         values = values.permute(2, 0, 1, 3).contiguous()
         slot[0][start:start + count].copy_(keys)
         slot[1][start:start + count].copy_(values)
         if cuda:
-            # The new positions go to the pages on the copy stream once the compute stream
+            # The new positions go to host memory on the copy stream once the compute stream
             # has them; the next offloaded layer's slot is filled there too, after the layer
             # that last used it (enqueued before this update) is done with it.
             if self._copy_stream is None:
@@ -255,10 +271,10 @@ class PagedKVCache:
             keys.record_stream(stream)
             values.record_stream(stream)
             with torch.cuda.stream(stream):
-                self._to_pages(layer, start, keys, values)
+                self._to_host(layer, start, keys, values)
                 self._prefetch_next(layer, device)
         else:
-            self._to_pages(layer, start, keys, values)
+            self._to_host(layer, start, keys, values)
         return (slot[0][:start + count].permute(1, 2, 0, 3),
                 slot[1][:start + count].permute(1, 2, 0, 3))
 
@@ -276,7 +292,7 @@ class PagedKVCache:
         if (not tokens or slot is None or slot[0].shape[0] < tokens + 1
                 or index == self._slot_of[layer]):
             return
-        self._from_pages(nxt, tokens, slot)
+        self._from_host(nxt, tokens, slot)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         self._filled[index] = (nxt, tokens, done)
@@ -284,15 +300,15 @@ class PagedKVCache:
     def _drop_storage(self) -> None:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
-        # The views of the pages go before the buffers they view are given back.
-        self._pages, self._device_kv, self._slots, self._filled = {}, {}, [], {}
+        # The views of the extents go before the buffers they view are given back.
+        self._extents, self._device_kv, self._slots, self._filled = {}, {}, [], {}
         buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             self._client.free(buffer)
         self._decided = False
 
     def close(self) -> None:
-        """Gives the host pages back to the daemon and the VRAM to the allocator."""
+        """Gives the host extents back to the daemon and the VRAM to the allocator."""
         self._drop_storage()
         self._shape = None
 
@@ -307,7 +323,7 @@ class PagedKVCache:
         self._filled.clear()
 
     def memory(self) -> dict:
-        """Bytes held: VRAM (resident layers and the slots) and the daemon's host pages."""
+        """Bytes held: VRAM (resident layers and the slots) and the daemon's host extents."""
         def size(kv: Any) -> int:
             return 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
 
