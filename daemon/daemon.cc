@@ -96,6 +96,11 @@ absl::Status Daemon::Start() {
                                 DoorbellChannel&) {
                            optimizers_->OnGradientReady(session, message);
                          });
+  doorbells_->SetHandler(ipc::DoorbellKind::kNormContribution,
+                         [this](const Session& session, const ipc::DoorbellMessage& message,
+                                DoorbellChannel&) {
+                           optimizers_->OnNormContribution(session, message);
+                         });
   doorbells_->SetHandler(ipc::DoorbellKind::kReduced,
                          [this](const Session& session, const ipc::DoorbellMessage& message,
                                 DoorbellChannel&) { optimizers_->OnReduced(session, message); });

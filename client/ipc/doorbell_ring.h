@@ -30,6 +30,10 @@ enum class DoorbellKind : uint32_t {
                         // machine's summed gradient of `step`, to all-reduce across machines
   kReduced = 14,        // machine's rank 0 -> daemon: `id`'s reduce buffer holds every
                         // machine's sum; update it
+  kNormContribution = 15,  // client -> daemon: `value` holds the bits of a double, the sum of
+                           // squares of step `step`'s gradients this rank updates on its GPU,
+                           // for the job's global norm (clipping, reported norm); sent before
+                           // those parameters are posted without a gradient
   kError = 255,         // daemon -> client: `value` is a google.rpc code for request `id`
 };
 

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "trainstream/host_optimizer.h"
 
+#include <bit>
+#include <cmath>
 #include <set>
 
 #include "absl/strings/str_format.h"
@@ -151,6 +153,16 @@ absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uin
   }
   return session_.Ring({Kind(ipc::DoorbellKind::kGradientReady), index, iteration, micro,
                         no_gradient ? ipc::kFlagNoGradient : 0u});
+}
+
+absl::Status HostOptimizer::PostNormContribution(uint64_t iteration, double sum_squares) {
+  if (!(sum_squares >= 0) || !std::isfinite(sum_squares)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a gradient norm contribution must be a finite sum of squares >= 0, got %g",
+        sum_squares));
+  }
+  return session_.Ring({Kind(ipc::DoorbellKind::kNormContribution), 0, iteration,
+                        std::bit_cast<uint64_t>(sum_squares), 0u});
 }
 
 absl::Status HostOptimizer::SendGradient(uint32_t index, uint64_t iteration, uint32_t micro,

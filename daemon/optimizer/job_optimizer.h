@@ -113,6 +113,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void OnGradientReady(const std::string& session_id, const ipc::DoorbellMessage& message);
   // Doorbell kReduced from the machine's rank 0 (multi-machine jobs).
   void OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message);
+  // Doorbell kNormContribution: the sum of squares of gradients a rank updates on its GPU,
+  // part of the step's global norm.
+  void OnNormContribution(const std::string& session_id, const ipc::DoorbellMessage& message);
 
   // A session of the job ended: a rank that leaves mid-job fails it.
   void OnSessionEnded(const std::string& session_id, bool clean);
@@ -271,6 +274,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;
   size_t params_done_ ABSL_GUARDED_BY(mu_) = 0;
   size_t params_with_stats_ ABSL_GUARDED_BY(mu_) = 0;
+  // This step's kNormContribution sums (gradients updated on the ranks' GPUs).
+  double contributed_sum_squares_ ABSL_GUARDED_BY(mu_) = 0;
   size_t params_updated_ ABSL_GUARDED_BY(mu_) = 0;  // stepped (not skipped, not without gradient)
   absl::Time updates_start_ ABSL_GUARDED_BY(mu_);
   double update_busy_s_ ABSL_GUARDED_BY(mu_) = 0;

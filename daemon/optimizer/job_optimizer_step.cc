@@ -4,6 +4,8 @@
 #include "optimizer/job_optimizer.h"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <optional>
 
 #include "absl/strings/str_format.h"
@@ -218,6 +220,46 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
   }
 }
 
+void JobOptimizer::OnNormContribution(const std::string& session_id,
+                                      const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  last_activity_ = absl::Now();
+  std::optional<uint32_t> rank;
+  for (const auto& [r, s] : rank_sessions_) {
+    if (s == session_id) rank = r;
+  }
+  if (!rank) {
+    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                              kFailedPreconditionCode))
+        .IgnoreError();
+    return;
+  }
+  if (!failure_.empty()) return;
+  const double sum_squares = std::bit_cast<double>(message.value);
+  if (!settings_.deferred()) {
+    FailLocked(absl::StrFormat(
+        "rank %d sent a gradient norm contribution, but job '%s' neither clips nor reports its "
+        "gradient norm",
+        *rank, job_.job_id));
+  } else if (message.step != iteration_ + 1) {
+    FailLocked(absl::StrFormat(
+        "rank %d sent a gradient norm contribution for iteration %d; the job is at iteration %d",
+        *rank, message.step, iteration_ + 1));
+  } else if (!(sum_squares >= 0) || !std::isfinite(sum_squares)) {
+    FailLocked(absl::StrFormat(
+        "rank %d sent a gradient norm contribution of %g; it must be a finite sum of squares",
+        *rank, sum_squares));
+  } else if (params_with_stats_ == params_.size()) {
+    // The ring is ordered: sent before the rank's last posts, it can only be late if the
+    // client broke that order.
+    FailLocked(absl::StrFormat(
+        "rank %d sent a gradient norm contribution after iteration %d's norm was decided",
+        *rank, iteration_ + 1));
+  } else {
+    contributed_sum_squares_ += sum_squares;
+  }
+}
+
 void JobOptimizer::MaybeFinishIterationLocked() {
   if (params_done_ != params_.size()) return;
   const absl::Time now = absl::Now();
@@ -268,6 +310,7 @@ void JobOptimizer::ResetProgressLocked() {
   iteration_started_ = false;
   params_done_ = 0;
   params_with_stats_ = 0;
+  contributed_sum_squares_ = 0;
   params_updated_ = 0;
   update_busy_s_ = 0;
   update_bytes_ = 0;

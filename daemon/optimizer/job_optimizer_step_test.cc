@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // JobOptimizer's step machine: updates against a reference AdamW, micro-steps, ranks, non-finite
 // gradients and clipping.
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -386,6 +387,85 @@ TEST_F(JobOptimizerTest, ClippingScalesTheAveragedGradientByTheGlobalNorm) {
     ref.Step(mean[i]);
     ExpectMatches(*r0, i, ref);
   }
+}
+
+// A rank that updates some parameters on its GPU sends their sum of squares before posting
+// them without a gradient: the clip covers both, as torch's clip_grad_norm_ over all would.
+TEST_F(JobOptimizerTest, ClippingCountsTheSumOfSquaresARankUpdatesOnItsGpu) {
+  OptimizerSettings settings = Settings();
+  settings.max_grad_norm = 0.5;
+  auto opt = Make(settings, 1);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("host", 50), Param("on_gpu", 20)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<float> g = RandomFloats(50, 7);
+  double host = 0;
+  for (float x : g) host += static_cast<double>(x) * x;
+  const double device = 9.0 * host;  // the norm is sqrt(10) times the host's alone
+  Post(*opt, *r, 0, g, 1);
+  opt->OnNormContribution(r->session_id, {static_cast<uint32_t>(DoorbellKind::kNormContribution),
+                                          0, 0, 1, std::bit_cast<uint64_t>(device)});
+  PostNone(*opt, *r, 1, 1);
+  UpdatesDone(*r, 2, 1);
+  const double norm = std::sqrt(host + device);
+  ASSERT_GT(norm, 1.0);
+  const double coef = 0.5 / (norm + 1e-6);
+  OptimizerReport report = opt->Report();
+  EXPECT_NEAR(report.last_step.grad_norm, norm, 1e-5 * norm);
+  EXPECT_NEAR(report.last_step.clip_coef, coef, 1e-6);
+  ReferenceAdamW ref(Hyper(), initial[0]);
+  std::vector<double> clipped(g.begin(), g.end());
+  for (double& x : clipped) x *= coef;
+  ref.Step(clipped);
+  ExpectMatches(*r, 0, ref);
+  // The next step starts from nothing: without a contribution the norm is the host's.
+  Post(*opt, *r, 0, g, 2);
+  PostNone(*opt, *r, 1, 2);
+  UpdatesDone(*r, 2, 2);
+  EXPECT_NEAR(opt->Report().last_step.grad_norm, std::sqrt(host), 1e-5 * std::sqrt(host));
+}
+
+// A norm contribution out of place fails the job, and its state says why.
+class NormContributionTest : public JobOptimizerTest {
+ protected:
+  std::string StateAfter(double max_grad_norm, uint64_t step, double sum_squares) {
+    OptimizerSettings settings = Settings();
+    settings.max_grad_norm = max_grad_norm;
+    auto opt = Make(settings, 1);
+    if (opt == nullptr) return "no optimizer";
+    std::unique_ptr<Rank> r = Join(*opt, 0, {Param("a", 8)});
+    if (r == nullptr) return "no rank";
+    opt->OnNormContribution(r->session_id,
+                            {static_cast<uint32_t>(DoorbellKind::kNormContribution), 0, 0, step,
+                             std::bit_cast<uint64_t>(sum_squares)});
+    return opt->Report().state;
+  }
+};
+
+TEST_F(NormContributionTest, ToAJobThatNeitherClipsNorReports) {
+  const std::string state = StateAfter(0.0, 1, 1.0);
+  EXPECT_TRUE(absl::StartsWith(state, "failed: ")) << state;
+  EXPECT_TRUE(absl::StrContains(state, "neither clips nor reports")) << state;
+}
+
+TEST_F(NormContributionTest, ForAnotherIteration) {
+  const std::string state = StateAfter(1.0, 2, 1.0);
+  EXPECT_TRUE(absl::StartsWith(state, "failed: ")) << state;
+  EXPECT_TRUE(absl::StrContains(state, "for iteration 2; the job is at iteration 1")) << state;
+}
+
+TEST_F(NormContributionTest, Negative) {
+  const std::string state = StateAfter(1.0, 1, -1.0);
+  EXPECT_TRUE(absl::StartsWith(state, "failed: ")) << state;
+  EXPECT_TRUE(absl::StrContains(state, "must be a finite sum of squares")) << state;
+}
+
+TEST_F(NormContributionTest, Infinite) {
+  const std::string state = StateAfter(1.0, 1, std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(absl::StartsWith(state, "failed: ")) << state;
+  EXPECT_TRUE(absl::StrContains(state, "must be a finite sum of squares")) << state;
 }
 
 }  // namespace

@@ -82,7 +82,7 @@ void JobOptimizer::StartStatsLocked(uint32_t index) {
 
 void JobOptimizer::MaybeDecideLocked() {
   if (params_with_stats_ != params_.size()) return;
-  double sum_squares = 0;
+  double sum_squares = contributed_sum_squares_;  // the ranks' GPU-updated gradients
   uint64_t nonfinite = 0;
   std::string first_bad;
   for (const Parameter& p : params_) {

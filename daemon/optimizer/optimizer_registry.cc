@@ -54,6 +54,13 @@ void OptimizerRegistry::OnGradientReady(const Session& session,
   }
 }
 
+void OptimizerRegistry::OnNormContribution(const Session& session,
+                                           const ipc::DoorbellMessage& message) {
+  if (auto optimizer = ForDoorbell(session, message)) {
+    optimizer->OnNormContribution(session.id, message);
+  }
+}
+
 void OptimizerRegistry::OnReduced(const Session& session, const ipc::DoorbellMessage& message) {
   if (auto optimizer = ForDoorbell(session, message)) optimizer->OnReduced(session.id, message);
 }

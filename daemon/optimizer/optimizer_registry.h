@@ -37,6 +37,7 @@ class OptimizerRegistry {
   // Doorbell handler for kGradientReady.
   void OnGradientReady(const Session& session, const ipc::DoorbellMessage& message);
   void OnReduced(const Session& session, const ipc::DoorbellMessage& message);
+  void OnNormContribution(const Session& session, const ipc::DoorbellMessage& message);
   void OnSessionEnded(const Session& session, bool clean);
   // Frees optimizers whose job has had no session for longer than the retention.
   void ExpireIdle(absl::Time now);

@@ -447,6 +447,10 @@ PYBIND11_MODULE(_trainstream, m) {
               bool no_gradient) {
              Released([&] { return o.PostGradient(index, iteration, micro, no_gradient); });
            })
+      .def("post_norm_contribution",
+           [](HostOptimizer& o, uint64_t iteration, double sum_squares) {
+             Released([&] { return o.PostNormContribution(iteration, sum_squares); });
+           })
       .def("send_gradient",
            [](HostOptimizer& o, uint32_t index, uint64_t iteration, uint32_t micro, int device,
               uintptr_t device_src, uint64_t bytes, uintptr_t stream) {

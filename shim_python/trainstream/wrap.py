@@ -449,7 +449,8 @@ def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict
              staged_block_indices(n, held, staged), "a staged block keeps its weights in VRAM")):
         if not count:
             continue
-        refusal = offload.gpu_state_refusal()
+        refusal = (offload.gpu_state_refusal() if option == "gpu_state_blocks"
+                   else offload.staged_state_refusal())
         if refusal == BF16_MOMENTS_REFUSAL and chose_bf16:
             # bf16 moments the user did not ask for: say why they are.
             refusal += (f"; moment_dtype='auto' chose bf16 moments: {chose_bf16}. Free host "

@@ -484,8 +484,9 @@ def test_optimizer_state_in_vram_is_refused_with_the_reason(daemon_socket):
     assert max_diff(ref, model) <= 1e-5
     trainstream.unwrap(model)
     if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="max_grad_norm and compute_grad_norm need every"):
-            trainstream.wrap(model, max_grad_norm=1.0, gpu_state_blocks=1)
+        with pytest.raises(ValueError, match="staged_state_blocks=1: max_grad_norm and "
+                                             "compute_grad_norm need the global gradient norm"):
+            trainstream.wrap(model, max_grad_norm=1.0, staged_state_blocks=1)
         with pytest.raises(ValueError, match="gpu_state_blocks=3 but the model has 2 blocks"):
             trainstream.wrap(model, gpu_state_blocks=3)
 
@@ -502,6 +503,29 @@ def test_staging_moments_through_a_cpu_model_is_refused(daemon_socket):
         opt.keep_state_on_device(set(), {id(p) for p in model.blocks[1].parameters()})
     assert opt.stats()["staged_state"] == {"tensors": 0, "elements": 0, "chunks": 0,
                                            "bytes_each_way": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_clipping_with_state_in_vram_clips_by_the_whole_models_norm(daemon_socket,
+                                                                     accumulation):
+    # The first block's and the embeddings' state is updated in VRAM, the other block's in the
+    # daemon: the clip still uses the norm over every gradient, as clip_grad_norm_ does (the
+    # Trainer's default max_grad_norm=1.0 no longer sends all state to the host).
+    torch.manual_seed(21)
+    ref = TinyGPT().to("cuda")
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(groups_of(ref))
+    ours, opt = trainstream.wrap(ours, torch.optim.AdamW(groups_of(ours)), offload=True,
+                                 accumulation_steps=accumulation, max_grad_norm=0.1,
+                                 gpu_state_blocks=1)
+    train(ref, ref_opt, 10, accumulation, clip=0.1)
+    train(ours, opt, 10, accumulation)  # clipped inside the optimizer
+    assert opt.stats()["gpu_state"]["elements"] > 0
+    assert opt.last_grad_norm > 0.1  # the clip bit
+    assert max_diff(ref, ours) <= 1e-5
+    trainstream.unwrap(ours)
 
 
 @pytest.mark.gpu

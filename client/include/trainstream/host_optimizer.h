@@ -113,6 +113,10 @@ class HostOptimizer {
   // `iteration` (1-based), or that this rank has no gradient for it.
   absl::Status PostGradient(uint32_t index, uint64_t iteration, uint32_t micro = 0,
                             bool no_gradient = false);
+  // Adds `sum_squares` (gradients of `iteration` that this rank updates itself, on its GPU) to
+  // the job's global gradient norm. Sent before those parameters are posted without a
+  // gradient, so that the daemon has it when it decides the step's clipping.
+  absl::Status PostNormContribution(uint64_t iteration, double sum_squares);
   // CUDA: copies parameter `index`'s gradient (`bytes` at `device_src` on CUDA device `device`)
   // into this rank's gradient slot on `stream` (a cudaStream_t) and posts it as PostGradient
   // does once the copy has landed, from a thread of this object: the caller never waits.

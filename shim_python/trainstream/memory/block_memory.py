@@ -391,6 +391,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
         option = staged_option = 0
+    if offload.staged_state_refusal() is not None:
+        staged_option = 0
     # Only fp32 weights may keep their state in VRAM (the master weights of others are the
     # daemon's); each updated on the host moves its gradient out and itself back a step.
     trainable_outside = sum(p.numel() for p in offload.trained_params

@@ -356,6 +356,8 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         if self._cuda:
             self._send_batch()
             self._host.drain_gradients()
+        # Before the posts below: the daemon decides the clip once the last one is in.
+        self._post_device_norm()
         for i, count in enumerate(self._backwards):
             # No gradient this step: left alone, as torch does; one updated in VRAM: by the
             # GPU, below.
@@ -364,9 +366,16 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                     self._host.post(i, micro, no_grad=True)
         if self._leader:
             self._reduce_across_machines()
-        # Queued on the GPU before waiting for the host's updates: the two overlap.
-        self._step_on_device()
+        # Queued on the GPU before waiting for the host's updates, so that the two overlap;
+        # clipping state held in VRAM waits for the daemon's coefficient instead.
+        clip_on_device = self._max_grad_norm > 0 and bool(self._device_indices)
+        if not clip_on_device:
+            self._step_on_device()
         result = self._host.wait()
+        if clip_on_device:
+            if not result["skipped"]:
+                self._clip_on_device(self._host.info()["last_step"].get("clip_coef", 1.0))
+            self._step_on_device()
         if result["skipped"] and self._nonfinite == "guard":
             self._say_guarded("in trainstreamd's pass (tsctl events has the count),")
         # Every update of this step is on its way back (the router enqueued each copy before

@@ -30,9 +30,6 @@ class StatePlacement:
             return "a CPU model's updates land in place in the daemon's shared memory"
         if self._world_size > 1 or self._machines > 1:
             return "a data-parallel job keeps one state in trainstreamd for every rank"
-        if self._reports_norm:
-            return ("max_grad_norm and compute_grad_norm need every gradient's norm in one "
-                    "place, the daemon")
         if self._nonfinite in ("skip", "error"):
             return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
                     "before any update")
@@ -44,6 +41,16 @@ class StatePlacement:
             return ("no parameter is fp32: the fp32 master weights of the others are the "
                     "daemon's")
         return None
+
+    def staged_state_refusal(self) -> str | None:
+        """Why no parameter may be updated on the GPU from staged moments (None: it may)."""
+        reason = self.gpu_state_refusal()
+        if reason is None and self._reports_norm:
+            # Held state is updated at step(), after the daemon has the whole norm; staged
+            # updates run during backward, before it exists.
+            reason = ("max_grad_norm and compute_grad_norm need the global gradient norm, "
+                      "which exists only after backward, and staged updates run during it")
+        return reason
 
     def device_state_candidates(self, param_ids: set) -> list[int]:
         """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
@@ -70,6 +77,9 @@ class StatePlacement:
         wanted = set(self.device_state_candidates(param_ids)) | staged
         if reason is not None and wanted:
             raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
+        reason = self.staged_state_refusal()
+        if reason is not None and staged:
+            raise FailedPreconditionError(f"no state can be staged through VRAM: {reason}")
         if any(self._backwards):
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
@@ -180,6 +190,26 @@ class StatePlacement:
                    "them, 'skip' checks every gradient before any update)")
         self._on_decision("optimizer.nonfinite", message, step=self.steps)
         warnings.warn(f"trainstream: {message}", stacklevel=3)
+
+    def _post_device_norm(self) -> None:
+        """Clipping or a reported norm: the sum of squares of the gradients updated in VRAM
+        goes to the daemon, which adds it to its own for the step's global norm."""
+        held = sorted(self._device_indices - self._staged_indices)
+        grads = [self._params[i].grad for i in held if self._params[i].grad is not None]
+        if not self._reports_norm or not held:
+            return
+        total = 0.0
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            total = float(torch.stack(norms).double().square().sum())
+        self._host.post_norm_contribution(total)
+
+    def _clip_on_device(self, coef: float) -> None:
+        """The daemon's clip coefficient, applied to the gradients updated in VRAM."""
+        grads = [self._params[i].grad for i in self._device_indices - self._staged_indices
+                 if self._params[i].grad is not None]
+        if grads and coef != 1.0:
+            torch._foreach_mul_(grads, coef)
 
     def _step_on_device(self) -> None:
         """Updates the parameters whose state lives in VRAM (queued on the current stream), with

@@ -220,6 +220,11 @@ class HostOptimizer:
         """Announces that gradient slot ``i`` holds micro-step ``micro`` of the next iteration."""
         self._native.post(i, self.iteration + 1, micro, no_grad)
 
+    def post_norm_contribution(self, sum_squares: float) -> None:
+        """Adds the sum of squares of the next iteration's gradients that this rank updates on
+        its GPU to the job's global norm; before those parameters are posted without one."""
+        self._native.post_norm_contribution(self.iteration + 1, float(sum_squares))
+
     def send_gradient(self, i: int, micro: int, grad: Any, stream: Any) -> None:
         """CUDA: copies ``grad`` (contiguous, in slot ``i``'s dtype) into gradient slot ``i``
         on ``stream`` (a ``torch.cuda.Stream``, or a ``cudaStream_t`` as an int) and announces
