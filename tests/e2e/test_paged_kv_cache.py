@@ -153,6 +153,8 @@ def test_on_a_gpu_the_pages_cross_on_a_copy_stream_and_generation_matches():
     cache = PagedKVCache(6, 64, resident_layers=2, page_tokens=16)
     _feed(cache, 6, 40, "cuda", torch.bfloat16)
     assert cache.stats["prefetch_hits"] > 30 * 3, cache.stats  # the slots were filled ahead
+    # Every extent is registered with CUDA: copies by the transport's DMA path, none pageable.
+    assert cache.stats["extents"] == 4 and cache.stats["pageable_extents"] == 0, cache.stats
     cache.close()
     from trainstream.integrations.huggingface import TrainStreamCache
 

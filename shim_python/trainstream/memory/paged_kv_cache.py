@@ -56,6 +56,38 @@ def spread(count: int, num_layers: int) -> list:
                    for i in range(count)}) if count else []
 
 
+class _Extent:
+    """One daemon buffer of a layer's positions ``first`` onward: its keys, then its values,
+    each ``[positions, batch, heads, head_dim]``."""
+
+    def __init__(self, first: int, positions: int, row: int, buffer: Any, dtype: Any,
+                 shape: tuple, dma: bool):
+        self.first, self.positions, self.row, self.buffer, self.dma = (first, positions, row,
+                                                                      buffer, dma)
+        self.half = positions * row
+        raw = buffer.tensor(torch.uint8, (2 * self.half,))
+        self.keys = raw[:self.half].view(dtype).view(positions, *shape)
+        self.values = raw[self.half:].view(dtype).view(positions, *shape)
+
+    def write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions ``first + at`` onward from contiguous device (or CPU) tensors."""
+        if self.dma:
+            self.buffer.copy_from_device(keys, at * self.row)
+            self.buffer.copy_from_device(values, self.half + at * self.row)
+        else:
+            self.keys[at:at + keys.shape[0]].copy_(keys, non_blocking=True)
+            self.values[at:at + values.shape[0]].copy_(values, non_blocking=True)
+
+    def read(self, count: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The first ``count`` positions into contiguous device (or CPU) tensors."""
+        if self.dma:
+            self.buffer.copy_to_device(keys, 0)
+            self.buffer.copy_to_device(values, self.half)
+        else:
+            keys.copy_(self.keys[:count], non_blocking=True)
+            values.copy_(self.values[:count], non_blocking=True)
+
+
 class PagedKVCache:
     """``update(layer, keys, values)`` appends ``[batch, heads, tokens, head_dim]`` keys and
     values and returns the layer's whole keys and values on their device. ``resident_layers``:
@@ -87,7 +119,7 @@ class PagedKVCache:
         self._copy_stream = None
         self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
         self.stats = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
-                      "prefetch_misses": 0, "reallocations": 0}
+                      "prefetch_misses": 0, "reallocations": 0, "pageable_extents": 0}
 
     # -- decisions -----------------------------------------------------------------------
 
@@ -150,49 +182,50 @@ class PagedKVCache:
 
     def _capacity(self, layer: int) -> int:
         extents = self._extents.get(layer, [])
-        return extents[-1][0] + extents[-1][1].shape[0] if extents else 0
+        return extents[-1].first + extents[-1].positions if extents else 0
 
     def _add_extent(self, layer: int, needed: int) -> None:
         """Host room for the layer's positions up to ``needed``: ``max_tokens`` the first time,
         then at least as much again as it has (whole pages of ``page_tokens`` positions)."""
-        batch, heads, dim, dtype, _ = self._shape
+        batch, heads, dim, dtype, device = self._shape
         extents = self._extents.setdefault(layer, [])
         have = self._capacity(layer)
         positions = max(needed - have, self.max_tokens if not extents else have)
         positions = -(-positions // self.page_tokens) * self.page_tokens
-        half = positions * batch * heads * dim * dtype.itemsize
-        buffer = self._page_client().allocate(f"{self._name}/{layer}/{len(extents)}", 2 * half)
+        row = batch * heads * dim * dtype.itemsize
+        buffer = self._page_client().allocate(f"{self._name}/{layer}/{len(extents)}",
+                                              2 * positions * row)
         self._buffers.append(buffer)
-        raw = buffer.tensor(torch.uint8, (2 * half,))
-        shape = (positions, batch, heads, dim)
-        extents.append((have, raw[:half].view(dtype).view(shape),
-                        raw[half:].view(dtype).view(shape)))
+        # A registered buffer crosses by the transport's DMA copies; one that is not (the
+        # session opened without registration) through torch's, which then stage through
+        # pageable memory and hold the CPU for each copy: said once, in stats.
+        dma = device.type == "cuda" and buffer.cuda_registered
+        self.stats["pageable_extents"] += device.type == "cuda" and not dma
+        extents.append(_Extent(have, positions, row, buffer, dtype, (batch, heads, dim), dma))
         self.stats["extents"] += 1
 
     def _to_host(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copies positions ``start`` onward (``keys``, ``values``, position-major and
-        contiguous) into the layer's host extents."""
+        contiguous) into the layer's host extents, on the current stream."""
         count = keys.shape[0]
         if self._capacity(layer) < start + count:
             self._add_extent(layer, start + count)
-        for first, k_host, v_host in self._extents[layer]:
-            lo, hi = max(start, first), min(start + count, first + k_host.shape[0])
+        for extent in self._extents[layer]:
+            lo, hi = max(start, extent.first), min(start + count, extent.first + extent.positions)
             if lo < hi:
-                k_host[lo - first:hi - first].copy_(keys[lo - start:hi - start],
-                                                    non_blocking=True)
-                v_host[lo - first:hi - first].copy_(values[lo - start:hi - start],
-                                                    non_blocking=True)
+                extent.write(lo - extent.first, keys[lo - start:hi - start],
+                             values[lo - start:hi - start])
         self.stats["d2h_bytes"] += 2 * keys.numel() * keys.element_size()
 
     def _from_host(self, layer: int, tokens: int, slot: tuple) -> None:
         """The layer's first ``tokens`` positions into ``slot``, on the current stream: one
         copy each for keys and values per extent (one extent unless past ``max_tokens``)."""
-        for first, k_host, v_host in self._extents.get(layer, []):
-            n = min(k_host.shape[0], tokens - first)
+        for extent in self._extents.get(layer, []):
+            n = min(extent.positions, tokens - extent.first)
             if n <= 0:
                 break
-            slot[0][first:first + n].copy_(k_host[:n], non_blocking=True)
-            slot[1][first:first + n].copy_(v_host[:n], non_blocking=True)
+            extent.read(n, slot[0][extent.first:extent.first + n],
+                        slot[1][extent.first:extent.first + n])
         self.stats["h2d_bytes"] += 2 * tokens * slot[0][0].numel() * slot[0].element_size()
 
     # -- the cache -----------------------------------------------------------------------
