@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -12,6 +13,16 @@ from .errors import FailedPreconditionError
 from .frozen.gpu_pool import gpu_pools
 from .frozen.linear import BaseLinear, attached_base
 from .session import session_of
+
+
+def pcie_bytes(session: Any) -> tuple[int, int]:
+    """Bytes to the device and to the host since wrap(): streamed weights fetched, activations
+    out and back, gradients out, updated weights back (on a GPU; after a switch to GPU AdamW
+    nothing more crosses). Counted in this process: no call to the daemon."""
+    pager, opt = session.pager, session.optimizer
+    offloaded = pager.bytes_offloaded if pager else 0
+    return ((pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device,
+            offloaded + opt.bytes_to_host)
 
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
@@ -51,12 +62,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "host_refused": pager.arena_refused if pager else None,
     }
     opt = session.optimizer
-    offloaded = pager.bytes_offloaded if pager else 0
-    to_device = (pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device
-    to_host = offloaded + opt.bytes_to_host
+    to_device, to_host = pcie_bytes(session)
     steps = max(1, opt.steps)
-    # Since wrap(): streamed weights fetched, activations out and back, gradients out, updated
-    # weights back (on a GPU; after a switch to GPU AdamW nothing more crosses).
     report["pcie"] = {"to_device_bytes": to_device, "to_host_bytes": to_host,
                       "steps": opt.steps, "to_device_per_step": to_device // steps,
                       "to_host_per_step": to_host // steps}

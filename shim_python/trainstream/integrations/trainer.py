@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback
 from ..errors import InvalidArgumentError
 from ..optim.offload_adamw import OffloadAdamW
 from ..options import check_options
-from ..report import memory_report
+from ..report import pcie_bytes
 from ..session import session_of
 from ..wrap import wrap
 from .logprobs import hidden_entering_head, plain_output_head
@@ -55,13 +55,19 @@ class TrainingMetrics:
         session = session_of(model)
         if session is None:
             return out
-        report = memory_report(model)
-        job = report["optimizer"]["job_id"]  # the daemon's name for it (wrap() makes one)
-        held = sum(int(p.get("used_bytes", 0)) for p in session.client.memory().get("plans", [])
+        # Two calls to the daemon a log line, not memory_report()'s whole survey (its events,
+        # this process's mappings): a Trainer may log at every step.
+        optimizer = session.optimizer.stats()
+        memory = session.client.memory()
+        job = optimizer["job_id"]  # the daemon's name for it (wrap() makes one)
+        held = sum(int(p.get("used_bytes", 0)) for p in memory.get("plans", [])
                    if p.get("job_id") == job)
-        out["ts_pinned_gb"] = round((held + report["pinned"]["session_bytes"]) / GIB, 3)
-        out["ts_host_state_gb"] = round(int(report["optimizer"].get("state_bytes", 0)) / GIB, 3)
-        pcie = (report["pcie"]["to_host_bytes"], report["pcie"]["to_device_bytes"])
+        mine = sum(int(r["bytes"]) for r in memory.get("by_session", [])
+                   if r["key"] == session.client.session_id)
+        out["ts_pinned_gb"] = round((held + mine) / GIB, 3)
+        out["ts_host_state_gb"] = round(int(optimizer.get("state_bytes", 0)) / GIB, 3)
+        to_device, to_host = pcie_bytes(session)
+        pcie = (to_host, to_device)
         before = self._pcie or (0, 0)
         out["ts_d2h_gb"] = round((pcie[0] - before[0]) / GIB, 3)
         out["ts_h2d_gb"] = round((pcie[1] - before[1]) / GIB, 3)
