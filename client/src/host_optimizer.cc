@@ -33,6 +33,9 @@ void ToProto(const OptimizerOptions& options, v1::OptimizerSpec* spec) {
   spec->set_nonfinite(static_cast<v1::NonFinitePolicy>(static_cast<int>(options.nonfinite)));
   spec->set_accumulation_steps(options.accumulation_steps);
   spec->set_machines(options.machines);
+  spec->set_threads(options.threads);
+  spec->set_chunk_elements(options.chunk_elements);
+  spec->set_defer_updates(options.defer_updates);
   for (const OptimizerGroup& g : options.groups) ToProto(g, spec->add_groups());
 }
 

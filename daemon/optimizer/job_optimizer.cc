@@ -59,6 +59,9 @@ absl::Status JobOptimizer::CheckSame(const OptimizerSettings& s, uint32_t world_
   else if (s.nonfinite != mine.nonfinite) difference = "the non-finite policy";
   else if (s.groups.size() != mine.groups.size()) difference = "the number of parameter groups";
   else if (s.max_grad_norm != mine.max_grad_norm) difference = "max_grad_norm";
+  else if (s.threads != mine.threads) difference = "threads";
+  else if (s.chunk_elements != mine.chunk_elements) difference = "chunk_elements";
+  else if (s.defer_updates != mine.defer_updates) difference = "eager";
   else if ((world_size == 0 ? 1 : world_size) != world_size_) difference = "world_size";
   if (!difference.empty()) {
     return absl::FailedPreconditionError(absl::StrFormat(

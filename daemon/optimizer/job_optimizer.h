@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -222,6 +223,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every task goes to the pool through here, counted in tasks_in_flight_ until it has run.
   void SubmitLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunOnPoolLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t ChunkElementsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A failed job submits no new task; this waits (releasing mu_) until the ones it had are
   // done, so none of them runs after the progress is reset or the state restored.
   void AwaitTasksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -269,6 +272,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
   size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool
+  size_t tasks_running_ ABSL_GUARDED_BY(mu_) = 0;    // handed to the pool (settings_.threads)
+  std::deque<std::function<void()>> waiting_tasks_ ABSL_GUARDED_BY(mu_);  // over that limit
   // Progress of the iteration in flight.
   absl::Time iteration_start_ ABSL_GUARDED_BY(mu_);
   bool iteration_started_ ABSL_GUARDED_BY(mu_) = false;

@@ -11,10 +11,11 @@
 namespace trainstream::daemon::job_optimizer_internal {
 
 // A tensor's accumulate, statistics and update passes go to the pool in chunks of this many
-// elements, so one large tensor spreads over every worker.
-inline constexpr size_t kChunkElements = size_t{1} << 18;  // ~7 MB of traffic per task
+// elements (unless the job asks for another size), so one large tensor spreads over every
+// worker.
+inline constexpr size_t kDefaultChunkElements = size_t{1} << 18;  // ~7 MB of traffic per task
 
-inline size_t Chunks(uint64_t numel) { return (numel + kChunkElements - 1) / kChunkElements; }
+inline size_t Chunks(uint64_t numel, size_t chunk) { return (numel + chunk - 1) / chunk; }
 
 inline ipc::DoorbellMessage Message(ipc::DoorbellKind kind, uint64_t id, uint64_t step,
                                     uint64_t value = 0, uint32_t flags = 0) {

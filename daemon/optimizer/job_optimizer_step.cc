@@ -15,7 +15,6 @@ namespace trainstream::daemon {
 namespace {
 
 using job_optimizer_internal::Chunks;
-using job_optimizer_internal::kChunkElements;
 using job_optimizer_internal::Message;
 
 constexpr uint64_t kFailedPreconditionCode = 9;  // the google.rpc code a kError carries
@@ -138,11 +137,12 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
     if (rank < world_size_ && !p.absent.contains(rank)) sources.push_back(ptr);
   }
   auto grads = std::make_shared<std::vector<const void*>>(std::move(sources));
-  const size_t chunks = Chunks(p.desc.numel);
+  const size_t chunk = ChunkElementsLocked();
+  const size_t chunks = Chunks(p.desc.numel, chunk);
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, grads, overwrite, final_micro] {
+    SubmitLocked([self, index, c, chunk, grads, overwrite, final_micro] {
       float* accum;
       kernels::ScalarType type;
       uint64_t numel;
@@ -153,7 +153,7 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
         type = q.desc.grad_type;
         numel = q.desc.numel;
       }
-      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+      const size_t b = c * chunk, e = std::min<size_t>(numel, b + chunk);
       kernels::AccumulateGradients(accum, overwrite, grads->data(), static_cast<int>(grads->size()),
                                    type, b, e);
       absl::MutexLock lock(&self->mu_);
@@ -373,12 +373,35 @@ void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message
   }
 }
 
+size_t JobOptimizer::ChunkElementsLocked() const {
+  return settings_.chunk_elements > 0 ? settings_.chunk_elements
+                                      : job_optimizer_internal::kDefaultChunkElements;
+}
+
 void JobOptimizer::SubmitLocked(std::function<void()> task) {
   ++tasks_in_flight_;
+  // A job limited to `threads` workers keeps its other tasks here, in order, and hands the
+  // next one to the pool as each of its own finishes: other jobs' tasks never wait behind them.
+  if (settings_.threads > 0 && tasks_running_ >= settings_.threads) {
+    waiting_tasks_.push_back(std::move(task));
+    return;
+  }
+  ++tasks_running_;
+  RunOnPoolLocked(std::move(task));
+}
+
+void JobOptimizer::RunOnPoolLocked(std::function<void()> task) {
   deps_.pool->Submit([self = shared_from_this(), task = std::move(task)] {
     task();
     absl::MutexLock lock(&self->mu_);
     --self->tasks_in_flight_;
+    if (self->waiting_tasks_.empty()) {
+      --self->tasks_running_;
+      return;
+    }
+    std::function<void()> next = std::move(self->waiting_tasks_.front());
+    self->waiting_tasks_.pop_front();
+    self->RunOnPoolLocked(std::move(next));
   });
 }
 

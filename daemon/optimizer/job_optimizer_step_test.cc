@@ -427,6 +427,74 @@ TEST_F(JobOptimizerTest, ClippingCountsTheSumOfSquaresARankUpdatesOnItsGpu) {
   EXPECT_NEAR(opt->Report().last_step.grad_norm, std::sqrt(host), 1e-5 * std::sqrt(host));
 }
 
+// eager=False: no update starts before every gradient of the step is in.
+TEST_F(JobOptimizerTest, DeferredUpdatesWaitForEveryGradient) {
+  OptimizerSettings settings = Settings();
+  settings.defer_updates = true;
+  auto opt = Make(settings, 1);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 40), Param("b", 30)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  std::vector<float> ga = RandomFloats(40, 11), gb = RandomFloats(30, 12);
+  Post(*opt, *r, 0, ga, 1);
+  EXPECT_FALSE(Pending(*r));  // 'a' waits for 'b'
+  Post(*opt, *r, 1, gb, 1);
+  UpdatesDone(*r, 2, 1);
+  for (uint32_t i = 0; i < 2; ++i) {
+    ReferenceAdamW ref(Hyper(), initial[i]);
+    const std::vector<float>& g = i == 0 ? ga : gb;
+    ref.Step(std::vector<double>(g.begin(), g.end()));
+    ExpectMatches(*r, i, ref);
+  }
+}
+
+// threads=1 and small chunks: a tensor's chunks run one after another on one worker, and the
+// update is the same.
+TEST_F(JobOptimizerTest, AJobLimitedToOneWorkerInSmallChunksUpdatesTheSame) {
+  OptimizerSettings settings = Settings();
+  settings.threads = 1;
+  settings.chunk_elements = 4096;
+  settings.max_grad_norm = 1e6;  // the statistics pass runs in chunks too
+  auto opt = Make(settings, 1);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("big", 20000), Param("small", 100)};
+  std::unique_ptr<Rank> r = Join(*opt, 0, params);
+  ASSERT_NE(r, nullptr);
+  std::vector<std::vector<float>> initial = Initialize(*r, params);
+  for (uint64_t step = 1; step <= 2; ++step) {
+    std::vector<std::vector<float>> grads = {RandomFloats(20000, 20 + step),
+                                             RandomFloats(100, 30 + step)};
+    Post(*opt, *r, 0, grads[0], step);
+    Post(*opt, *r, 1, grads[1], step);
+    UpdatesDone(*r, 2, step);
+    if (step == 1) {
+      for (uint32_t i = 0; i < 2; ++i) {
+        ReferenceAdamW ref(Hyper(), initial[i]);
+        ref.Step(std::vector<double>(grads[i].begin(), grads[i].end()));
+        ExpectMatches(*r, i, ref);
+      }
+    }
+  }
+  EXPECT_EQ(opt->Report().iteration, 2u);
+}
+
+TEST(OptimizerSettingsTest, ChunkElementsAreMultiplesOf256From4096) {
+  OptimizerSettings s;
+  s.groups = {GroupHyperParameters{}};
+  for (uint64_t bad : {uint64_t{1000}, uint64_t{2048}, uint64_t{4100}, uint64_t{1} << 31}) {
+    s.chunk_elements = bad;
+    absl::Status status = ValidateSettings(s);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(status.message(), "multiple of 256")) << status;
+  }
+  for (uint64_t good : {uint64_t{0}, uint64_t{4096}, uint64_t{1} << 20}) {
+    s.chunk_elements = good;
+    EXPECT_TRUE(ValidateSettings(s).ok()) << good;
+  }
+}
+
 // A norm contribution out of place fails the job, and its state says why.
 class NormContributionTest : public JobOptimizerTest {
  protected:

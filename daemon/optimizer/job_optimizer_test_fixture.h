@@ -37,7 +37,7 @@ using ipc::DoorbellMessage;
 inline constexpr uid_t kUid = 1000;
 inline constexpr int kReceiveTimeoutMs = 10000;
 inline constexpr uint64_t kFailedPreconditionCode = 9;
-// More than one pool chunk (job_optimizer_internal.h's kChunkElements), so a tensor's update
+// More than one pool chunk (job_optimizer_internal.h's kDefaultChunkElements), so a tensor's update
 // is finished by whichever chunk ends last.
 inline constexpr uint64_t kLargeNumel = 300000;
 

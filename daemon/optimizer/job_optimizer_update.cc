@@ -13,7 +13,6 @@ namespace trainstream::daemon {
 namespace {
 
 using job_optimizer_internal::Chunks;
-using job_optimizer_internal::kChunkElements;
 using job_optimizer_internal::Message;
 
 uint64_t Mix64(uint64_t x) {
@@ -50,14 +49,15 @@ void JobOptimizer::ScanGradientsLocked(
   const kernels::ScalarType type =
       settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
   const uint64_t numel = p.desc.numel;
-  const size_t chunks = Chunks(numel);
+  const size_t chunk = ChunkElementsLocked();
+  const size_t chunks = Chunks(numel, chunk);
   p.chunks_left = chunks;
   auto self = shared_from_this();
   auto done = std::make_shared<std::function<void(JobOptimizer&, Parameter&)>>(
       std::move(scanned));
   for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, grads, type, numel, done] {
-      const size_t b = c * kChunkElements, e = std::min<size_t>(numel, b + kChunkElements);
+    SubmitLocked([self, index, c, chunk, grads, type, numel, done] {
+      const size_t b = c * chunk, e = std::min<size_t>(numel, b + chunk);
       const kernels::GradientStats stats =
           kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
                                         kernels::BestIsa());
@@ -211,12 +211,13 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
   p.update_failed = false;
   if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
-  const size_t chunks = Chunks(p.desc.numel);
+  const size_t chunk = ChunkElementsLocked();
+  const size_t chunks = Chunks(p.desc.numel, chunk);
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, grads, tensor, step, bytes_per_element] {
-      const size_t b = c * kChunkElements, e = std::min<size_t>(tensor.numel, b + kChunkElements);
+    SubmitLocked([self, index, c, chunk, grads, tensor, step, bytes_per_element] {
+      const size_t b = c * chunk, e = std::min<size_t>(tensor.numel, b + chunk);
       const absl::Time start = absl::Now();
       uint64_t nonfinite = 0;
       absl::Status updated =

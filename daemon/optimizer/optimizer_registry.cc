@@ -14,6 +14,12 @@ OptimizerRegistry::OptimizerRegistry(const Options& options, Arena* arena,
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerRegistry::CreateOrJoin(
     const Session& session, const OptimizerSettings& settings) {
+  if (settings.threads > pool_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "threads=%d, but trainstreamd runs %d AdamW workers for every job (its --threads); ask "
+        "for at most that many, or none for all of them",
+        settings.threads, pool_.size()));
+  }
   absl::MutexLock lock(&mu_);
   if (auto it = jobs_.find(session.job); it != jobs_.end()) {
     RETURN_IF_ERROR(it->second->CheckSame(settings, session.world_size));

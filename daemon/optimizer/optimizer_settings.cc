@@ -72,6 +72,13 @@ absl::Status ValidateSettings(const OptimizerSettings& s) {
     return absl::InvalidArgumentError(
         absl::StrFormat("machines %d is not between 1 and 65536", s.machines));
   }
+  // Chunk boundaries stay on 256 elements, so the vector kernels' loads keep their alignment.
+  if (s.chunk_elements != 0 &&
+      (s.chunk_elements < 4096 || s.chunk_elements > (uint64_t{1} << 30) ||
+       s.chunk_elements % 256 != 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "chunk_elements %d is not a multiple of 256 between 4096 and 2^30", s.chunk_elements));
+  }
   return ValidateGroups(s.groups);
 }
 

@@ -34,13 +34,16 @@ struct OptimizerSettings {
   uint32_t accumulation_steps = 1;
   uint32_t machines = 1;  // > 1: gradients are all-reduced across machines by their rank 0s
   std::vector<GroupHyperParameters> groups;
+  uint32_t threads = 0;         // > 0: at most this many of the pool's workers at once
+  uint64_t chunk_elements = 0;  // > 0: elements per task (else kDefaultChunkElements)
+  bool defer_updates = false;   // wait for every gradient even without a reason below
   friend bool operator==(const OptimizerSettings&, const OptimizerSettings&) = default;
 
   // Updates wait for the whole job's gradients (to clip, report the norm, or check them all
   // before touching any state) instead of starting as each gradient lands.
   bool deferred() const {
-    return max_grad_norm > 0 || report_grad_norm || nonfinite == NonFinitePolicy::kSkipStep ||
-           nonfinite == NonFinitePolicy::kError;
+    return defer_updates || max_grad_norm > 0 || report_grad_norm ||
+           nonfinite == NonFinitePolicy::kSkipStep || nonfinite == NonFinitePolicy::kError;
   }
   // Gradients are summed into an fp32 buffer per parameter before the update (micro-steps, or
   // the machine's ranks ahead of the cross-machine all-reduce).

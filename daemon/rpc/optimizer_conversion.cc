@@ -53,6 +53,9 @@ absl::StatusOr<OptimizerSettings> FromProto(const v1::OptimizerSpec& spec) {
   s.accumulation_steps = spec.accumulation_steps() == 0 ? 1 : spec.accumulation_steps();
   s.machines = spec.machines() == 0 ? 1 : spec.machines();
   s.groups = FromProto(spec.groups());
+  s.threads = spec.threads();
+  s.chunk_elements = spec.chunk_elements();
+  s.defer_updates = spec.defer_updates();
   RETURN_IF_ERROR(ValidateSettings(s));
   return s;
 }
@@ -88,6 +91,9 @@ void ToProto(const OptimizerSettings& s, v1::OptimizerSpec* out) {
                                                                : v1::NONFINITE_ERROR);
   out->set_accumulation_steps(s.accumulation_steps);
   out->set_machines(s.machines);
+  out->set_threads(s.threads);
+  out->set_chunk_elements(s.chunk_elements);
+  out->set_defer_updates(s.defer_updates);
   for (const GroupHyperParameters& g : s.groups) {
     v1::ParamGroup* pg = out->add_groups();
     pg->set_lr(g.lr);

@@ -87,6 +87,9 @@ trainstream::client::OptimizerOptions OptimizerOptionsFrom(const py::dict& spec)
   options.nonfinite = static_cast<tc::NonFinite>(spec["nonfinite"].cast<int>());
   options.accumulation_steps = spec["accumulation_steps"].cast<uint32_t>();
   options.machines = spec["machines"].cast<uint32_t>();
+  options.threads = spec["threads"].cast<uint32_t>();
+  options.chunk_elements = spec["chunk_elements"].cast<uint64_t>();
+  options.defer_updates = spec["defer_updates"].cast<bool>();
   options.groups.clear();
   for (py::handle g : spec["groups"].cast<py::list>()) {
     py::dict d = g.cast<py::dict>();

@@ -18,7 +18,8 @@ ACCEPTED = {
                      "torch.bfloat16"),
     "max_grad_norm": "None or a float > 0",
     "accumulation_steps": "an integer >= 1",
-    "threads": "None or an integer >= 1 (the daemon's --threads; reported, not changed)",
+    "threads": "None or an integer >= 1: at most this many of the daemon's AdamW workers run "
+               "this job's pass at once (default: all of them, its --threads)",
     "device": "None, 'cpu', 'cuda', 'cuda:N' or a torch.device",
     "distributed": (None, True, False),
     "verbose": (True, False),

@@ -260,7 +260,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   gradient_dtype=config["gradient_dtype"], machines=topology.machines,
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
-                  client=client, names=names, initial=initial)
+                  client=client, names=names, initial=initial, threads=config["threads"])
     # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory).
     frozen_streamed = [max(p.numel() * p.element_size(), 1) for p in
                        (paging.paged_params() if paging else ()) if not p.requires_grad]

@@ -50,6 +50,9 @@ struct OptimizerOptions {
   uint32_t accumulation_steps = 1;
   uint32_t machines = 1;  // > 1: rank 0 all-reduces each machine-summed gradient (see below)
   std::vector<OptimizerGroup> groups = {OptimizerGroup{}};
+  uint32_t threads = 0;         // > 0: at most this many of the daemon's workers at once
+  uint64_t chunk_elements = 0;  // > 0: elements per task of the daemon's pass
+  bool defer_updates = false;   // updates wait for every gradient of the step
 };
 
 struct ParameterInfo {

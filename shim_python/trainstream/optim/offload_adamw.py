@@ -30,6 +30,7 @@ from .checkpoints import Checkpoints
 from .gpu_switch import AUTO_STEPS, GpuSwitch
 from .gradients import GradientRouting
 from .groups import daemon_group, safe_name
+from .pass_options import check_pass_options
 from .placement import BF16_MOMENTS_REFUSAL, StatePlacement, unregister_exit_return
 from .returns import DeviceReturns
 
@@ -59,7 +60,9 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
     ``nonfinite`` (``"guard"``: a step stops updating at its first non-finite gradient value
     and says so; ``"ignore"``, ``"skip"``, ``"error"``), ``client`` (default:
     :func:`trainstream.connect`), ``job_id``, ``rank``, ``world_size``, ``names`` (a dict from
-    parameter to name, for messages and checkpoints).
+    parameter to name, for messages and checkpoints). TrainStream 0.6's ``mode``,
+    ``distributed``, ``threads``, ``chunk_elems``, ``eager`` and ``pin_moments``: see
+    pass_options.py and the README.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas=(0.9, 0.999),
@@ -71,11 +74,15 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                  switch_when_fits: bool = False, vram_headroom: float = 0.10,
                  on_decision: Any = None, gradient_dtype: Any = None, machines: int = 1,
                  machine_group: Any = None, initial: dict | None = None, mode: str = "cpu",
-                 distributed: bool = False):
+                 distributed: bool = False, threads: int | None = None,
+                 chunk_elems: int | None = None, eager: bool | None = None,
+                 pin_moments: bool | None = None):
         if mode != "cpu":
             raise InvalidArgumentError(
                 f"OffloadAdamW: mode={mode!r}: only 'cpu' (AdamW on trainstreamd's threads, "
                 "the moments in its memory) is built; the zero-copy GPU kernel is not yet")
+        check_pass_options(threads, chunk_elems, eager, pin_moments, needs_all=bool(
+            max_grad_norm) or compute_grad_norm or nonfinite in ("skip", "error"))
         if distributed:
             rank, world_size, job_id = this_machines_ranks(job_id)
         if moment_dtype not in MOMENT_DTYPES:
@@ -133,7 +140,8 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
             self.client, specs, groups=[daemon_group(g) for g in self.param_groups], kind=kind,
             moment_dtype=MOMENT_DTYPES[moment_dtype], max_grad_norm=max_grad_norm or 0.0,
             report_grad_norm=compute_grad_norm, nonfinite=nonfinite,
-            accumulation_steps=self.accumulation_steps if self._cuda else 1, machines=machines)
+            accumulation_steps=self.accumulation_steps if self._cuda else 1, machines=machines,
+            threads=threads or 0, chunk_elements=chunk_elems or 0, defer_updates=eager is False)
         # Several machines: this machine's rank 0 all-reduces the machine's summed gradients
         # with the other machines' rank 0s (machine_group) before each update.
         self._machines = int(machines)

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""OffloadAdamW's knobs of the daemon's pass as TrainStream 0.6 named them (threads,
+chunk_elems, eager, pin_moments), against stock torch.optim.AdamW, on a real daemon with two
+AdamW workers. CPU models: the pass is the daemon's either way."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+import trainstream
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+
+
+@pytest.fixture
+def two_workers(start_daemon, monkeypatch):
+    daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500", "--threads=2")
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    return daemon
+
+
+def _train(model, opt, steps):
+    for step in range(steps):
+        loss_fn(model, *batch(step, device="cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _max_diff(a, b):
+    return max((p.detach() - q.detach()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_one_worker_and_small_chunks_follow_stock_adamw(two_workers):
+    torch.manual_seed(4)
+    ref = TinyGPT()
+    ours = copy.deepcopy(ref)
+    assert max(p.numel() for p in ours.parameters()) > 4096  # split into several chunks
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = trainstream.OffloadAdamW(ours.parameters(), lr=3e-3, threads=1, chunk_elems=4096)
+    _train(ref, ref_opt, 5)
+    _train(ours, opt, 5)
+    assert _max_diff(ref, ours) <= 1e-5
+    spec = opt.stats()["spec"]
+    assert spec["threads"] == 1 and int(spec["chunk_elements"]) == 4096
+    assert opt.stats()["threads"] == 2  # the daemon's workers, of which the job uses one
+
+
+def test_eager_false_waits_for_every_gradient(two_workers):
+    # A deferred pass measures every gradient before it updates any: its report carries the
+    # norm, which an eager pass (each update as its gradient lands) never computes.
+    torch.manual_seed(5)
+    ref = TinyGPT()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    waiting, eager = copy.deepcopy(ref), copy.deepcopy(ref)
+    opt_waiting = trainstream.OffloadAdamW(waiting.parameters(), lr=3e-3, eager=False)
+    opt_eager = trainstream.OffloadAdamW(eager.parameters(), lr=3e-3, eager=None)
+    _train(ref, ref_opt, 3)
+    _train(waiting, opt_waiting, 3)
+    _train(eager, opt_eager, 3)
+    assert _max_diff(ref, waiting) <= 1e-5 and _max_diff(ref, eager) <= 1e-5
+    assert opt_waiting.stats()["spec"].get("defer_updates") is True
+    assert opt_waiting.stats()["last_step"].get("grad_norm", 0) > 0
+    assert opt_eager.stats()["last_step"].get("grad_norm", 0) == 0
+
+
+def test_wrap_passes_threads_on(two_workers):
+    model, opt = trainstream.wrap(TinyGPT(), device="cpu", offload=True, threads=1)
+    _train(model, opt, 1)
+    assert opt.stats()["spec"]["threads"] == 1
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(threads=3), trainstream.InvalidArgumentError,
+     "threads=3, but trainstreamd runs 2 AdamW workers"),
+    (dict(threads=0), trainstream.InvalidArgumentError, "threads=0 must be None or an integer"),
+    (dict(threads=True), trainstream.InvalidArgumentError, "threads=True must be None"),
+    (dict(chunk_elems=1000), trainstream.InvalidArgumentError,
+     "chunk_elements 1000 is not a multiple of 256 between 4096 and 2"),
+    (dict(eager="yes"), trainstream.InvalidArgumentError, "eager='yes' must be None, True"),
+    (dict(eager=True, max_grad_norm=1.0), trainstream.InvalidArgumentError,
+     "eager=True, but max_grad_norm"),
+    (dict(eager=True, compute_grad_norm=True), trainstream.InvalidArgumentError,
+     "eager=True, but max_grad_norm"),
+    (dict(pin_moments=False), trainstream.InvalidArgumentError,
+     "pin_moments=False: the moments live in trainstreamd's memory"),
+])
+def test_bad_pass_options_say_why(two_workers, options, error, message):
+    with pytest.raises(error, match=message):
+        trainstream.OffloadAdamW(TinyGPT().parameters(), **options)
+    with pytest.raises(ValueError):  # InvalidArgumentError is a ValueError too
+        trainstream.OffloadAdamW(TinyGPT().parameters(), **options)
+
+
+def test_eager_true_and_pinned_moments_are_the_default_behaviour(two_workers):
+    torch.manual_seed(6)
+    ref = TinyGPT()
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = trainstream.OffloadAdamW(ours.parameters(), lr=3e-3, eager=True, pin_moments=True)
+    _train(ref, ref_opt, 2)
+    _train(ours, opt, 2)
+    assert _max_diff(ref, ours) <= 1e-5
+    assert not opt.stats()["spec"].get("defer_updates", False)
