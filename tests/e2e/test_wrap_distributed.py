@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
+
+import trainstream
 
 torch = pytest.importorskip("torch")
 MODELS = os.path.join(os.path.dirname(__file__), "..", "models")
@@ -36,6 +41,7 @@ SCRIPT = textwrap.dedent("""
         loss_fn(model, x[share], y[share]).backward()
         opt.step()
         opt.zero_grad()
+    print(f"rank {rank} socket {model._trainstream_session.client.socket_path}", flush=True)
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     if distributed:
@@ -59,6 +65,73 @@ def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path):
     worst = max((one[k] - both[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
     assert "Traceback" not in two.stderr
+
+
+def test_torchrun_with_no_daemon_running_shares_one_private_daemon(tmp_path):
+    # No daemon anywhere: the local rank 0 starts one for the job, in a directory named after
+    # it; the other rank waits for it there. Both train in one job (equal to one process), and
+    # the daemon is gone with the job.
+    runtime = pathlib.Path(tempfile.mkdtemp(prefix="tsrt-", dir="/tmp"))  # a socket's path is short
+    env = {k: v for k, v in os.environ.items() if k != "TRAINSTREAM_SOCKET"}
+    env.update(OMP_NUM_THREADS="1", XDG_RUNTIME_DIR=str(runtime),
+               TRAINSTREAM_SYSTEM_SOCKET=str(tmp_path / "no-system-daemon.sock"))
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    single = subprocess.run([sys.executable, str(script), MODELS, str(tmp_path / "one.pt")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", str(script), MODELS, str(tmp_path / "two.pt")]
+    two = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    sockets = {line.split()[1]: line.split()[3] for line in two.stdout.splitlines()
+               if line.startswith("rank ")}
+    assert set(sockets) == {"0", "1"} and sockets["0"] == sockets["1"], two.stdout
+    assert sockets["0"].startswith(str(runtime / f"trainstream-{os.getuid()}-torchrun-"))
+    one, both = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    worst = max((one[k] - both[k]).abs().max().item() for k in one)
+    assert worst <= 1e-5, worst
+    assert not os.path.exists(sockets["0"])  # rank 0 stopped it at exit
+    shutil.rmtree(runtime)
+
+
+def test_a_job_directory_of_another_owner_or_mode_is_refused(tmp_path, monkeypatch):
+    from trainstream.transport import job_daemon
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    directory = job_daemon.job_directory("torchrun-x")
+    os.mkdir(directory, 0o755)
+    with pytest.raises(trainstream.PermissionDeniedError, match="is not a directory of uid"):
+        job_daemon.start_or_find(0, 2, "torchrun-x")
+    os.rmdir(directory)
+    os.symlink(str(tmp_path), directory)
+    with pytest.raises(trainstream.PermissionDeniedError, match="is not a directory of uid"):
+        job_daemon.start_or_find(1, 2, "torchrun-x")
+
+
+def test_a_rank_whose_rank_0_never_starts_the_daemon_says_so(tmp_path, monkeypatch):
+    from trainstream.transport import job_daemon
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(job_daemon, "WAIT_S", 0.5)
+    with pytest.raises(trainstream.DaemonUnavailableError,
+                       match="local rank 0 of job 'torchrun-y' .2 ranks on this machine. did "
+                             "not start"):
+        job_daemon.start_or_find(1, 2, "torchrun-y")
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, None),
+    ({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "a"}, None),
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "a"},
+     (1, 2, "torchrun-a")),
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "7"},
+     (3, 4, "slurm-7.0")),
+])
+def test_which_processes_share_a_private_daemon(environ, expected):
+    from trainstream.transport.job_daemon import launcher_job
+
+    assert launcher_job(environ) == expected
 
 
 def free_port() -> int:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _trainstream
 from .embedded import EmbeddedDaemon
+from .job_daemon import launcher_job, start_or_find
 from ..errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
 # The client library's version (the daemon's own is in its status).
@@ -129,6 +131,7 @@ class Client:
     def __init__(self, native: Any, embedded: EmbeddedDaemon | None):
         self._native = native
         self._embedded = embedded
+        _open_clients.add(self)
 
     session_id = property(lambda self: self._native.id)
     # The native session, for the transport layer's other objects (the host optimizer).
@@ -252,6 +255,19 @@ class Client:
 
 
 _embedded_daemon: EmbeddedDaemon | None = None
+# This process's sessions: a private daemon it started drains them at exit, and would wait for
+# them to end until its drain timeout if they were still open then.
+_open_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def close_open_clients() -> None:
+    """Closes every session of this process still open (at exit, before its private daemon
+    stops; every other exit handler of trainstream has run by then)."""
+    for client in list(_open_clients):
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - a session the daemon already ended
+            pass
 
 
 def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_size: int = 1,
@@ -289,10 +305,15 @@ def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_si
             if isinstance(e, PermissionDeniedError):
                 warnings.warn(f"trainstream: {e}; this process starts a private daemon instead",
                               stacklevel=2)
+            job = launcher_job(os.environ)
             if _embedded_daemon is None or _embedded_daemon.process.poll() is not None:
-                _embedded_daemon = EmbeddedDaemon()
+                if job is not None:
+                    # The launcher's ranks on this machine share one private daemon.
+                    path, _embedded_daemon = start_or_find(*job, before_stop=close_open_clients)
+                else:
+                    _embedded_daemon = EmbeddedDaemon(before_stop=close_open_clients)
             daemon = _embedded_daemon
-            path = daemon.socket_path
+            path = daemon.socket_path if daemon is not None else path
     native = _trainstream.Session(path, job_id, rank, world_size, rpc_timeout_s,
                                   register_with_cuda)
     return Client(native, daemon)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from .. import _trainstream
 from ..errors import DaemonUnavailableError
@@ -37,9 +38,17 @@ class EmbeddedDaemon:
     killed training process leaves nothing running.
     """
 
-    def __init__(self, start_timeout_s: float = 20.0, extra_args: list[str] | None = None):
+    def __init__(self, start_timeout_s: float = 20.0, extra_args: list[str] | None = None,
+                 directory: str | None = None, stop_timeout_s: float = 10.0,
+                 before_stop: Any = None):
+        """``directory``: where its socket and log go (made by the caller, this user's alone;
+        removed at stop); default a new one. ``stop_timeout_s``: how long its drain may take
+        at exit before it is killed. ``before_stop``: called first at stop (closes this
+        process's own sessions, which the drain would otherwise wait for)."""
+        self._before_stop = before_stop
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        self.directory = tempfile.mkdtemp(prefix="trainstream-", dir=base)
+        self.directory = directory or tempfile.mkdtemp(prefix="trainstream-", dir=base)
+        self.stop_timeout_s = stop_timeout_s
         self.socket_path = os.path.join(self.directory, "trainstreamd.sock")
         self.log_path = os.path.join(self.directory, "trainstreamd.log")
         binary = find_daemon_binary()
@@ -77,8 +86,12 @@ class EmbeddedDaemon:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM (the daemon drains and exits 0), then SIGKILL after `timeout_s`."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM (the daemon drains: it waits for its open sessions, then exits 0), then
+        SIGKILL after ``timeout_s`` (default ``stop_timeout_s``)."""
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        if self.process.poll() is None and self._before_stop is not None:
+            self._before_stop()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
