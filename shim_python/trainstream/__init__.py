@@ -26,6 +26,7 @@ from .memory.hardware import profile_hardware
 from .optim.offload_adamw import OffloadAdamW
 from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .report import memory_report
+from .inspection import pinned_stats, reserve_pinned, transfer_stats
 from .session import TrainStreamSession
 from .wrap import unwrap, wrap
 from .errors import (
@@ -55,7 +56,7 @@ __all__ = [
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
     "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "PagedKVCache",
-    "GpuBase", "gpu_pools",
+    "GpuBase", "gpu_pools", "pinned_stats", "reserve_pinned", "transfer_stats",
     "causal_lm_loss", "chunked_cross_entropy", "dpo_loss", "sequence_logprobs",
 ]
 

@@ -5,24 +5,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from .errors import FailedPreconditionError
 from .frozen.gpu_pool import gpu_pools
 from .frozen.linear import BaseLinear, attached_base
+from .inspection import pcie_bytes, pinned_stats
 from .session import session_of
-
-
-def pcie_bytes(session: Any) -> tuple[int, int]:
-    """Bytes to the device and to the host since wrap(): streamed weights fetched, activations
-    out and back, gradients out, updated weights back (on a GPU; after a switch to GPU AdamW
-    nothing more crosses). Counted in this process: no call to the daemon."""
-    pager, opt = session.pager, session.optimizer
-    offloaded = pager.bytes_offloaded if pager else 0
-    return ((pager.bytes_fetched if pager else 0) + offloaded + opt.bytes_to_device,
-            offloaded + opt.bytes_to_host)
 
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
@@ -33,6 +23,10 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
                          "reserved": torch.cuda.memory_reserved(),
                          "peak_allocated": torch.cuda.max_memory_allocated()}
     if model is None:
+        # The process's page-locked memory: the daemon's, as pinned_stats() reads it.
+        stats = pinned_stats()
+        report["pinned"] = {k: v for k, v in stats.items() if k != "by_tag"}
+        report["pinned_by_tag"] = stats["by_tag"]
         return report
     session = session_of(model)
     if session is None:
@@ -44,10 +38,16 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["pinned_by_tag"] = {r["key"]: r["bytes"] for r in memory.get("by_tag", [])}
     report["optimizer"] = session.optimizer.stats()
     pager = session.pager
+    quantized = [m for m in model.modules() if isinstance(m, BaseLinear)]
     report["params"] = {
         "paged_blocks": list(pager.paged) if pager else [],
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
+        "quantize": session.config.get("quantize"),
+        "quantized_layers": len(quantized),
+        # Streamed weights come from the daemon's page-locked buffers: none is staged through
+        # pageable memory. No peer-GPU pooling exists here (session.peer is None).
+        "bounce_bytes": 0, "peer_bytes": 0, "peer_blocks": [], "peer_owned_bytes": 0,
     }
     recompute = session.recompute
     policy = pager.activation_policy() if pager else []
@@ -67,6 +67,17 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["pcie"] = {"to_device_bytes": to_device, "to_host_bytes": to_host,
                       "steps": opt.steps, "to_device_per_step": to_device // steps,
                       "to_host_per_step": to_host // steps}
+    # TrainStream 0.6's names for the same bytes, and what stays in VRAM.
+    report["transfers"] = {"h2d_bytes": to_device, "d2h_bytes": to_host}
+    paged = set(pager.paged) if pager else set()
+    blocks = pager.blocks if pager else []
+    streamed = {id(p) for i in paged if i < len(blocks) for p in blocks[i].parameters()}
+    report["resident"] = {
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                           if p.device.type == "cuda" and id(p) not in streamed),
+        "slot_bytes": pager.resident_bytes() if pager else 0,
+        "optimizer_state_bytes": 8 * opt.device_state_elements,
+    }
     report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
     # The CPU time trainstream's hooks took, by hook: what the client adds to the thread that
     # issues the GPU's work (a paged step that waits on the CPU is slowed by it).

@@ -5,13 +5,14 @@ daemon's event log, stdout with ``verbose=True``)."""
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from .optim.offload_adamw import OffloadAdamW
 
 
-@dataclass
+@dataclass(eq=False)  # a session is compared by identity (kept in weak sets)
 class TrainStreamSession:
     """What ``wrap()`` set up for a model: ``model._trainstream_session``."""
 
@@ -36,6 +37,12 @@ class TrainStreamSession:
         """Optimizer steps so far."""
         return self.optimizer.steps
 
+    @property
+    def peer(self) -> None:
+        """TrainStream 0.6's peer-GPU pools: None, as on one GPU (GPU pools of shared bases
+        are the daemon's: trainstream.gpu_pools())."""
+        return None
+
     def note(self, kind: str, message: str, **numbers: float) -> None:
         """Records a decision: here, in the daemon's event log (``tsctl events``), and on
         stdout with ``verbose=True``."""
@@ -55,10 +62,36 @@ def session_of(model: Any) -> TrainStreamSession | None:
     return getattr(model, "_trainstream_session", None)
 
 
-def attach(model: Any, session: TrainStreamSession | None) -> None:
-    """Keeps ``session`` on ``model`` (None: takes it off, at unwrap())."""
+# This process's sessions (for transfer_stats): those of wrapped models, and the PCIe bytes of
+# those unwrapped since, so that the process's totals only grow.
+_live: "weakref.WeakSet[TrainStreamSession]" = weakref.WeakSet()
+_retired: dict = {}  # device -> [bytes to the device, bytes to the host]
+
+
+def live_sessions() -> list:
+    return list(_live)
+
+
+def retired_bytes(device: str) -> tuple:
+    to_device, to_host = _retired.get(device, (0, 0))
+    return to_device, to_host
+
+
+def attach(model: Any, session: TrainStreamSession | None,
+           retire: Any = None) -> None:
+    """Keeps ``session`` on ``model`` (None: takes it off, at unwrap(); ``retire(session)``
+    gives the (device, bytes to the device, bytes to the host) it moved, kept for the
+    process's totals)."""
     if session is None:
-        if session_of(model) is not None:
+        old = session_of(model)
+        if old is not None:
+            if retire is not None and old in _live:
+                device, to_device, to_host = retire(old)
+                totals = _retired.setdefault(device, [0, 0])
+                totals[0] += to_device
+                totals[1] += to_host
+            _live.discard(old)
             del model._trainstream_session
     else:
         model._trainstream_session = session
+        _live.add(session)

@@ -24,6 +24,7 @@ from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
 from .options import check_options
+from .inspection import session_transfers
 from .report import memory_report  # noqa: F401  (trainstream.wrap.memory_report, as before)
 from .session import TrainStreamSession, attach, session_of
 
@@ -70,6 +71,12 @@ def _distributed(option: Any) -> _Topology:
     if world == 1:
         return _Topology()
     local_rank, local_world, run = launcher_topology(os.environ, dist.get_rank(), world)
+    if os.environ.get("TRAINSTREAM_SHM") == "0":
+        # No shared host memory between ranks: each rank is a job of its own in the daemon
+        # (its own copy of the state), as one machine of many is, and every rank all-reduces
+        # its gradients with the others over gloo before its daemon updates.
+        group = dist.new_group(list(range(world)), backend="gloo")
+        return _Topology(0, 1, world, group, f"{run}-rank{dist.get_rank()}")
     if world % local_world:
         raise FailedPreconditionError(
             f"{world} ranks over machines of {local_world}: every machine needs the same number "
@@ -353,7 +360,11 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         events.append(("wrap.distributed", f"rank {rank} of {world} on machine "
                                            f"{dist.get_rank() // world} of {topology.machines} "
                                            f"joined job {job_id}: one optimizer state per "
-                                           "machine, gradients averaged over every rank"))
+                                           "machine, gradients averaged over every rank"
+                                           + (" (TRAINSTREAM_SHM=0: each rank a machine of its "
+                                              "own, its own copy of the state)"
+                                              if os.environ.get("TRAINSTREAM_SHM") == "0"
+                                              else "")))
     # Only a block the model calls has a forward to hook (a ModuleList of a layer's parts is
     # iterated, not called: its parts keep hooks of their own).
     offload.attach_forward_waits(model, [b for b in _block_stack(model, config, paging)
@@ -490,7 +501,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.loss_switch.restore()
     if getattr(session, "plan", None) is not None:
         session.plan.large_blocks.restore()
-    attach(model, None)
+    attach(model, None, retire=session_transfers)
     return model
 
 

@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent("""
         loss_fn(model, x[share], y[share]).backward()
         opt.step()
         opt.zero_grad()
-    print(f"rank {rank} socket {model._trainstream_session.client.socket_path}", flush=True)
+    print(f"rank {rank} socket {model._trainstream_session.client.socket_path} job "
+          f"{opt.stats()['job_id']}", flush=True)
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     if distributed:
@@ -50,8 +51,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path):
-    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, OMP_NUM_THREADS="1")
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path, shared_memory):
+    # TRAINSTREAM_SHM=0: each rank keeps its own copy of the state in the daemon and the
+    # ranks all-reduce their gradients over gloo; the same training either way.
+    env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, OMP_NUM_THREADS="1",
+               TRAINSTREAM_SHM=shared_memory)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     single = subprocess.run([sys.executable, str(script), MODELS, str(tmp_path / "one.pt")],
@@ -65,6 +70,12 @@ def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path):
     worst = max((one[k] - both[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
     assert "Traceback" not in two.stderr
+    jobs = {line.split()[1]: line.split()[5] for line in two.stdout.splitlines()
+            if line.startswith("rank ")}
+    if shared_memory == "0":
+        assert jobs["0"].endswith("-rank0") and jobs["1"].endswith("-rank1"), jobs
+    else:
+        assert jobs["0"] == jobs["1"], jobs
 
 
 def test_torchrun_with_no_daemon_running_shares_one_private_daemon(tmp_path):
@@ -95,11 +106,21 @@ def test_torchrun_with_no_daemon_running_shares_one_private_daemon(tmp_path):
     shutil.rmtree(runtime)
 
 
-def test_a_job_directory_of_another_owner_or_mode_is_refused(tmp_path, monkeypatch):
+@pytest.fixture
+def short_runtime_dir(monkeypatch):
+    """An XDG_RUNTIME_DIR short enough for a socket's path (a pytest tmp_path is not)."""
+    runtime = tempfile.mkdtemp(prefix="tsrt-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+    yield pathlib.Path(runtime)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_job_directory_of_another_owner_or_mode_is_refused(short_runtime_dir):
     from trainstream.transport import job_daemon
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    tmp_path = short_runtime_dir
     directory = job_daemon.job_directory("torchrun-x")
+    assert directory.startswith(str(tmp_path))
     os.mkdir(directory, 0o755)
     with pytest.raises(trainstream.PermissionDeniedError, match="is not a directory of uid"):
         job_daemon.start_or_find(0, 2, "torchrun-x")
@@ -109,10 +130,9 @@ def test_a_job_directory_of_another_owner_or_mode_is_refused(tmp_path, monkeypat
         job_daemon.start_or_find(1, 2, "torchrun-x")
 
 
-def test_a_rank_whose_rank_0_never_starts_the_daemon_says_so(tmp_path, monkeypatch):
+def test_a_rank_whose_rank_0_never_starts_the_daemon_says_so(short_runtime_dir, monkeypatch):
     from trainstream.transport import job_daemon
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(job_daemon, "WAIT_S", 0.5)
     with pytest.raises(trainstream.DaemonUnavailableError,
                        match="local rank 0 of job 'torchrun-y' .2 ranks on this machine. did "

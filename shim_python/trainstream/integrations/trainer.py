@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback
 from ..errors import InvalidArgumentError
 from ..optim.offload_adamw import OffloadAdamW
 from ..options import check_options
-from ..report import pcie_bytes
+from ..inspection import pcie_bytes
 from ..session import session_of
 from ..wrap import wrap
 from .logprobs import hidden_entering_head, plain_output_head

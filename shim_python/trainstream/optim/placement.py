@@ -195,9 +195,9 @@ class StatePlacement:
         """Clipping or a reported norm: the sum of squares of the gradients updated in VRAM
         goes to the daemon, which adds it to its own for the step's global norm."""
         held = sorted(self._device_indices - self._staged_indices)
-        grads = [self._params[i].grad for i in held if self._params[i].grad is not None]
         if not self._reports_norm or not held:
             return
+        grads = [self._params[i].grad for i in held if self._params[i].grad is not None]
         total = 0.0
         if grads:
             norms = torch._foreach_norm(grads, 2.0)

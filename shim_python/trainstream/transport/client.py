@@ -244,6 +244,7 @@ class Client:
         """Closes the session; the daemon frees what it owned. ``end_job``: the job's
         optimizer state goes too when no other session of the job is open (otherwise it is
         kept a while, for a restarted process to re-attach)."""
+        _open_clients.discard(self)
         if self._native is not None:
             self._native.close(end_job)
 
@@ -258,6 +259,17 @@ _embedded_daemon: EmbeddedDaemon | None = None
 # This process's sessions: a private daemon it started drains them at exit, and would wait for
 # them to end until its drain timeout if they were still open then.
 _open_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def open_clients() -> list:
+    """This process's sessions not yet closed."""
+    return list(_open_clients)
+
+
+def find_daemon_socket() -> str:
+    """The socket of the system daemon or this user's, whichever answers (no daemon started);
+    DaemonUnavailableError or PermissionDeniedError, with why, when none does."""
+    return _trainstream.find_daemon_socket()
 
 
 def close_open_clients() -> None:

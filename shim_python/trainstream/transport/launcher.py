@@ -47,6 +47,11 @@ def this_machines_ranks(job_id: str) -> tuple:
         raise FailedPreconditionError(
             "OffloadAdamW(distributed=True) needs an initialised torch.distributed process group")
     world = dist.get_world_size()
+    if os.environ.get("TRAINSTREAM_SHM") == "0":
+        raise FailedPreconditionError(
+            "OffloadAdamW(distributed=True) shares one state among this machine's ranks, and "
+            "TRAINSTREAM_SHM=0 asks for a copy per rank: trainstream.wrap() keeps one per rank "
+            "and all-reduces the gradients between them")
     local_rank, local_world, run = launcher_topology(os.environ, dist.get_rank(), world)
     if local_world != world:
         raise FailedPreconditionError(
