@@ -53,6 +53,7 @@ ACCEPTED = {
                            "are updated on the GPU with their moments staged from the "
                            "daemon's memory (0: none)",
     "chunked_loss": (True, False),
+    "attention": (None, "auto", "cudnn", "efficient", "flash", "math"),
     # TrainStream 0.6's options, with its meaning: a forward always waits for the updates of
     # the weights it reads (False, reading weights mid-update, is refused below); the slowdown
     # bounds activation paging only where no VRAM target exists, and wrap() always has one.

@@ -85,6 +85,8 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["hooks"] = {"per_hook": hooks,
                        "ms_per_step": round(sum(h["ms_per_step"] for h in hooks.values()), 3)}
     report["plan"] = session.plan.report() if session.plan is not None else None
+    if session.attention is not None:  # attention=: the kernel chosen, and its timings
+        report["attention"] = session.attention.report()
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
     layers = [m for m in model.modules() if isinstance(m, BaseLinear) and m.matmul_choice]
     if layers:  # an fp8 base: how its layers multiply (see BaseLinear)

@@ -26,6 +26,7 @@ class TrainStreamSession:
     frozen: Any = None  # host copies of frozen weights that stream
     cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
     loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
+    attention: Any = None     # integrations.attention_backend.AttentionBackend (attention=)
 
     @property
     def adapting(self) -> bool:

@@ -25,6 +25,7 @@ from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
 from .options import check_options
 from .inspection import session_transfers
+from .integrations.attention_backend import AttentionBackend, attention_modules
 from .report import memory_report  # noqa: F401  (trainstream.wrap.memory_report, as before)
 from .session import TrainStreamSession, attach, session_of
 
@@ -111,7 +112,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
               "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
-              "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15}
+              "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15,
+              "attention": None}
     config.update(options)
     events: list = []
 
@@ -376,6 +378,9 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     session.pager = pager
     session.recompute = recompute
     session.frozen = frozen
+    if config["attention"] is not None:
+        session.attention = AttentionBackend(config["attention"], session.note)
+        session.attention.install(attention_modules(model, _block_stack(model, config, paging)))
     for kind, message in events:
         session.note(kind, message)
     for module in model.modules():  # an fp8 base's layers say how they multiply
@@ -492,6 +497,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
                       stacklevel=2)
     if session.recompute is not None:
         session.recompute.close()
+    if session.attention is not None:
+        session.attention.remove()
     for module in model.modules():  # no layer keeps the session alive
         if isinstance(module, BaseLinear):
             module.note = None
