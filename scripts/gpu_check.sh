@@ -20,6 +20,8 @@
 #                                            $OUT/step_N.log): several checks in one device call
 #   scripts/gpu_check.sh hf_matrix           the Hugging Face GPU tests (the model matrix, -s:
 #                                            each case's reasons) and bench/chunked_loss.py
+#   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
+#                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
 #                                            allocator split), memory_plan.py's hf_qwen1.5b_full,
 #                                            bench/hf_trainer.py and bench/generation.py
@@ -117,6 +119,11 @@ if [[ $what == hf_layer ]]; then
     > "$OUT/hf_trainer.txt" 2>&1 || status=1
   PYTHONUNBUFFERED=1 timeout 400 python3 bench/generation.py --json "$OUT/generation.json" \
     > "$OUT/generation.txt" 2>&1 || status=1
+fi
+if [[ $what == attention ]]; then
+  # wrap(attention="auto")'s pick against PyTorch's on the Qwen2.5 attention shapes.
+  PYTHONUNBUFFERED=1 timeout 400 python3 bench/attention.py --json "$OUT/attention.json" \
+    > "$OUT/attention.txt" 2>&1 || status=1
 fi
 if [[ $what == gpu ]]; then
   python3 -m pytest -ra -m gpu tests > "$OUT/pytest_gpu.log" 2>&1 || status=1
