@@ -18,6 +18,10 @@ constexpr Command kCommands[] = {
     {"pools", "", "the GPU pools: GPU, bytes, what they hold, importers", &RunPools},
     {"events", "[-f|--follow] [--since=N]", "recent events; -f keeps streaming new ones",
      &RunEvents},
+    {"metrics", "[--textfile=PATH.prom [--interval=S]]",
+     "Prometheus metrics; --textfile writes them for node_exporter, every S seconds with "
+     "--interval",
+     &RunMetrics},
 };
 
 // The payload that marks a status as tsctl's own usage error, so that a daemon's

@@ -53,6 +53,7 @@ absl::Status RunEvents(const Invocation& invocation);
 absl::Status RunOptimizers(const Invocation& invocation);
 absl::Status RunBases(const Invocation& invocation);
 absl::Status RunPools(const Invocation& invocation);
+absl::Status RunMetrics(const Invocation& invocation);
 
 }  // namespace trainstream::tsctl
 

@@ -87,3 +87,67 @@ def test_following_events_fails_when_the_daemon_goes_away(daemon, tsctl_binary):
         follower.kill()
     assert code == 3, (code, said)
     assert said.startswith("tsctl: "), said
+
+
+def _samples(text):
+    """{name{labels}: value} of Prometheus text (HELP/TYPE and comments left out)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_say_what_the_daemon_holds_and_when_it_is_gone(start_daemon, tsctl_binary,
+                                                                tmp_path):
+    import time
+
+    import torch
+
+    from trainstream import HostOptimizer, ParameterSpec
+
+    daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500")
+    sock = f"--socket={daemon.socket}"
+    with trainstream.connect(daemon.socket, job_id="metrics") as client:
+        client.allocate("g", 5000, tag="grad")
+        opt = HostOptimizer(client, [ParameterSpec("w", (1000,))])
+        opt.load_weights([torch.zeros(1000)])
+        opt.step([torch.ones(1000)])
+        once = tsctl(tsctl_binary, sock, "metrics")
+        assert once.returncode == 0, once.stderr
+        samples = _samples(once.stdout)
+        assert samples["trainstream_up"] == 1 and samples["trainstream_sessions"] >= 1
+        assert samples["trainstream_memory_budget_bytes"] == 256 << 20
+        assert samples['trainstream_memory_tag_bytes{tag="grad"}'] == 5000
+        assert samples['trainstream_optimizer_steps_total{job="metrics"}'] == 1
+        assert samples['trainstream_optimizer_failed{job="metrics"}'] == 0
+    # For node_exporter's textfile collector: rewritten whole every interval.
+    textfile = tmp_path / "trainstream.prom"
+    writer = subprocess.Popen([tsctl_binary, sock, "metrics", f"--textfile={textfile}",
+                               "--interval=1"])
+    try:
+        deadline = time.time() + 20
+        while not textfile.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        first = _samples(textfile.read_text())["trainstream_uptime_seconds"]
+        while (_samples(textfile.read_text())["trainstream_uptime_seconds"] == first
+               and time.time() < deadline):
+            time.sleep(0.2)
+        assert _samples(textfile.read_text())["trainstream_uptime_seconds"] > first
+        # The daemon stops: the next write says so, and the writer keeps going.
+        daemon.stop()
+        while _samples(textfile.read_text()).get("trainstream_up") != 0 and \
+                time.time() < deadline:
+            time.sleep(0.2)
+        text = textfile.read_text()
+        assert _samples(text)["trainstream_up"] == 0 and "did not answer" in text
+        assert writer.poll() is None
+    finally:
+        writer.kill()
+        writer.wait()
+    gone = tsctl(tsctl_binary, sock, "metrics")
+    assert gone.returncode == 3 and _samples(gone.stdout) == {"trainstream_up": 0}
+    bad = tsctl(tsctl_binary, sock, "metrics", "--interval=5")
+    assert bad.returncode == 2 and "name one" in bad.stderr
+    assert tsctl(tsctl_binary, sock, "metrics", "--textfile=/tmp/x.txt").returncode == 2
