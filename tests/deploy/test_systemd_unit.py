@@ -43,6 +43,35 @@ def _unit_value(text: str, key: str) -> str:
     return values[0].strip()
 
 
+METRICS_UNIT = REPO / "deploy" / "trainstream-metrics.service"
+
+
+def test_metrics_unit_passes_systemd_analyze_verify_and_writes_a_prom_file(tmp_path: Path) -> None:
+    text = METRICS_UNIT.read_text()
+    exec_start = _unit_value(text, "ExecStart").split()
+    assert exec_start[0] == "/usr/bin/tsctl" and "metrics" in exec_start
+    # node_exporter's textfile collector reads only *.prom, in the directory the unit may write.
+    textfile = next(a.split("=", 1)[1] for a in exec_start if a.startswith("--textfile="))
+    assert textfile.endswith(".prom")
+    assert os.path.dirname(textfile) == _unit_value(text, "ReadWritePaths")
+    assert f"--socket={_config_socket()}" in exec_start
+    if SYSTEMD_ANALYZE is None:
+        pytest.skip("systemd-analyze not found (Debian package `systemd`); cannot verify the unit")
+    copy = tmp_path / METRICS_UNIT.name
+    copy.write_text(text.replace("ExecStart=/usr/bin/tsctl", "ExecStart=/bin/true", 1))
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--recursive-errors=one", "--man=no", str(copy)],
+        capture_output=True, text=True, timeout=120, check=False)
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if METRICS_UNIT.name in line]
+    assert result.returncode == 0, f"systemd-analyze verify exited {result.returncode}:\n{output}"
+    assert not ours, "systemd-analyze verify warned about the unit:\n" + "\n".join(ours)
+
+
+def _config_socket() -> str:
+    return re.search(r'^socket_path: "(.*)"$', CONFIG.read_text(), flags=re.MULTILINE).group(1)
+
+
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     # Skipped here rather than for the whole module: the config test below needs no systemd.
     if SYSTEMD_ANALYZE is None:
