@@ -26,7 +26,8 @@ run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component syste
 
 include(GNUInstallDirs)
 foreach(f bin/trainstreamd bin/tsctl include/trainstream/client.h include/trainstream/version.h
-          lib/systemd/system/trainstreamd.service lib/sysusers.d/trainstream.conf
+          lib/systemd/system/trainstreamd.service lib/systemd/system/trainstream-metrics.service
+          lib/sysusers.d/trainstream.conf
           lib/tmpfiles.d/trainstream.conf etc/trainstream/trainstreamd.conf
           ${CMAKE_INSTALL_LIBDIR}/cmake/trainstream/trainstreamConfig.cmake
           ${CMAKE_INSTALL_LIBDIR}/cmake/trainstream/trainstreamConfigVersion.cmake
@@ -67,6 +68,10 @@ set(want "ExecStart=${prefix}/bin/trainstreamd")
 string(APPEND want " --config=${prefix}/etc/trainstream/trainstreamd.conf")
 if(NOT exec STREQUAL want)
   message(FATAL_ERROR "the installed unit says\n  ${exec}\nnot\n  ${want}")
+endif()
+file(STRINGS ${prefix}/lib/systemd/system/trainstream-metrics.service exec REGEX "^ExecStart=")
+if(NOT exec MATCHES "^ExecStart=${prefix}/bin/tsctl ")
+  message(FATAL_ERROR "the installed metrics unit says\n  ${exec}\nnot the prefix's tsctl")
 endif()
 
 # An operator's edited config survives a second install.
