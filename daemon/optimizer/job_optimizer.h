@@ -223,6 +223,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every task goes to the pool through here, counted in tasks_in_flight_ until it has run.
   void SubmitLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rank of the session that rang; a session of no rank of the job is answered kError.
+  std::optional<uint32_t> RankOfSenderLocked(const std::string& session_id,
+                                             const ipc::DoorbellMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunOnPoolLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t ChunkElementsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A failed job submits no new task; this waits (releasing mu_) until the ones it had are

@@ -21,20 +21,23 @@ constexpr uint64_t kFailedPreconditionCode = 9;  // the google.rpc code a kError
 
 }  // namespace
 
+std::optional<uint32_t> JobOptimizer::RankOfSenderLocked(const std::string& session_id,
+                                                         const ipc::DoorbellMessage& message) {
+  last_activity_ = absl::Now();
+  for (const auto& [rank, session] : rank_sessions_) {
+    if (session == session_id) return rank;
+  }
+  deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                            kFailedPreconditionCode))
+      .IgnoreError();
+  return std::nullopt;
+}
+
 void JobOptimizer::OnGradientReady(const std::string& session_id,
                                    const ipc::DoorbellMessage& message) {
   absl::MutexLock lock(&mu_);
-  last_activity_ = absl::Now();
-  std::optional<uint32_t> rank;
-  for (const auto& [r, s] : rank_sessions_) {
-    if (s == session_id) rank = r;
-  }
-  if (!rank) {
-    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
-                                              kFailedPreconditionCode))
-        .IgnoreError();
-    return;
-  }
+  const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
+  if (!rank) return;
   if (!failure_.empty()) {
     SendToRank(*rank, Message(ipc::DoorbellKind::kError, message.id, message.step,
                               kFailedPreconditionCode));
@@ -223,18 +226,8 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
 void JobOptimizer::OnNormContribution(const std::string& session_id,
                                       const ipc::DoorbellMessage& message) {
   absl::MutexLock lock(&mu_);
-  last_activity_ = absl::Now();
-  std::optional<uint32_t> rank;
-  for (const auto& [r, s] : rank_sessions_) {
-    if (s == session_id) rank = r;
-  }
-  if (!rank) {
-    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
-                                              kFailedPreconditionCode))
-        .IgnoreError();
-    return;
-  }
-  if (!failure_.empty()) return;
+  const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
+  if (!rank || !failure_.empty()) return;
   const double sum_squares = std::bit_cast<double>(message.value);
   if (!settings_.deferred()) {
     FailLocked(absl::StrFormat(

@@ -16,7 +16,7 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, batch, max_param_diff, train_steps  # noqa: E402
 
 
 @pytest.fixture
@@ -31,29 +31,17 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-def _train(model, opt, steps):
-    for step in range(steps):
-        loss_fn(model, *batch(step, device="cpu")).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _max_diff(a, b):
-    return max((p.detach() - q.detach()).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
-
 def test_a_named_kernel_trains_as_stock_and_is_reported(daemon_socket):
     torch.manual_seed(3)
     ref = TinyGPT()
     ours = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-        _train(ref, ref_opt, 3)
+        train_steps(ref, ref_opt, 3)
     ours, opt = trainstream.wrap(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3),
                                  device="cpu", offload=True, attention="math")
-    _train(ours, opt, 3)
-    assert _max_diff(ref, ours) <= 1e-5
+    train_steps(ours, opt, 3)
+    assert max_param_diff(ref, ours) <= 1e-5
     report = trainstream.memory_report(ours)["attention"]
     assert report["mode"] == "math" and report["backend"] == "math"
     assert report["kernels_now"][0] == "math" and report["timings_ms"] == {}
@@ -68,7 +56,7 @@ def test_auto_times_the_kernels_on_the_first_training_call_and_keeps_the_fastest
     with torch.no_grad():  # no training call: nothing is measured yet
         model(batch(0)[0])
     assert trainstream.memory_report(model)["attention"]["timings_ms"] == {}
-    _train(model, opt, 2)
+    train_steps(model, opt, 2)
     report = trainstream.memory_report(model)["attention"]
     timed = {n: t for n, t in report["timings_ms"].items() if isinstance(t, float)}
     assert "math" in timed and all(t > 0 for t in timed.values())
@@ -88,18 +76,18 @@ def test_deterministic_mode_leaves_out_flash_in_forward_and_in_recompute(daemon_
                                   recompute=True)
     assert model._trainstream_session.recompute.indices == [0, 1]
     chooser = model._trainstream_session.attention
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     # Two blocks, each run in forward and again in backward: flash every time.
     assert chooser.calls == {"flash": 4}
     torch.use_deterministic_algorithms(True)
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     # Read again at every call: flash is left out, and the CPU has no memory-efficient kernel.
     assert chooser.calls == {"flash": 4, "math": 4}
     assert "flash" not in trainstream.memory_report(model)["attention"]["kernels_now"]
     torch.use_deterministic_algorithms(False)
     trainstream.unwrap(model)
     assert torch.nn.functional.scaled_dot_product_attention is original
-    _train(model, opt, 0)
+    train_steps(model, opt, 0)
     with torch.no_grad():  # unwrapped: no hook is left
         model(batch(0)[0])
     assert chooser.calls == {"flash": 4, "math": 4}

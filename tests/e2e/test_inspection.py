@@ -16,20 +16,13 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, train_steps  # noqa: E402
 
 
 @pytest.fixture
 def daemon_socket(daemon, monkeypatch):
     monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
     return daemon.socket
-
-
-def _train(model, opt, steps, device):
-    for step in range(steps):
-        loss_fn(model, *batch(step, device=device)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def test_pinned_stats_and_the_report_without_a_model_come_from_the_daemon(daemon_socket):
@@ -73,7 +66,7 @@ def test_transfer_stats_count_every_wrapped_model_of_the_process(daemon_socket):
     model = TinyGPT().to(device)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), offload=True,
                                   device=device)
-    _train(model, opt, 2, device)
+    train_steps(model, opt, 2, device)
     during = trainstream.transfer_stats(device)
     assert during["device"] == (str(torch.device("cuda", torch.cuda.current_device()))
                                 if device == "cuda" else "cpu")

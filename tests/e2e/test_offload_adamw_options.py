@@ -15,7 +15,7 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, max_param_diff, train_steps  # noqa: E402
 
 
 @pytest.fixture
@@ -25,18 +25,6 @@ def two_workers(start_daemon, monkeypatch):
     return daemon
 
 
-def _train(model, opt, steps):
-    for step in range(steps):
-        loss_fn(model, *batch(step, device="cpu")).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _max_diff(a, b):
-    return max((p.detach() - q.detach()).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
-
 def test_one_worker_and_small_chunks_follow_stock_adamw(two_workers):
     torch.manual_seed(4)
     ref = TinyGPT()
@@ -44,9 +32,9 @@ def test_one_worker_and_small_chunks_follow_stock_adamw(two_workers):
     assert max(p.numel() for p in ours.parameters()) > 4096  # split into several chunks
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     opt = trainstream.OffloadAdamW(ours.parameters(), lr=3e-3, threads=1, chunk_elems=4096)
-    _train(ref, ref_opt, 5)
-    _train(ours, opt, 5)
-    assert _max_diff(ref, ours) <= 1e-5
+    train_steps(ref, ref_opt, 5)
+    train_steps(ours, opt, 5)
+    assert max_param_diff(ref, ours) <= 1e-5
     spec = opt.stats()["spec"]
     assert spec["threads"] == 1 and int(spec["chunk_elements"]) == 4096
     assert opt.stats()["threads"] == 2  # the daemon's workers, of which the job uses one
@@ -61,10 +49,10 @@ def test_eager_false_waits_for_every_gradient(two_workers):
     waiting, eager = copy.deepcopy(ref), copy.deepcopy(ref)
     opt_waiting = trainstream.OffloadAdamW(waiting.parameters(), lr=3e-3, eager=False)
     opt_eager = trainstream.OffloadAdamW(eager.parameters(), lr=3e-3, eager=None)
-    _train(ref, ref_opt, 3)
-    _train(waiting, opt_waiting, 3)
-    _train(eager, opt_eager, 3)
-    assert _max_diff(ref, waiting) <= 1e-5 and _max_diff(ref, eager) <= 1e-5
+    train_steps(ref, ref_opt, 3)
+    train_steps(waiting, opt_waiting, 3)
+    train_steps(eager, opt_eager, 3)
+    assert max_param_diff(ref, waiting) <= 1e-5 and max_param_diff(ref, eager) <= 1e-5
     assert opt_waiting.stats()["spec"].get("defer_updates") is True
     assert opt_waiting.stats()["last_step"].get("grad_norm", 0) > 0
     assert opt_eager.stats()["last_step"].get("grad_norm", 0) == 0
@@ -72,7 +60,7 @@ def test_eager_false_waits_for_every_gradient(two_workers):
 
 def test_wrap_passes_threads_on(two_workers):
     model, opt = trainstream.wrap(TinyGPT(), device="cpu", offload=True, threads=1)
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     assert opt.stats()["spec"]["threads"] == 1
     trainstream.unwrap(model)
 
@@ -105,7 +93,7 @@ def test_eager_true_and_pinned_moments_are_the_default_behaviour(two_workers):
     ours = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     opt = trainstream.OffloadAdamW(ours.parameters(), lr=3e-3, eager=True, pin_moments=True)
-    _train(ref, ref_opt, 2)
-    _train(ours, opt, 2)
-    assert _max_diff(ref, ours) <= 1e-5
+    train_steps(ref, ref_opt, 2)
+    train_steps(ours, opt, 2)
+    assert max_param_diff(ref, ours) <= 1e-5
     assert not opt.stats()["spec"].get("defer_updates", False)

@@ -70,3 +70,17 @@ def train_steps(model: nn.Module, opt, steps: int, device: str = "cpu", start: i
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def train_steps(model: nn.Module, opt, steps: int, device: str = "cpu") -> None:
+    """``steps`` optimizer steps on the fixed batches, one backward each."""
+    for step in range(steps):
+        loss_fn(model, *batch(step, device=device)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    """The largest difference between the two models' parameters."""
+    return max((p.detach().float() - q.detach().float()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
