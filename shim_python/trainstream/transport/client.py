@@ -292,9 +292,10 @@ def connect(socket: str | None = None, job_id: str = "", rank: int = 0, world_si
     then, for users other than root, the per-user one. If neither answers and ``embedded`` is
     true, starts a private daemon for this process (once) and uses it exactly as it would a
     shared one; it stops when the process exits. The ranks a launcher put on this machine
-    share one such daemon (job_daemon.py), which the local rank 0 starts. A system socket that refuses this user is said
-    in a warning, with the group to join. A socket named where no daemon answers is an error:
-    the job was meant for that daemon, and a private one would train apart from it.
+    share one such daemon (job_daemon.py), which the local rank 0 starts. A system socket
+    that refuses this user is said in a warning, with the group to join. A socket named where
+    no daemon answers is an error: the job was meant for that daemon, and a private one would
+    train apart from it.
     """
     global _embedded_daemon
     named = socket or os.environ.get("TRAINSTREAM_SOCKET") or None
