@@ -20,6 +20,9 @@
 #                                            $OUT/step_N.log): several checks in one device call
 #   scripts/gpu_check.sh hf_matrix           the Hugging Face GPU tests (the model matrix, -s:
 #                                            each case's reasons) and bench/chunked_loss.py
+#   scripts/gpu_check.sh owed                what 2026-12-04 left for the H200, in one call: the
+#                                            GPU tests of what changed (KV cache DMA path,
+#                                            attention=, clipping), generation, attention bench
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -119,6 +122,17 @@ if [[ $what == hf_layer ]]; then
     > "$OUT/hf_trainer.txt" 2>&1 || status=1
   PYTHONUNBUFFERED=1 timeout 400 python3 bench/generation.py --json "$OUT/generation.json" \
     > "$OUT/generation.txt" 2>&1 || status=1
+fi
+if [[ $what == owed ]]; then
+  timeout 150 python3 -m pytest -ra -m gpu tests/e2e/test_paged_kv_cache.py \
+    tests/e2e/test_wrap.py tests/e2e/test_hf_trainer.py > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  timeout 120 python3 -m pytest -ra tests/e2e/test_attention_backend.py \
+    tests/e2e/test_offload_adamw_options.py tests/e2e/test_inspection.py \
+    > "$OUT/pytest_cpu_paths.log" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 170 python3 bench/generation.py --modes dynamic trainstream \
+    --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 120 python3 bench/attention.py --cases qwen7b_512 qwen7b_2k \
+    qwen7b_8k --json "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 || status=1
 fi
 if [[ $what == attention ]]; then
   # wrap(attention="auto")'s pick against PyTorch's on the Qwen2.5 attention shapes.
