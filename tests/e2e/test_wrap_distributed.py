@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -41,8 +42,11 @@ SCRIPT = textwrap.dedent("""
         loss_fn(model, x[share], y[share]).backward()
         opt.step()
         opt.zero_grad()
-    print(f"rank {rank} socket {model._trainstream_session.client.socket_path} job "
-          f"{opt.stats()['job_id']}", flush=True)
+    # One write of the whole line: the ranks share the pipe, and print() may write the text
+    # and its newline apart, between which the other rank's line lands.
+    sys.stdout.flush()
+    os.write(1, (f"rank {rank} socket {model._trainstream_session.client.socket_path} job "
+                 f"{opt.stats()['job_id']}\\n").encode())
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     if distributed:
@@ -71,9 +75,11 @@ def _one_and_two_processes(env, tmp_path):
 
 
 def _ranks(two, field):
-    """{rank: the value after ``field``} from the ranks' lines."""
-    return {line.split()[1]: line.split()[line.split().index(field) + 1]
-            for line in two.stdout.splitlines() if line.startswith("rank ")}
+    """{rank: its ``field`` (socket or job)} from the line each rank wrote."""
+    found = re.findall(r"rank (\d+) socket (\S+) job (\S+)", two.stdout)
+    ranks = {rank: socket if field == "socket" else job for rank, socket, job in found}
+    assert set(ranks) == {"0", "1"}, f"stdout:\n{two.stdout[-3000:]}\nstderr:\n{two.stderr[-3000:]}"
+    return ranks
 
 
 @pytest.mark.parametrize("shared_memory", ["1", "0"])

@@ -72,14 +72,6 @@ def train_steps(model: nn.Module, opt, steps: int, device: str = "cpu", start: i
     return losses
 
 
-def train_steps(model: nn.Module, opt, steps: int, device: str = "cpu") -> None:
-    """``steps`` optimizer steps on the fixed batches, one backward each."""
-    for step in range(steps):
-        loss_fn(model, *batch(step, device=device)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     """The largest difference between the two models' parameters."""
     return max((p.detach().float() - q.detach().float()).abs().max().item()
