@@ -93,6 +93,16 @@ def test_deterministic_mode_leaves_out_flash_in_forward_and_in_recompute(daemon_
     assert chooser.calls == {"flash": 4, "math": 4}
 
 
+def test_a_named_kernel_that_cannot_run_gives_way_in_pytorchs_order(daemon_socket):
+    # No cuDNN attention on a CPU: flash, next in PyTorch's order, runs every call.
+    model, opt = trainstream.wrap(TinyGPT(), device="cpu", offload=True, attention="cudnn")
+    train_steps(model, opt, 2)
+    report = trainstream.memory_report(model)["attention"]
+    assert report["backend"] == "cudnn" and report["kernels_now"][0] == "cudnn"
+    assert report["calls"] == {"flash": 2 * 2}
+    trainstream.unwrap(model)
+
+
 def test_deterministic_warn_only_leaves_out_the_memory_efficient_kernel(deterministic):
     from trainstream.integrations.attention_backend import allowed
 

@@ -67,6 +67,14 @@ def _time_kernel(name: str, args: tuple, kwargs: dict, repeats: int) -> float:
 _ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 
+def _kind(value: Any) -> Any:
+    """What of an argument decides which kernels can run it: a tensor's shape, dtype, device
+    and strides; any other value itself (is_causal, dropout_p, scale, enable_gqa)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.stride())
+    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value)
+
+
 class AttentionBackend:
     """The choice for one wrapped model: ``mode``, ``backend`` (the kernel's name, or None for
     PyTorch's order), ``timings_ms`` (``"auto"``: each kernel's time, or why it could not
@@ -82,6 +90,7 @@ class AttentionBackend:
         self._handles: list = []
         self._depth = 0       # attention modules' calls under way
         self.calls: dict = {}  # kernel -> calls it ran
+        self._first_that_ran: dict = {}  # (kernels, inputs' kind) -> index of the one that ran
 
     # -- the choice ----------------------------------------------------------------------
 
@@ -127,17 +136,23 @@ class AttentionBackend:
         kernels = self._kernels()
         if not kernels:
             return _ORIGINAL_SDPA(*args, **kwargs)
+        # Where the first kernels cannot run inputs of this kind, later calls like it start at
+        # the one that could (no exception a call).
+        key = (tuple(kernels), *(_kind(a) for a in args),
+               tuple(sorted((k, _kind(v)) for k, v in kwargs.items())))
+        start = self._first_that_ran.get(key, 0)
         last = None
-        for kernel in kernels:
+        for index in range(start, len(kernels)):
             try:
-                with sdpa_kernel([kernel]):
+                with sdpa_kernel([kernels[index]]):
                     out = _ORIGINAL_SDPA(*args, **kwargs)
             except RuntimeError as e:  # this kernel cannot run these inputs: the next one
                 if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
                     raise
                 last = e
                 continue
-            name = NAMES[kernel]
+            self._first_that_ran[key] = index
+            name = NAMES[kernels[index]]
             self.calls[name] = self.calls.get(name, 0) + 1
             return out
         raise last
