@@ -3,6 +3,7 @@
 // textfile collector (atomically: a scrape never reads half a file), once or every interval.
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <string>
 
@@ -19,33 +20,19 @@ namespace {
 
 absl::Status ScrapeDaemon(client::ControlChannel& channel, Scrape* s) {
   auto& stub = channel.stub();
-  if (absl::Status st = channel.Call([&](grpc::ClientContext* c) {
-        return stub.GetStatus(c, v1::GetStatusRequest(), &s->status);
-      });
-      !st.ok()) {
-    return st;
+  // Each call in turn; the first that fails ends the scrape with its status.
+  using Rpc = std::function<grpc::Status(grpc::ClientContext*)>;
+  const Rpc calls[] = {
+      [&](grpc::ClientContext* c) { return stub.GetStatus(c, {}, &s->status); },
+      [&](grpc::ClientContext* c) { return stub.GetMemory(c, {}, &s->memory); },
+      [&](grpc::ClientContext* c) { return stub.ListOptimizers(c, {}, &s->optimizers); },
+      [&](grpc::ClientContext* c) { return stub.ListBases(c, {}, &s->bases); },
+      [&](grpc::ClientContext* c) { return stub.ListGpuPools(c, {}, &s->pools); },
+  };
+  for (const Rpc& call : calls) {
+    if (absl::Status status = channel.Call(call); !status.ok()) return status;
   }
-  if (absl::Status st = channel.Call([&](grpc::ClientContext* c) {
-        return stub.GetMemory(c, v1::GetMemoryRequest(), &s->memory);
-      });
-      !st.ok()) {
-    return st;
-  }
-  if (absl::Status st = channel.Call([&](grpc::ClientContext* c) {
-        return stub.ListOptimizers(c, v1::ListOptimizersRequest(), &s->optimizers);
-      });
-      !st.ok()) {
-    return st;
-  }
-  if (absl::Status st = channel.Call([&](grpc::ClientContext* c) {
-        return stub.ListBases(c, v1::ListBasesRequest(), &s->bases);
-      });
-      !st.ok()) {
-    return st;
-  }
-  return channel.Call([&](grpc::ClientContext* c) {
-    return stub.ListGpuPools(c, v1::ListGpuPoolsRequest(), &s->pools);
-  });
+  return absl::OkStatus();
 }
 
 absl::Status WriteAtomically(const std::string& path, const std::string& text) {
