@@ -19,6 +19,7 @@
 #include "rpc/control_listener.h"
 #include "rpc/trainstream_service.h"
 #include "rpc/user_servers.h"
+#include "sessions/granted_files.h"
 #include "sessions/session_registry.h"
 #include "trainstream/status_macros.h"
 #include "trainstream/version.h"
@@ -43,6 +44,7 @@ absl::Status Daemon::Start() {
   arena_options.segment_granularity = options_.segment_granularity;
   ASSIGN_OR_RETURN(arena_, Arena::Create(arena_options));
   credentials_ = std::make_unique<ConnectionCredentials>();
+  granted_files_ = std::make_unique<GrantedFiles>();
 
   // Everything a session held goes when it ends, whatever ended it.
   sessions_ = std::make_unique<SessionRegistry>(
@@ -51,6 +53,7 @@ absl::Status Daemon::Start() {
         if (data_server_) data_server_->Disconnect(s.id);
         if (optimizers_) optimizers_->OnSessionEnded(s, why == SessionEnd::kClosed);
         if (bases_) bases_->OnSessionEnded(s);
+        if (granted_files_) granted_files_->SessionEnded(s.id);
         if (gpu_pools_) gpu_pools_->SessionEnded(s.id);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
@@ -109,7 +112,8 @@ absl::Status Daemon::Start() {
                                               options_.admin_group,
                                               options_.max_connections_per_uid},
                                              sessions_.get(), arena_.get(), doorbells_.get(),
-                                             events_.get(), bases_.get(), gpu_pools_.get()));
+                                             events_.get(), bases_.get(), granted_files_.get(),
+                                             gpu_pools_.get()));
 
   DaemonFacts facts;
   facts.version = kTrainStreamVersion;
@@ -129,7 +133,7 @@ absl::Status Daemon::Start() {
   const std::string no_pools_note = facts.gpus.gpus.empty() ? facts.gpus.note : "";
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
-      optimizers_.get(), bases_.get(),
+      optimizers_.get(), bases_.get(), granted_files_.get(),
       GpuPoolAccess{gpu_pools_.get(), base_pools_.get(), no_pools_note}});
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(

@@ -20,6 +20,7 @@ class ConnectionCredentials;
 class DataChannelServer;
 class DoorbellDispatcher;
 class EventLog;
+class GrantedFiles;
 class GpuPools;
 class OptimizerRegistry;
 class SessionRegistry;
@@ -50,6 +51,7 @@ class Daemon {
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<ConnectionCredentials> credentials_;
+  std::unique_ptr<GrantedFiles> granted_files_;  // before sessions_: ended sessions close theirs
   std::unique_ptr<SessionRegistry> sessions_;
   std::unique_ptr<DoorbellDispatcher> doorbells_;
   std::unique_ptr<OptimizerRegistry> optimizers_;  // after doorbells_: destroyed before them

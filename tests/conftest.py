@@ -76,9 +76,16 @@ class Daemon:
     """A trainstreamd process on a private socket."""
 
     def __init__(self, binary: str, args: list[str], socket_mode: str = "0600",
-                 config: str = ""):
+                 config: str = "", user: str | None = None):
         self.directory = tempfile.mkdtemp(prefix="tsd-")
         os.chmod(self.directory, 0o755)
+        identity = {}
+        if user is not None:  # as a system service runs it: its own account owns its sockets
+            import pwd
+
+            account = pwd.getpwnam(user)
+            os.chown(self.directory, account.pw_uid, account.pw_gid)
+            identity = dict(user=account.pw_uid, group=account.pw_gid, extra_groups=[])
         self.socket = os.path.join(self.directory, "d.sock")
         self.config = os.path.join(self.directory, "d.conf")
         with open(self.config, "w") as f:
@@ -87,7 +94,7 @@ class Daemon:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [binary, f"--socket={self.socket}", f"--config={self.config}", *args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, **identity)
         deadline = time.monotonic() + 15
         while not os.path.exists(self.socket + ".data") or not os.path.exists(self.socket):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -132,9 +139,11 @@ class Daemon:
 def start_daemon(trainstreamd_binary):
     started: list[Daemon] = []
 
-    def start(*args: str, socket_mode: str = "0600", config: str = "") -> Daemon:
-        """A daemon with these flags; ``config``: more lines of its config file."""
-        d = Daemon(trainstreamd_binary, list(args), socket_mode, config)
+    def start(*args: str, socket_mode: str = "0600", config: str = "",
+              user: str | None = None) -> Daemon:
+        """A daemon with these flags; ``config``: more lines of its config file; ``user``: the
+        account it runs as (root's test process starts it)."""
+        d = Daemon(trainstreamd_binary, list(args), socket_mode, config, user)
         started.append(d)
         return d
 

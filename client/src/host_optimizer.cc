@@ -439,21 +439,43 @@ absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64
 
 absl::StatusOr<uint64_t> HostOptimizer::Save(const std::string& path) {
   Session::Impl& impl = *session_.impl_;
-  v1::CheckpointRequest request;
-  request.set_session_id(impl.id());
-  request.set_path(path);
-  v1::CheckpointReply reply;
-  RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
-    return impl.channel().stub().SaveCheckpoint(c, request, &reply);
-  }, kLongCallTimeout));
-  return reply.bytes();
+  // This process creates the file, with its own rights, and the daemon writes it: the
+  // checkpoint is the caller's, wherever the caller may write, whichever user the daemon is.
+  std::string temporary;
+  ASSIGN_OR_RETURN(CallerFile file, CreateCheckpointTemporary(path, &temporary));
+  auto written = [&]() -> absl::StatusOr<uint64_t> {
+    std::vector<CallerFile> files;
+    files.push_back(CallerFile{file.name, std::move(file.fd)});
+    ASSIGN_OR_RETURN(const uint64_t grant, impl.GrantFiles(files));
+    files.clear();  // the daemon holds its own descriptor now
+    v1::CheckpointRequest request;
+    request.set_session_id(impl.id());
+    request.set_path(file.name);
+    request.set_file_grant(grant);
+    v1::CheckpointReply reply;
+    RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
+      return impl.channel().stub().SaveCheckpoint(c, request, &reply);
+    }, kLongCallTimeout));
+    return reply.bytes();
+  }();
+  if (!written.ok()) {
+    ::unlink(temporary.c_str());
+    return written;
+  }
+  RETURN_IF_ERROR(CommitCheckpoint(temporary, file.name));
+  return written;
 }
 
 absl::Status HostOptimizer::Load(const std::string& path) {
   Session::Impl& impl = *session_.impl_;
+  std::vector<CallerFile> files;
+  ASSIGN_OR_RETURN(CallerFile file, OpenForReading(path));
+  files.push_back(std::move(file));
+  ASSIGN_OR_RETURN(const uint64_t grant, impl.GrantFiles(files));
   v1::CheckpointRequest request;
   request.set_session_id(impl.id());
-  request.set_path(path);
+  request.set_path(files.front().name);
+  request.set_file_grant(grant);
   v1::CheckpointReply reply;
   ForgetNotices();
   return impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {

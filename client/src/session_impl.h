@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "caller_files.h"
 #include "control_channel.h"
 #include "gpu_pool_mapping.h"
 #include "ipc/doorbell_ring.h"
@@ -252,11 +253,36 @@ class Session::Impl {
     return ToJson(reply);
   }
 
+  // Hands `files` to the daemon (DataRequest.grant_files), as many a message as one may carry;
+  // returns the grant's id for the request that is to use them.
+  absl::StatusOr<uint64_t> GrantFiles(const std::vector<CallerFile>& files) {
+    RETURN_IF_ERROR(CheckUsable());
+    uint64_t grant = 0;
+    for (size_t start = 0; start < files.size(); start += ipc::kMaxFdsPerDatagram) {
+      const size_t end = std::min(files.size(), start + ipc::kMaxFdsPerDatagram);
+      v1::DataRequest request;
+      request.mutable_grant_files()->set_grant(grant);
+      std::vector<int> fds;
+      for (size_t i = start; i < end; ++i) {
+        request.mutable_grant_files()->add_names(files[i].name);
+        fds.push_back(files[i].fd.get());
+      }
+      ASSIGN_OR_RETURN(ParsedReply reply, DataExchangeParsed(request, 0, fds));
+      grant = reply.reply.grant();
+    }
+    return grant;
+  }
+
   absl::StatusOr<std::string> LoadBase(const Session::LoadBaseOptions& options) {
     RETURN_IF_ERROR(CheckUsable());
+    // The files are opened here, with this process's rights, and handed over: the daemon reads
+    // what the caller could, whichever user it runs as.
+    ASSIGN_OR_RETURN(CheckpointFiles files, OpenCheckpointFiles(options.path));
+    ASSIGN_OR_RETURN(const uint64_t grant, GrantFiles(files.files));
     v1::LoadBaseRequest request;
     request.set_session_id(id_);
-    request.set_path(options.path);
+    request.set_path(files.path);
+    request.set_file_grant(grant);
     request.set_format(options.format);
     request.set_block(options.block);
     for (const std::string& name : options.quantize) request.add_quantize(name);
@@ -385,9 +411,10 @@ class Session::Impl {
   };
   // One request and its reply on the data socket, serialised with other exchanges.
   absl::StatusOr<ParsedReply> DataExchangeParsed(const v1::DataRequest& request,
-                                                 size_t max_fds) {
+                                                 size_t max_fds,
+                                                 std::span<const int> send_fds = {}) {
     absl::MutexLock lock(&data_mu_);
-    RETURN_IF_ERROR(ipc::SendMessage(data_.get(), request.SerializeAsString()));
+    RETURN_IF_ERROR(ipc::SendMessage(data_.get(), request.SerializeAsString(), send_fds));
     ASSIGN_OR_RETURN(ipc::ReceivedMessage answer,
                      ipc::ReceiveMessage(data_.get(), max_fds,
                                          static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));

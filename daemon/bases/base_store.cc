@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "bases/base_store.h"
 
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -76,7 +75,8 @@ BaseStore::~BaseStore() {
 }
 
 absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
-                                             const BaseLoadRequest& request) {
+                                             const BaseLoadRequest& request,
+                                             const FileSource* granted) {
   if (request.path.empty() || request.path[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrFormat("base path '%s' must be absolute", request.path));
@@ -98,7 +98,12 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   const int block = quant ? kernels::LayoutFor(*quant, 2, request.block)->block : 0;
   const std::set<std::string> chosen(request.quantize.begin(), request.quantize.end());
   std::unique_ptr<CheckpointSet> checkpoint;
-  {
+  if (granted != nullptr) {
+    // The caller's own descriptors: the kernel checked its rights when it opened them.
+    absl::StatusOr<CheckpointSet> opened = CheckpointSet::Open(request.path, *granted);
+    if (!opened.ok()) return opened.status();
+    checkpoint = std::make_unique<CheckpointSet>(*std::move(opened));
+  } else {
     // Every file is opened as the caller: the kernel checks its rights on the way (when the
     // daemon can't take them, the permission bits of each file's real path are checked).
     absl::StatusOr<std::unique_ptr<CallerFiles>> as_caller = CallerFiles::Enter(session.owner);
@@ -123,16 +128,12 @@ absl::StatusOr<BaseSnapshot> BaseStore::Load(const Session& session,
   const std::string path = checkpoint->index_path().empty()
                                ? checkpoint->files().front()->path()
                                : checkpoint->index_path();
-  // Two requests for the same content are one base: same user, files (by real path, size and
-  // modification time), format, block and the set of names to quantize.
+  // Two requests for the same content are one base: same user, files (by device and inode,
+  // size and modification time, whichever name or descriptor led to them), format, block and
+  // the set of names to quantize.
   std::string key = absl::StrCat(session.owner.uid, "\n", request.format, "\n", block, "\n",
                                  absl::StrJoin(chosen, "\n"), "\n\n");
-  for (const auto& file : checkpoint->files()) {
-    struct stat st {};
-    ::stat(file->path().c_str(), &st);
-    absl::StrAppend(&key, file->path(), "\n", st.st_size, "\n", st.st_mtim.tv_sec, ".",
-                    st.st_mtim.tv_nsec, "\n");
-  }
+  for (const auto& file : checkpoint->files()) absl::StrAppend(&key, file->Identity(), "\n");
 
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the daemon is stopping");

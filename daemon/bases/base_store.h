@@ -25,6 +25,7 @@
 #include "arena/arena.h"
 #include "cpu/quantize.h"
 #include "events/event_log.h"
+#include "safetensors/file_source.h"
 #include "safetensors/tensor_reader.h"
 #include "sessions/session.h"
 
@@ -95,7 +96,10 @@ class BaseStore {
   // Attaches `session` to the base of that checkpoint and format, starting its load when no
   // base of the user holds it. Returns at once (state kLoading while it reads). Checks that
   // the caller may read every file; refuses with the numbers when host memory can't hold it.
-  absl::StatusOr<BaseSnapshot> Load(const Session& session, const BaseLoadRequest& request);
+  // With `granted`, the files are the descriptors the client handed over (its rights were
+  // checked when it opened them) and nothing else is opened.
+  absl::StatusOr<BaseSnapshot> Load(const Session& session, const BaseLoadRequest& request,
+                                    const FileSource* granted = nullptr);
   // The base as it is now. NOT_FOUND for a base of another uid (unless `admin`).
   absl::StatusOr<BaseSnapshot> Get(uid_t uid, bool admin, uint64_t id) const;
   absl::Status Detach(const Session& session, uint64_t id);

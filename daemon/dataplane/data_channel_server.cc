@@ -40,7 +40,8 @@ absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool 
 
 absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     const Options& options, SessionRegistry* registry, Arena* arena,
-    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases, GpuPools* gpu_pools) {
+    DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
+    GrantedFiles* granted_files, GpuPools* gpu_pools) {
   ASSIGN_OR_RETURN(ipc::UniqueFd listener,
                    ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
   ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
@@ -54,14 +55,16 @@ absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
   }
   return std::unique_ptr<DataChannelServer>(
       new DataChannelServer(options, std::move(listener), std::move(epoll), std::move(stop),
-                            registry, arena, doorbells, events, bases, gpu_pools));
+                            registry, arena, doorbells, events, bases, granted_files,
+                            gpu_pools));
 }
 
 DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd listener,
                                      ipc::UniqueFd epoll, ipc::UniqueFd stop,
                                      SessionRegistry* registry, Arena* arena,
                                      DoorbellDispatcher* doorbells, EventLog* events,
-                                     BaseStore* bases, GpuPools* gpu_pools)
+                                     BaseStore* bases, GrantedFiles* granted_files,
+                                     GpuPools* gpu_pools)
     : options_(options),
       listener_(std::move(listener)),
       epoll_(std::move(epoll)),
@@ -71,6 +74,7 @@ DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd liste
       doorbells_(doorbells),
       events_(events),
       bases_(bases),
+      granted_files_(granted_files),
       gpu_pools_(gpu_pools),
       limit_(options.max_connections_per_uid) {
   thread_ = std::thread([this] { Loop(); });
@@ -183,7 +187,9 @@ void DataChannelServer::Close(int fd) {
 
 bool DataChannelServer::Serve(Connection& connection) {
   const int fd = connection.fd.get();
-  absl::StatusOr<ipc::ReceivedMessage> message = ipc::ReceiveMessage(fd, 0, 0);
+  // Only grant_files carries descriptors; any another request brings is closed unused.
+  absl::StatusOr<ipc::ReceivedMessage> message =
+      ipc::ReceiveMessage(fd, ipc::kMaxFdsPerDatagram, 0);
   if (!message.ok()) {
     if (message.status().code() == absl::StatusCode::kDeadlineExceeded) return true;  // spurious
     return false;
@@ -191,6 +197,11 @@ bool DataChannelServer::Serve(Connection& connection) {
   v1::DataRequest request;
   if (!request.ParseFromString(message->payload)) {
     return Reply(fd, absl::InvalidArgumentError("data-socket message is not a DataRequest")).ok();
+  }
+  if (!message->fds.empty() && request.request_case() != v1::DataRequest::kGrantFiles) {
+    return Reply(fd, absl::InvalidArgumentError(
+                         "only grant_files carries descriptors; the ones sent were closed"))
+        .ok();
   }
   switch (request.request_case()) {
     case v1::DataRequest::kAttach: {
@@ -253,6 +264,22 @@ bool DataChannelServer::Serve(Connection& connection) {
         reply.set_legacy_ipc_handle(pool->legacy_handle.data(), pool->legacy_handle.size());
       }
       return ipc::SendMessage(fd, reply.SerializeAsString(), fds).ok();
+    }
+    case v1::DataRequest::kGrantFiles: {
+      if (!connection.session) {
+        return Reply(fd, absl::FailedPreconditionError(
+                             "attach a session on this connection before handing over files"))
+            .ok();
+      }
+      const v1::DataRequest::GrantFiles& files = request.grant_files();
+      absl::StatusOr<uint64_t> grant =
+          granted_files_->Add(connection.session->id, files.grant(),
+                              {files.names().begin(), files.names().end()},
+                              std::move(message->fds));
+      if (!grant.ok()) return Reply(fd, grant.status()).ok();
+      v1::DataReply reply;
+      reply.set_grant(*grant);
+      return ipc::SendMessage(fd, reply.SerializeAsString()).ok();
     }
     default:
       return Reply(fd, absl::InvalidArgumentError("empty or unknown data-socket request")).ok();

@@ -19,6 +19,7 @@
 #include "gpu/gpu_pools.h"
 #include "ipc/accept.h"
 #include "sessions/connection_limit.h"
+#include "sessions/granted_files.h"
 #include "ipc/unique_fd.h"
 #include "sessions/session_registry.h"
 
@@ -28,8 +29,9 @@ namespace trainstream::daemon {
 // descriptors (SCM_RIGHTS). Each session keeps exactly one connection open for its whole life;
 // the daemon ends the session the moment that connection closes (a crashed or killed client
 // included), so its memory (and its imports of GPU pools) is reclaimed without waiting for the
-// lease. Requests and replies
-// are trainstream.v1.DataRequest / DataReply. One thread, epoll. Thread-safe.
+// lease. Clients also hand over files they opened with their own rights (grant_files), for
+// the daemon to read or write in their place. Requests and replies are
+// trainstream.v1.DataRequest / DataReply. One thread, epoll. Thread-safe.
 class DataChannelServer {
  public:
   struct Options {
@@ -41,7 +43,7 @@ class DataChannelServer {
   static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
       const Options& options, SessionRegistry* registry, Arena* arena,
       DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
-      GpuPools* gpu_pools = nullptr);
+      GrantedFiles* granted_files, GpuPools* gpu_pools = nullptr);
   ~DataChannelServer();
 
   // Closes the session's data connection if it has one (after the session ended elsewhere).
@@ -57,7 +59,7 @@ class DataChannelServer {
   DataChannelServer(const Options& options, ipc::UniqueFd listener, ipc::UniqueFd epoll,
                     ipc::UniqueFd stop, SessionRegistry* registry, Arena* arena,
                     DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
-                    GpuPools* gpu_pools);
+                    GrantedFiles* granted_files, GpuPools* gpu_pools);
   void Loop();
   void Accept();
   // Returns false when the connection must close.
@@ -73,6 +75,7 @@ class DataChannelServer {
   DoorbellDispatcher* const doorbells_;
   EventLog* const events_;
   BaseStore* const bases_;  // a base's segments, for the sessions attached to it
+  GrantedFiles* const granted_files_;  // files clients opened and hand over (grant_files)
   GpuPools* const gpu_pools_;  // pools' handles, for the sessions that imported them
   absl::Mutex mu_;
   std::map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);

@@ -2,8 +2,6 @@
 #include "optimizer/checkpoint.h"
 
 #include <fcntl.h>
-#include <signal.h>
-#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -11,16 +9,16 @@
 
 #include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/strings/str_format.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "ipc/checkpoint_temporaries.h"
 #include "ipc/unique_fd.h"
 #include "safetensors/safetensors_file.h"
 #include "trainstream/status_macros.h"
@@ -147,57 +145,22 @@ const google::protobuf::Value* Field(const google::protobuf::Struct& s, const st
 
 namespace {
 
-// A daemon killed mid-save leaves its temporary (`<path>.tmp-<pid>-<16 hex digits>`) behind,
-// up to the checkpoint's size: the next save to that path removes those whose writer is gone.
-void RemoveAbandonedTemporaries(const std::string& path) {
-  const std::filesystem::path target(path);
-  const std::string prefix = target.filename().string() + ".tmp-";
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(target.parent_path(), ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) != 0 || !entry.is_regular_file(ec)) continue;
-    const std::string rest = name.substr(prefix.size());  // <pid>-<hex>
-    const size_t dash = rest.find('-');
-    if (dash == std::string::npos || rest.size() - dash - 1 != 16) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(rest.c_str(), &end, 10);
-    if (end != rest.c_str() + dash || pid <= 0) continue;
-    if (rest.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) continue;
-    if (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) {
-      continue;  // a save in progress, here or in a live process
-    }
-    std::filesystem::remove(entry.path(), ec);
-  }
-}
-
-// The write itself, on the calling thread (WriteCheckpoint gives it a thread of its own).
-absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
-                                             const CheckpointContents& contents);
-
-}  // namespace
-
-absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
-                                         const CheckpointContents& contents) {
-  // On a thread of its own at background priority: a save of gigabytes copies them through the
-  // kernel on one core, and the other jobs' steps, on the daemon's other threads, come first
-  // (the thread is new each time, since a thread cannot raise its priority back).
+// Runs `write` on a thread of its own at background priority: a save of gigabytes copies them
+// through the kernel on one core, and the other jobs' steps, on the daemon's other threads,
+// come first (the thread is new each time, since a thread cannot raise its priority back).
+absl::StatusOr<uint64_t> InBackground(const std::function<absl::StatusOr<uint64_t>()>& write) {
   absl::StatusOr<uint64_t> written = absl::InternalError("the checkpoint writer did not run");
   std::thread writer([&] {
     LowerThisThreadsPriority();
-    written = WriteCheckpointHere(path, contents);
+    written = write();
   });
   writer.join();
   return written;
 }
 
-namespace {
-
-absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
-                                             const CheckpointContents& contents) {
-  if (path.empty() || path[0] != '/') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint path '", path, "' must be absolute"));
-  }
+// The checkpoint's bytes, from the current offset of `fd`, then fsync. Returns the bytes.
+absl::StatusOr<uint64_t> WriteContents(int fd, const std::string& name,
+                                       const CheckpointContents& contents) {
   std::string header = absl::StrCat("{\"__metadata__\":{\"format\":\"", kFormat,
                                     "\",\"trainstream\":", JsonString(MetadataJson(contents)),
                                     "}");
@@ -211,46 +174,72 @@ absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
   }
   header += "}";
   header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
-  RemoveAbandonedTemporaries(path);
-
-  // Unique beside concurrent writers of the same path; the pid alone would do within one daemon.
-  uint64_t random = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
-  if (::getrandom(&random, sizeof(random), GRND_NONBLOCK) != sizeof(random)) random ^= ::getpid();
-  const std::string temporary = absl::StrFormat("%s.tmp-%d-%016x", path, ::getpid(), random);
-  ipc::UniqueFd fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", temporary));
-  auto fail = [&](absl::Status status) {
-    ::unlink(temporary.c_str());
-    return status;
-  };
   const uint64_t header_size = header.size();
   uint8_t size_bytes[8];
   for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<uint8_t>(header_size >> (8 * i));
-  StreamingWriter out(fd.get(), temporary);
-  if (absl::Status s = out.Write(size_bytes, 8); !s.ok()) return fail(s);
-  if (absl::Status s = out.Write(header.data(), header.size()); !s.ok()) return fail(s);
+  StreamingWriter out(fd, name);
+  RETURN_IF_ERROR(out.Write(size_bytes, 8));
+  RETURN_IF_ERROR(out.Write(header.data(), header.size()));
   for (const CheckpointArray& a : contents.arrays) {
-    absl::Status s = out.Write(a.data, a.numel * kernels::ElementSize(a.type));
-    if (!s.ok()) return fail(s);
+    RETURN_IF_ERROR(out.Write(a.data, a.numel * kernels::ElementSize(a.type)));
   }
-  if (::fsync(fd.get()) != 0) return fail(ErrnoStatus(errno, absl::StrCat("fsync ", temporary)));
+  if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrCat("fsync ", name));
+  return 8 + header_size + offset;
+}
+
+absl::StatusOr<uint64_t> WriteCheckpointHere(const std::string& path,
+                                             const CheckpointContents& contents) {
+  if (path.empty() || path[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint path '", path, "' must be absolute"));
+  }
+  ipc::RemoveAbandonedTemporaries(path);
+  const std::string temporary = ipc::CheckpointTemporaryName(path);
+  ipc::UniqueFd fd(::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("creating ", temporary));
+  absl::StatusOr<uint64_t> written = WriteContents(fd.get(), temporary, contents);
   fd.Reset();
+  if (!written.ok()) {
+    ::unlink(temporary.c_str());
+    return written;
+  }
   if (::rename(temporary.c_str(), path.c_str()) != 0) {
-    return fail(ErrnoStatus(errno, absl::StrCat("renaming the checkpoint to ", path)));
+    const absl::Status failed =
+        ErrnoStatus(errno, absl::StrCat("renaming the checkpoint to ", path));
+    ::unlink(temporary.c_str());
+    return failed;
   }
   const std::string directory = std::filesystem::path(path).parent_path().string();
   ipc::UniqueFd dir(::open(directory.empty() ? "/" : directory.c_str(),
                            O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir.valid()) ::fsync(dir.get());
-  return 8 + header_size + offset;
+  return written;
 }
 
 }  // namespace
 
+absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
+                                         const CheckpointContents& contents) {
+  return InBackground([&] { return WriteCheckpointHere(path, contents); });
+}
+
+absl::StatusOr<uint64_t> WriteCheckpointToFile(int fd, const std::string& name,
+                                               const CheckpointContents& contents) {
+  return InBackground([&]() -> absl::StatusOr<uint64_t> {
+    // Whatever the file held before goes; its offset is shared with the client that opened it,
+    // which waits for this request.
+    if (::ftruncate(fd, 0) != 0 || ::lseek(fd, 0, SEEK_SET) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("truncating ", name));
+    }
+    return WriteContents(fd, name, contents);
+  });
+}
+
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
-                                                  const CheckpointContents& expected) {
+                                                  const CheckpointContents& expected,
+                                                  const FileSource& source) {
   // Its header lists every parameter of the job: more than a model checkpoint's.
-  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path, uint64_t{256} << 20);
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path, uint64_t{256} << 20, source);
   if (!file.ok()) return file.status();
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", why));

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "optimizer/optimizer_settings.h"
+#include "safetensors/file_source.h"
 
 namespace trainstream::daemon {
 
@@ -39,11 +40,18 @@ struct CheckpointContents {
 absl::StatusOr<uint64_t> WriteCheckpoint(const std::string& path,
                                          const CheckpointContents& contents);
 
+// Writes the checkpoint into `fd` (a regular file open for writing, which a client opened with
+// its own rights) from its start, truncating what was there, and fsyncs it; the client renames
+// it into place. `name` is the file's name in errors.
+absl::StatusOr<uint64_t> WriteCheckpointToFile(int fd, const std::string& name,
+                                               const CheckpointContents& contents);
+
 // Reads `path` into the arrays of `expected` after checking that its parameters, dtypes and
 // sizes match; returns the file's iteration and per-parameter steps. Errors name the file and
 // the tensor or field at fault.
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path,
-                                                  const CheckpointContents& expected);
+                                                  const CheckpointContents& expected,
+                                                  const FileSource& source = Filesystem());
 
 }  // namespace trainstream::daemon
 

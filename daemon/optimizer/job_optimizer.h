@@ -135,7 +135,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
 
   // Checkpoints (see checkpoint.h). FAILED_PRECONDITION while a step is in progress.
   absl::StatusOr<uint64_t> Save(const std::string& path);
-  absl::Status Load(const std::string& path);
+  // Into a file the client opened and handed over (`name` for errors).
+  absl::StatusOr<uint64_t> SaveTo(int fd, const std::string& name);
+  absl::Status Load(const std::string& path, const FileSource& source = Filesystem());
 
   OptimizerReport Report() const;
   bool has_sessions() const;

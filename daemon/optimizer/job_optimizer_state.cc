@@ -58,7 +58,16 @@ absl::StatusOr<uint64_t> JobOptimizer::Save(const std::string& path) {
   return WriteCheckpoint(path, ContentsLocked());
 }
 
-absl::Status JobOptimizer::Load(const std::string& path) {
+absl::StatusOr<uint64_t> JobOptimizer::SaveTo(int fd, const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (InProgressLocked()) {
+    return absl::FailedPreconditionError("a step is in progress; checkpoint between steps");
+  }
+  if (!registered_) return absl::FailedPreconditionError("no parameters are registered yet");
+  return WriteCheckpointToFile(fd, name, ContentsLocked());
+}
+
+absl::Status JobOptimizer::Load(const std::string& path, const FileSource& source) {
   absl::MutexLock lock(&mu_);
   // A failed iteration's update still queued would otherwise write over the restored state.
   if (!failure_.empty()) AwaitTasksLocked();
@@ -69,7 +78,7 @@ absl::Status JobOptimizer::Load(const std::string& path) {
     return absl::FailedPreconditionError("register the parameters before restoring a checkpoint");
   }
   // The live arrays are the destination; they are written only after the whole file checks out.
-  ASSIGN_OR_RETURN(CheckpointContents loaded, ReadCheckpoint(path, ContentsLocked()));
+  ASSIGN_OR_RETURN(CheckpointContents loaded, ReadCheckpoint(path, ContentsLocked(), source));
   iteration_ = loaded.iteration;
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].param_step = loaded.params[i].step;

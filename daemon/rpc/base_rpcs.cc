@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared frozen bases: load (or attach to) a base, read its state, detach, list.
+#include <optional>
+
 #include "absl/strings/str_format.h"
 #include "rpc/optimizer_conversion.h"
 #include "rpc/request_validation.h"
@@ -58,6 +60,16 @@ void ToProto(const BaseSnapshot& s, v1::BaseInfo* out) {
 absl::Status TrainStreamService::ServeLoadBase(grpc::ServerContext* context,
                                                const v1::LoadBaseRequest* request,
                                                v1::BaseInfo* reply) {
+  absl::StatusOr<std::shared_ptr<const Session>> session =
+      CallersSession(context, request->session_id());
+  if (!session.ok()) return session.status();
+  // Taken before anything else can fail: a refused request leaves no descriptor behind.
+  std::optional<FileGrant> granted;
+  if (request->file_grant() != 0) {
+    absl::StatusOr<FileGrant> taken = granted_files_->Take((*session)->id, request->file_grant());
+    if (!taken.ok()) return taken.status();
+    granted = *std::move(taken);
+  }
   if (request->path().size() > kMaxPathBytes || request->name().size() > kMaxNameLength ||
       request->quantize_size() > kMaxQuantizeNames) {
     return absl::InvalidArgumentError(
@@ -68,9 +80,6 @@ absl::Status TrainStreamService::ServeLoadBase(grpc::ServerContext* context,
       return absl::InvalidArgumentError("a base name holds no control characters");
     }
   }
-  absl::StatusOr<std::shared_ptr<const Session>> session =
-      CallersSession(context, request->session_id());
-  if (!session.ok()) return session.status();
   BaseLoadRequest load;
   load.path = request->path();
   load.format = request->format().empty() ? "bf16" : request->format();
@@ -78,7 +87,8 @@ absl::Status TrainStreamService::ServeLoadBase(grpc::ServerContext* context,
   load.quantize.assign(request->quantize().begin(), request->quantize().end());
   load.name = request->name();
   load.plan_only = request->plan_only();
-  absl::StatusOr<BaseSnapshot> base = bases_->Load(**session, load);
+  absl::StatusOr<BaseSnapshot> base =
+      bases_->Load(**session, load, granted ? &*granted : nullptr);
   if (!base.ok()) {
     events_->Emit("base.refused", std::string(base.status().message()), {}, (*session)->id,
                   (*session)->owner.uid);

@@ -25,19 +25,44 @@ absl::Status TrainStreamService::CheckCheckpointPath(const PeerCredentials& call
   // The daemon opens the file with its own identity, so it does so only for its own user.
   if (::geteuid() != caller.uid) {
     return absl::PermissionDeniedError(absl::StrFormat(
-        "this trainstreamd runs as uid %d and writes checkpoint files only for that user; "
-        "export the state with state_dict() instead",
+        "this trainstreamd runs as uid %d and opens checkpoint paths only for that user; hand "
+        "the file over instead (DataRequest.grant_files and file_grant, as trainstream's "
+        "client does)",
         ::geteuid()));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
-TrainStreamService::CheckpointTarget(grpc::ServerContext* context,
-                                     const v1::CheckpointRequest& request) {
-  ASSIGN_OR_RETURN(auto found, CallersOptimizer(context, request.session_id()));
-  RETURN_IF_ERROR(CheckCheckpointPath(found.first->owner, request.path()));
-  return found;
+absl::StatusOr<TrainStreamService::CheckpointCall> TrainStreamService::CheckpointTarget(
+    grpc::ServerContext* context, const v1::CheckpointRequest& request, bool write) {
+  CheckpointCall call;
+  ASSIGN_OR_RETURN(call.session, CallersSession(context, request.session_id()));
+  if (request.file_grant() != 0) {
+    ASSIGN_OR_RETURN(call.file, CheckpointFile(*call.session, request, write));
+  } else {
+    RETURN_IF_ERROR(CheckCheckpointPath(call.session->owner, request.path()));
+  }
+  ASSIGN_OR_RETURN(call.optimizer, optimizers_->ForSession(*call.session));
+  return call;
+}
+
+absl::StatusOr<FileGrant> TrainStreamService::CheckpointFile(
+    const Session& session, const v1::CheckpointRequest& request, bool write) {
+  ASSIGN_OR_RETURN(FileGrant grant, granted_files_->Take(session.id, request.file_grant()));
+  const std::map<std::string, GrantedFile>& files = grant.files();
+  const auto it = files.find(request.path());
+  if (files.size() != 1 || it == files.end()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a checkpoint's grant holds its one file, named as the request's path %s (this one "
+        "holds %d files)",
+        request.path(), files.size()));
+  }
+  if (write ? !it->second.writable : !it->second.readable) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s was handed over for %s only; the checkpoint is to be %s", request.path(),
+        write ? "reading" : "writing", write ? "written" : "read"));
+  }
+  return grant;
 }
 
 absl::Status TrainStreamService::ServeCreateOptimizer(grpc::ServerContext* context,
@@ -135,16 +160,19 @@ absl::Status TrainStreamService::ServeSetOptimizerStep(grpc::ServerContext* cont
 absl::Status TrainStreamService::ServeSaveCheckpoint(grpc::ServerContext* context,
                                                      const v1::CheckpointRequest* request,
                                                      v1::CheckpointReply* reply) {
-  auto found = CheckpointTarget(context, *request);
-  if (!found.ok()) return found.status();
-  auto& [session, optimizer] = *found;
+  absl::StatusOr<CheckpointCall> call = CheckpointTarget(context, *request, /*write=*/true);
+  if (!call.ok()) return call.status();
+  const std::shared_ptr<const Session>& session = call->session;
   const absl::Time start = absl::Now();
-  absl::StatusOr<uint64_t> bytes = optimizer->Save(request->path());
+  absl::StatusOr<uint64_t> bytes =
+      call->file ? call->optimizer->SaveTo(call->file->files().at(request->path()).fd.get(),
+                                           request->path())
+                 : call->optimizer->Save(request->path());
   if (!bytes.ok()) return bytes.status();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   reply->set_bytes(*bytes);
   reply->set_seconds(seconds);
-  reply->set_step(optimizer->Report().iteration);
+  reply->set_step(call->optimizer->Report().iteration);
   events_->Emit("optimizer.checkpoint_saved",
                 absl::StrFormat("optimizer state written to %s", request->path()),
                 {{"bytes", static_cast<double>(*bytes)},
@@ -157,14 +185,15 @@ absl::Status TrainStreamService::ServeSaveCheckpoint(grpc::ServerContext* contex
 absl::Status TrainStreamService::ServeLoadCheckpoint(grpc::ServerContext* context,
                                                      const v1::CheckpointRequest* request,
                                                      v1::CheckpointReply* reply) {
-  auto found = CheckpointTarget(context, *request);
-  if (!found.ok()) return found.status();
-  auto& [session, optimizer] = *found;
+  absl::StatusOr<CheckpointCall> call = CheckpointTarget(context, *request, /*write=*/false);
+  if (!call.ok()) return call.status();
+  const std::shared_ptr<const Session>& session = call->session;
   const absl::Time start = absl::Now();
-  absl::Status loaded = optimizer->Load(request->path());
+  absl::Status loaded = call->file ? call->optimizer->Load(request->path(), *call->file)
+                                   : call->optimizer->Load(request->path());
   if (!loaded.ok()) return loaded;
   reply->set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-  reply->set_step(optimizer->Report().iteration);
+  reply->set_step(call->optimizer->Report().iteration);
   events_->Emit("optimizer.checkpoint_loaded",
                 absl::StrFormat("optimizer state restored from %s", request->path()),
                 {{"step", static_cast<double>(reply->step())}}, session->id, session->owner.uid);

@@ -27,7 +27,7 @@ TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identi
                                        SessionRegistry* sessions, Arena* arena, EventLog* events,
                                        const ConnectionCredentials* credentials,
                                        OptimizerRegistry* optimizers, BaseStore* bases,
-                                       GpuPoolAccess gpu_pools)
+                                       GrantedFiles* granted_files, GpuPoolAccess gpu_pools)
     : facts_(std::move(facts)),
       identity_(identity),
       sessions_(sessions),
@@ -36,6 +36,7 @@ TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identi
       credentials_(credentials),
       optimizers_(optimizers),
       bases_(bases),
+      granted_files_(granted_files),
       gpu_pools_(std::move(gpu_pools)) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {

@@ -3,6 +3,7 @@
 #define TRAINSTREAM_DAEMON_RPC_TRAINSTREAM_SERVICE_H_
 
 #include <atomic>
+#include <optional>
 #include <string>
 
 #include "absl/time/time.h"
@@ -14,6 +15,7 @@
 #include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
 #include "rpc/reported_event_limiter.h"
+#include "sessions/granted_files.h"
 #include "sessions/session_registry.h"
 #include "status_conversion.h"
 #include "trainstream/v1/trainstream.grpc.pb.h"
@@ -58,7 +60,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
                      Arena* arena, EventLog* events, const ConnectionCredentials* credentials,
                      OptimizerRegistry* optimizers, BaseStore* bases,
-                     GpuPoolAccess gpu_pools = {});
+                     GrantedFiles* granted_files, GpuPoolAccess gpu_pools = {});
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -110,11 +112,23 @@ class TrainStreamService final : public v1::TrainStream::Service {
   // The caller's session and its job's optimizer.
   absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
   CallersOptimizer(grpc::ServerContext* context, const std::string& session_id);
-  // A checkpoint path this caller may have the daemon write or read.
+  // A checkpoint path this caller may have the daemon write or read itself (no file grant).
   absl::Status CheckCheckpointPath(const PeerCredentials& caller, const std::string& path) const;
-  // The caller's session and optimizer for a checkpoint request whose path it may use.
-  absl::StatusOr<std::pair<std::shared_ptr<const Session>, std::shared_ptr<JobOptimizer>>>
-  CheckpointTarget(grpc::ServerContext* context, const v1::CheckpointRequest& request);
+  // The one file of a checkpoint request's grant, named as the request's path, with the access
+  // the request needs.
+  absl::StatusOr<FileGrant> CheckpointFile(const Session& session,
+                                           const v1::CheckpointRequest& request, bool write);
+  // The caller's session and optimizer for a checkpoint request, with the file it handed over
+  // or a path it may have the daemon open. The grant is taken before anything else can fail,
+  // so that a refused request leaves no descriptor behind.
+  struct CheckpointCall {
+    std::shared_ptr<const Session> session;
+    std::shared_ptr<JobOptimizer> optimizer;
+    std::optional<FileGrant> file;
+  };
+  absl::StatusOr<CheckpointCall> CheckpointTarget(grpc::ServerContext* context,
+                                                  const v1::CheckpointRequest& request,
+                                                  bool write);
 
   const DaemonFacts facts_;
   const PeerCredentials identity_;
@@ -124,6 +138,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   const ConnectionCredentials* const credentials_;
   OptimizerRegistry* const optimizers_;
   BaseStore* const bases_;
+  GrantedFiles* const granted_files_;  // files clients handed over on the data socket
   const GpuPoolAccess gpu_pools_;
   ReportedEventLimiter reported_events_{kReportedEventsPerMinute};
   std::atomic<bool> shutting_down_{false};

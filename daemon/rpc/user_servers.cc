@@ -23,7 +23,8 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   entry.service = std::make_unique<TrainStreamService>(shared_.facts, identity, shared_.sessions,
                                                        shared_.arena, shared_.events,
                                                        shared_.credentials, shared_.optimizers,
-                                                       shared_.bases, shared_.gpu_pools);
+                                                       shared_.bases, shared_.granted_files,
+                                                       shared_.gpu_pools);
   grpc::EnableDefaultHealthCheckService(true);
   // Reflection: generic clients (grpcurl, grpcio-reflection) learn the API from the server.
   // It describes the schema alone, the same for every uid.

@@ -29,6 +29,7 @@ class UserServers {
     const ConnectionCredentials* credentials = nullptr;
     OptimizerRegistry* optimizers = nullptr;
     BaseStore* bases = nullptr;
+    GrantedFiles* granted_files = nullptr;
     GpuPoolAccess gpu_pools;
   };
   explicit UserServers(Shared shared) : shared_(std::move(shared)) {}

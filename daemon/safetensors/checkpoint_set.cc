@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <set>
@@ -22,35 +20,16 @@ namespace {
 
 constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
 
-bool IsDirectory(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-bool Exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
-}
 std::string Directory(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
-// `path` with every symlink resolved: the file a check of its folders must look at.
-absl::StatusOr<std::string> RealPath(const std::string& path) {
-  char resolved[PATH_MAX];
-  if (::realpath(path.c_str(), resolved) == nullptr) {
-    const int err = errno;
-    const std::string why = absl::StrFormat("%s: %s", path, std::strerror(err));
-    if (err == EACCES) return absl::PermissionDeniedError(why);
-    return absl::NotFoundError(why);
-  }
-  return std::string(resolved);
-}
-
 // The shard file of each tensor, from an index file.
-absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& path) {
+absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& path,
+                                                            const FileSource& source) {
   uint64_t bytes = 0;
-  absl::StatusOr<ipc::UniqueFd> fd = OpenRegularFile(path, &bytes);
+  absl::StatusOr<ipc::UniqueFd> fd = source.OpenForReading(path, &bytes);
   if (!fd.ok()) return fd.status();
   if (bytes > kMaxIndexBytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": too large to be a checkpoint index"));
@@ -91,14 +70,15 @@ absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& 
 
 }  // namespace
 
-absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path) {
+absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path,
+                                                  const FileSource& source) {
   std::string target = path;
-  if (IsDirectory(path)) {
+  if (source.IsDirectory(path)) {
     const std::string single = path + "/model.safetensors";
     const std::string index = path + "/model.safetensors.index.json";
-    if (Exists(index)) {
+    if (source.Exists(index)) {
       target = index;
-    } else if (Exists(single)) {
+    } else if (source.Exists(single)) {
       target = single;
     } else {
       return absl::NotFoundError(absl::StrFormat(
@@ -106,27 +86,32 @@ absl::StatusOr<CheckpointSet> CheckpointSet::Open(const std::string& path) {
     }
   }
   CheckpointSet set;
+  // What a file is and where its shards are, by the name it was given: a Hugging Face cache
+  // links each file of a snapshot to a blob named by its hash, in another folder.
+  const bool is_index = absl::EndsWith(target, ".json");
+  const std::string folder = Directory(target);
   // Every file is opened by its real path, which is the one the files() list reports (and
   // the one a caller's rights are checked on).
-  absl::StatusOr<std::string> real = RealPath(target);
+  absl::StatusOr<std::string> real = source.RealPath(target);
   if (!real.ok()) return real.status();
   target = *real;
-  set.index_path_ = absl::EndsWith(target, ".json") ? target : "";
-  if (!absl::EndsWith(target, ".json")) {
-    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(target);
+  set.index_path_ = is_index ? target : "";
+  if (!is_index) {
+    absl::StatusOr<SafetensorsFile> file =
+        SafetensorsFile::Open(target, SafetensorsFile::kDefaultMaxHeaderBytes, source);
     if (!file.ok()) return file.status();
     set.files_.push_back(std::make_unique<SafetensorsFile>(*std::move(file)));
   } else {
-    absl::StatusOr<std::map<std::string, std::string>> shard_of = ReadIndex(target);
+    absl::StatusOr<std::map<std::string, std::string>> shard_of = ReadIndex(target, source);
     if (!shard_of.ok()) return shard_of.status();
     std::set<std::string> shards;
     for (const auto& [name, shard] : *shard_of) shards.insert(shard);
-    const std::string folder = Directory(target);
     std::map<std::string, const SafetensorsFile*> file_of_shard;
     for (const std::string& shard : shards) {
-      absl::StatusOr<std::string> shard_path = RealPath(folder + "/" + shard);
+      absl::StatusOr<std::string> shard_path = source.RealPath(folder + "/" + shard);
       if (!shard_path.ok()) return shard_path.status();
-      absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(*shard_path);
+      absl::StatusOr<SafetensorsFile> file =
+          SafetensorsFile::Open(*shard_path, SafetensorsFile::kDefaultMaxHeaderBytes, source);
       if (!file.ok()) return file.status();
       for (const SafetensorsTensor& t : file->tensors()) {
         const auto listed = shard_of->find(t.name);

@@ -11,6 +11,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "safetensors/file_source.h"
 #include "safetensors/safetensors_file.h"
 
 namespace trainstream::daemon {
@@ -24,7 +25,9 @@ class CheckpointSet {
  public:
   // `path` is a .safetensors file, a .safetensors.index.json, or a directory holding either
   // model.safetensors or model.safetensors.index.json.
-  static absl::StatusOr<CheckpointSet> Open(const std::string& path);
+  // Every file comes from `source`.
+  static absl::StatusOr<CheckpointSet> Open(const std::string& path,
+                                            const FileSource& source = Filesystem());
 
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
   // Shard by shard, each in the order of its bytes: the order a sequential read takes.

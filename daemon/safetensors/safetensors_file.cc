@@ -69,34 +69,12 @@ absl::StatusOr<uint32_t> SafetensorsElementSize(std::string_view dtype) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", std::string(dtype), "'"));
 }
 
-absl::StatusOr<ipc::UniqueFd> OpenRegularFile(const std::string& path, uint64_t* bytes) {
-  // Non-blocking: opening a FIFO does not wait for a writer; it is then refused below.
-  ipc::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  if (!fd.valid()) {
-    const int err = errno;
-    const std::string why = absl::StrFormat("cannot open %s: %s", path, std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(why);
-    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(why);
-    return absl::InternalError(why);
-  }
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) {
-    return absl::InternalError(absl::StrFormat("stat %s: %s", path, std::strerror(errno)));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s is not a regular file", path));
-  }
-  *bytes = static_cast<uint64_t>(st.st_size);
-  // Tensors are read front to back: a longer readahead keeps the disk busy. Only a hint.
-  ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
-  return fd;
-}
-
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
-                                                      uint64_t max_header_bytes) {
+                                                      uint64_t max_header_bytes,
+                                                      const FileSource& source) {
   SafetensorsFile file;
   file.path_ = path;
-  absl::StatusOr<ipc::UniqueFd> fd = OpenRegularFile(path, &file.file_bytes_);
+  absl::StatusOr<ipc::UniqueFd> fd = source.OpenForReading(path, &file.file_bytes_);
   if (!fd.ok()) return fd.status();
   file.fd_ = *std::move(fd);
   auto bad = [&](const std::string& why) {
@@ -247,6 +225,13 @@ absl::Status SafetensorsFile::Read(uint64_t offset, void* out, uint64_t bytes) c
     bytes -= static_cast<uint64_t>(n);
   }
   return absl::OkStatus();
+}
+
+std::string SafetensorsFile::Identity() const {
+  struct stat st {};
+  if (::fstat(fd_.get(), &st) != 0) return absl::StrCat("unknown:", path_);
+  return absl::StrFormat("%d:%d %d %d.%09d", st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec,
+                         st.st_mtim.tv_nsec);
 }
 
 }  // namespace trainstream::daemon

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ipc/unique_fd.h"
+#include "safetensors/file_source.h"
 
 namespace trainstream::daemon {
 
@@ -28,10 +29,6 @@ struct SafetensorsTensor {
   uint64_t bytes = 0;
 };
 
-// Opens `path` for reading only if it is a regular file (a FIFO or a device would block a
-// request or never end); sets `*bytes` to its size. Errors name the file.
-absl::StatusOr<ipc::UniqueFd> OpenRegularFile(const std::string& path, uint64_t* bytes);
-
 // Bytes per element of a safetensors dtype name; INVALID_ARGUMENT for an unknown one.
 absl::StatusOr<uint32_t> SafetensorsElementSize(std::string_view dtype);
 
@@ -44,7 +41,8 @@ class SafetensorsFile {
   // lists every parameter, may need more (it passes its own limit).
   static constexpr uint64_t kDefaultMaxHeaderBytes = uint64_t{16} << 20;
   static absl::StatusOr<SafetensorsFile> Open(const std::string& path,
-                                              uint64_t max_header_bytes = kDefaultMaxHeaderBytes);
+                                              uint64_t max_header_bytes = kDefaultMaxHeaderBytes,
+                                              const FileSource& source = Filesystem());
 
   SafetensorsFile(SafetensorsFile&&) = default;
   SafetensorsFile& operator=(SafetensorsFile&&) = default;
@@ -58,6 +56,9 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // Reads `bytes` at file offset `offset`, retrying short reads; an error names the file.
   absl::Status Read(uint64_t offset, void* out, uint64_t bytes) const;
+  // Which file this is and which version of it, whatever name it was opened by: device, inode,
+  // size and modification time (two loads of one content are one base).
+  std::string Identity() const;
 
  private:
   SafetensorsFile() = default;

@@ -115,6 +115,68 @@ def test_data_socket_rejects_garbage_and_unattached_requests(daemon, pb):
     s.close()
 
 
+def test_handed_over_files_are_checked_and_each_grant_serves_one_request(stub, pb, tmp_path):
+    """DataRequest.grant_files: descriptors only with it, only of regular files, only after
+    attaching; a grant is its session's alone and is used up by the request that names it,
+    even a refused one (no descriptor is left behind)."""
+    import socket
+
+    opened = stub.OpenSession(pb.OpenSessionRequest(job_id="grants", pid=os.getpid()))
+    other = stub.OpenSession(pb.OpenSessionRequest(job_id="grants2", pid=os.getpid()))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(opened.data_socket_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not read")
+
+    def exchange(request, fds=()):
+        socket.send_fds(s, [request.SerializeToString()], list(fds))
+        return pb.DataReply.FromString(s.recv(65536))
+
+    def grant(names, fds):
+        return pb.DataRequest(grant_files=pb.DataRequest.GrantFiles(names=names)), fds
+
+    with open(weights, "rb") as f:
+        reply = exchange(*grant([str(weights)], [f.fileno()]))
+        assert reply.code == 9 and "attach a session" in reply.message, reply
+        attach = pb.DataRequest(attach=pb.DataRequest.Attach(
+            session_id=opened.session_id, attach_token=opened.attach_token))
+        s.send(attach.SerializeToString())
+        _, fds, _, _ = socket.recv_fds(s, 65536, 8)
+        for fd in fds:
+            os.close(fd)
+        reply = exchange(pb.DataRequest(get_segment=pb.DataRequest.GetSegment(segment_id=1)),
+                         [f.fileno()])
+        assert reply.code == 3 and "only grant_files carries descriptors" in reply.message
+        folder = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        reply = exchange(*grant([str(tmp_path)], [folder]))
+        os.close(folder)
+        assert reply.code == 3 and "not of a regular file" in reply.message, reply
+        reply = exchange(*grant(["model.safetensors"], [f.fileno()]))
+        assert reply.code == 3 and "not an absolute path" in reply.message, reply
+        reply = exchange(*grant([str(weights)], [f.fileno()]))
+        assert reply.code == 0 and reply.grant > 0, reply
+        read_only = reply.grant
+        reply = exchange(*grant([str(weights)], [f.fileno()]))
+        assert reply.code == 0
+        for_base = reply.grant
+    # Not another session's, even one of the same user.
+    expect(lambda: stub.LoadBase(pb.LoadBaseRequest(session_id=other.session_id,
+                                                    path=str(weights), file_grant=for_base)),
+           grpc.StatusCode.NOT_FOUND, "no grant of files")
+    # A file opened for reading is not written; the refusal uses the grant up.
+    save = pb.CheckpointRequest(session_id=opened.session_id, path=str(weights),
+                                file_grant=read_only)
+    expect(lambda: stub.SaveCheckpoint(save), grpc.StatusCode.INVALID_ARGUMENT,
+           "handed over for reading only")
+    expect(lambda: stub.SaveCheckpoint(save), grpc.StatusCode.NOT_FOUND, "no grant of files")
+    # The daemon reads the grant's files alone, whatever it could open itself.
+    expect(lambda: stub.LoadBase(pb.LoadBaseRequest(session_id=opened.session_id,
+                                                    path=str(tmp_path / "other.safetensors"),
+                                                    file_grant=for_base)),
+           grpc.StatusCode.NOT_FOUND, "not among the 1 files the client opened")
+    s.close()
+
+
 def test_reported_events_land_in_the_log_and_are_rate_limited(stub, pb, session_id):
     reply = stub.ReportEvent(pb.ReportEventRequest(session_id=session_id, kind="wrap.offload",
                                                    message="kept on the host",

@@ -154,6 +154,38 @@ def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path, pr
         assert "base" not in {r["key"] for r in observer.memory()["by_tag"]}
 
 
+def test_a_hugging_face_cache_snapshot_of_links_to_blobs_loads(client, daemon, pb, stub,
+                                                               tmp_path):
+    """The hub's cache keeps each file of a snapshot as a link to a blob named by its hash: the
+    index is told from a shard by the name of the link, and the shards are found beside it,
+    whether the client hands the files over or the daemon opens the path itself."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    first = checkpoint(blobs / "1f0e", seed=1, layers=1)
+    second = {"lm_head.weight": torch.randn(100, 64)}
+    safetensors_torch.save_file(second, str(blobs / "2a9b"))
+    index = {"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in first},
+                            **{k: "model-00002-of-00002.safetensors" for k in second}}}
+    (blobs / "3c7d").write_text(json.dumps(index))
+    for link, blob in (("model-00001-of-00002.safetensors", "1f0e"),
+                       ("model-00002-of-00002.safetensors", "2a9b"),
+                       ("model.safetensors.index.json", "3c7d")):
+        (snapshot / link).symlink_to(os.path.join("..", "..", "blobs", blob))
+    def plan_by_path():
+        return stub.LoadBase(pb.LoadBaseRequest(session_id=client.session_id,
+                                                path=str(snapshot), plan_only=True))
+    planned = plan_by_path()
+    assert planned.state == "planned" and planned.stored_bytes > 0
+    with trainstream.load_base(str(snapshot), client=client, progress=False) as base:
+        assert set(base.tensors) == set(first) | set(second)
+        assert torch.equal(base.tensor("lm_head.weight"), second["lm_head.weight"].bfloat16())
+        # The same files by path are the same base: content is known by inode, not by name.
+        held = plan_by_path()
+        assert held.state == "ready" and held.base_id == base.id
+        assert held.stored_bytes == planned.stored_bytes
+
+
 def test_broken_checkpoints_and_bad_requests_fail_with_the_reason(client, tmp_path):
     good = tmp_path / "model.safetensors"
     checkpoint(good)
