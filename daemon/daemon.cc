@@ -27,13 +27,15 @@
 namespace trainstream::daemon {
 Daemon::Daemon(const DaemonOptions& options) : options_(options) {}
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& options) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonOptions& options,
+                                                      ipc::UniqueFd control_listener,
+                                                      ipc::UniqueFd data_listener) {
   auto daemon = std::unique_ptr<Daemon>(new Daemon(options));
-  RETURN_IF_ERROR(daemon->Start());
+  RETURN_IF_ERROR(daemon->Start(std::move(control_listener), std::move(data_listener)));
   return daemon;
 }
 
-absl::Status Daemon::Start() {
+absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_listener) {
   ASSIGN_OR_RETURN(LogLevel level, ParseLogLevel(options_.log_level));
   SetLogLevel(level);
   events_ = std::make_unique<EventLog>(options_.event_ring_size);
@@ -113,7 +115,7 @@ absl::Status Daemon::Start() {
                                               options_.max_connections_per_uid},
                                              sessions_.get(), arena_.get(), doorbells_.get(),
                                              events_.get(), bases_.get(), granted_files_.get(),
-                                             gpu_pools_.get()));
+                                             gpu_pools_.get(), std::move(data_listener)));
 
   DaemonFacts facts;
   facts.version = kTrainStreamVersion;
@@ -139,7 +141,8 @@ absl::Status Daemon::Start() {
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
                        [this](const PeerCredentials& peer) { return servers_->ServerFor(peer); },
-                       credentials_.get(), options_.max_connections_per_uid, events_.get()));
+                       credentials_.get(), options_.max_connections_per_uid, events_.get(),
+                       std::move(control_listener)));
   housekeeping_ = std::thread([this] { Housekeeping(); });
   started_ = true;
   events_->Emit("daemon.start",

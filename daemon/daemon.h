@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "config/daemon_options.h"
+#include "ipc/unique_fd.h"
 
 namespace trainstream::daemon {
 
@@ -28,11 +29,14 @@ class UserServers;
 class VramApi;
 
 // trainstreamd: wires the parts together and runs them until Shutdown(). Create() binds both
-// sockets and starts serving; Shutdown() drains (no new sessions, waits for the current ones up
-// to the drain timeout) and stops. Thread-safe.
+// sockets (or serves the listening ones it is given: socket activation, at the options' paths)
+// and starts serving; Shutdown() drains (no new sessions, waits for the current ones up to the
+// drain timeout) and stops. Thread-safe.
 class Daemon {
  public:
-  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonOptions& options);
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonOptions& options,
+                                                        ipc::UniqueFd control_listener = {},
+                                                        ipc::UniqueFd data_listener = {});
   ~Daemon();
 
   // Blocks until Shutdown() has finished.
@@ -44,7 +48,7 @@ class Daemon {
 
  private:
   explicit Daemon(const DaemonOptions& options);
-  absl::Status Start();
+  absl::Status Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_listener);
   void Housekeeping();
 
   const DaemonOptions options_;

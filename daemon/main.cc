@@ -17,6 +17,7 @@
 #include "config/daemon_options.h"
 #include "daemon.h"
 #include "service_notify.h"
+#include "service_sockets.h"
 #include "trainstream/version.h"
 
 ABSL_FLAG(std::string, config, "", "config file (protobuf text format of DaemonConfig)");
@@ -87,12 +88,36 @@ int main(int argc, char** argv) {
     ::setrlimit(RLIMIT_NOFILE, &files);
   }
 
-  auto daemon = trainstream::daemon::Daemon::Create(*options);
+  // Sockets a service manager made (deploy/trainstreamd.socket) are served where it listens,
+  // in place of the configured path.
+  auto inherited = trainstream::daemon::TakeServiceSockets();
+  if (!inherited.ok()) {
+    std::fprintf(stderr, "trainstreamd: %s\n", std::string(inherited.status().message()).c_str());
+    return 2;
+  }
+  trainstream::ipc::UniqueFd control_listener, data_listener;
+  if (inherited->has_value()) {
+    trainstream::daemon::ServiceSockets& sockets = **inherited;
+    if (sockets.control_path != options->socket_path) {
+      std::fprintf(stderr,
+                   "trainstreamd: serving the sockets the service manager passed, at %s (the "
+                   "configured %s is not used)\n",
+                   sockets.control_path.c_str(), options->socket_path.c_str());
+    }
+    options->socket_path = sockets.control_path;
+    options->data_socket_path = sockets.data_path;
+    control_listener = std::move(sockets.control);
+    data_listener = std::move(sockets.data);
+  }
+  const bool activated = control_listener.valid();
+  auto daemon = trainstream::daemon::Daemon::Create(*options, std::move(control_listener),
+                                                    std::move(data_listener));
   if (!daemon.ok()) {
     std::fprintf(stderr, "trainstreamd: %s\n", std::string(daemon.status().message()).c_str());
     return 1;
   }
-  trainstream::daemon::NotifyReady(absl::StrCat("serving ", options->socket_path));
+  trainstream::daemon::NotifyReady(absl::StrCat("serving ", options->socket_path,
+                                                activated ? " (socket-activated)" : ""));
   std::thread signal_waiter([&] {
     int signal = 0;
     sigwait(&stop_signals, &signal);

@@ -13,6 +13,10 @@ ControlChannel::ControlChannel(std::string socket_path, absl::Duration timeout)
   // Reconnect quickly after a daemon restart rather than backing off for minutes.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // A connection of its own: channels to one target share their subchannels process-wide by
+  // default, and a new channel to a daemon restarted on the same path then inherited the
+  // connection to the one that had stopped; its first call failed with "Broken pipe".
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   channel_ = grpc::CreateCustomChannel(absl::StrCat("unix:", socket_path_),
                                        grpc::InsecureChannelCredentials(), args);
   stub_ = v1::TrainStream::NewStub(channel_);

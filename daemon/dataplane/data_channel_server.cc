@@ -41,9 +41,13 @@ absl::Status Reply(int fd, const absl::Status& status, uint64_t bytes = 0, bool 
 absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     const Options& options, SessionRegistry* registry, Arena* arena,
     DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
-    GrantedFiles* granted_files, GpuPools* gpu_pools) {
-  ASSIGN_OR_RETURN(ipc::UniqueFd listener,
-                   ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
+    GrantedFiles* granted_files, GpuPools* gpu_pools, ipc::UniqueFd inherited) {
+  const bool owns_path = !inherited.valid();
+  ipc::UniqueFd listener = std::move(inherited);
+  if (owns_path) {
+    ASSIGN_OR_RETURN(listener,
+                     ipc::ListenUnix(options.socket_path, SOCK_SEQPACKET, options.socket_mode));
+  }
   ipc::UniqueFd epoll(::epoll_create1(EPOLL_CLOEXEC));
   ipc::UniqueFd stop(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!epoll.valid() || !stop.valid()) return ErrnoStatus(errno, "epoll/eventfd");
@@ -54,18 +58,21 @@ absl::StatusOr<std::unique_ptr<DataChannelServer>> DataChannelServer::Create(
     if (::epoll_ctl(epoll.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return ErrnoStatus(errno, "epoll_ctl");
   }
   return std::unique_ptr<DataChannelServer>(
-      new DataChannelServer(options, std::move(listener), std::move(epoll), std::move(stop),
+      new DataChannelServer(options, owns_path, std::move(listener), std::move(epoll),
+                            std::move(stop),
                             registry, arena, doorbells, events, bases, granted_files,
                             gpu_pools));
 }
 
-DataChannelServer::DataChannelServer(const Options& options, ipc::UniqueFd listener,
-                                     ipc::UniqueFd epoll, ipc::UniqueFd stop,
+DataChannelServer::DataChannelServer(const Options& options, bool owns_path,
+                                     ipc::UniqueFd listener, ipc::UniqueFd epoll,
+                                     ipc::UniqueFd stop,
                                      SessionRegistry* registry, Arena* arena,
                                      DoorbellDispatcher* doorbells, EventLog* events,
                                      BaseStore* bases, GrantedFiles* granted_files,
                                      GpuPools* gpu_pools)
     : options_(options),
+      owns_path_(owns_path),
       listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       stop_(std::move(stop)),
@@ -91,7 +98,7 @@ void DataChannelServer::Stop() {
   connections_.clear();
   if (listener_.valid()) {
     listener_.Reset();
-    ::unlink(options_.socket_path.c_str());
+    if (owns_path_) ::unlink(options_.socket_path.c_str());
   }
 }
 

@@ -43,7 +43,8 @@ class DataChannelServer {
   static absl::StatusOr<std::unique_ptr<DataChannelServer>> Create(
       const Options& options, SessionRegistry* registry, Arena* arena,
       DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
-      GrantedFiles* granted_files, GpuPools* gpu_pools = nullptr);
+      GrantedFiles* granted_files, GpuPools* gpu_pools = nullptr,
+      ipc::UniqueFd inherited = {});  // a socket-activated listener at options.socket_path
   ~DataChannelServer();
 
   // Closes the session's data connection if it has one (after the session ended elsewhere).
@@ -56,7 +57,8 @@ class DataChannelServer {
     PeerCredentials peer;
     std::shared_ptr<const Session> session;  // set once attached
   };
-  DataChannelServer(const Options& options, ipc::UniqueFd listener, ipc::UniqueFd epoll,
+  DataChannelServer(const Options& options, bool owns_path, ipc::UniqueFd listener,
+                    ipc::UniqueFd epoll,
                     ipc::UniqueFd stop, SessionRegistry* registry, Arena* arena,
                     DoorbellDispatcher* doorbells, EventLog* events, BaseStore* bases,
                     GrantedFiles* granted_files, GpuPools* gpu_pools);
@@ -67,6 +69,7 @@ class DataChannelServer {
   void Close(int fd);
 
   const Options options_;
+  const bool owns_path_;  // false for a socket-activated listener: the manager's to remove
   ipc::UniqueFd listener_;
   ipc::UniqueFd epoll_;
   ipc::UniqueFd stop_;

@@ -24,20 +24,26 @@ namespace trainstream::daemon {
 absl::StatusOr<std::unique_ptr<ControlListener>> ControlListener::Create(
     const std::string& socket_path, mode_t mode, const std::string& admin_group,
     ServerForPeer server_for, ConnectionCredentials* credentials,
-    uint32_t max_connections_per_uid, EventLog* events) {
-  ASSIGN_OR_RETURN(ipc::UniqueFd listener, ipc::ListenUnix(socket_path, SOCK_STREAM, mode));
+    uint32_t max_connections_per_uid, EventLog* events, ipc::UniqueFd inherited) {
+  const bool owns_path = !inherited.valid();
+  ipc::UniqueFd listener = std::move(inherited);
+  if (owns_path) {
+    ASSIGN_OR_RETURN(listener, ipc::ListenUnix(socket_path, SOCK_STREAM, mode));
+  }
   ipc::UniqueFd stop(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!stop.valid()) return ErrnoStatus(errno, "eventfd");
   return std::unique_ptr<ControlListener>(new ControlListener(
-      socket_path, admin_group, std::move(listener), std::move(stop), std::move(server_for),
-      credentials, max_connections_per_uid, events));
+      socket_path, owns_path, admin_group, std::move(listener), std::move(stop),
+      std::move(server_for), credentials, max_connections_per_uid, events));
 }
 
-ControlListener::ControlListener(std::string socket_path, std::string admin_group,
-                                 ipc::UniqueFd listener, ipc::UniqueFd stop,
-                                 ServerForPeer server_for, ConnectionCredentials* credentials,
+ControlListener::ControlListener(std::string socket_path, bool owns_path,
+                                 std::string admin_group, ipc::UniqueFd listener,
+                                 ipc::UniqueFd stop, ServerForPeer server_for,
+                                 ConnectionCredentials* credentials,
                                  uint32_t max_connections_per_uid, EventLog* events)
     : socket_path_(std::move(socket_path)),
+      owns_path_(owns_path),
       admin_group_(std::move(admin_group)),
       listener_(std::move(listener)),
       stop_(std::move(stop)),
@@ -55,7 +61,7 @@ void ControlListener::Stop() {
   ipc::SignalEventFd(stop_.get());
   thread_.join();
   listener_.Reset();
-  ::unlink(socket_path_.c_str());
+  if (owns_path_) ::unlink(socket_path_.c_str());
 }
 
 void ControlListener::Loop() {

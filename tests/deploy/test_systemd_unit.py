@@ -44,6 +44,7 @@ def _unit_value(text: str, key: str) -> str:
 
 
 METRICS_UNIT = REPO / "deploy" / "trainstream-metrics.service"
+SOCKET_UNIT = REPO / "deploy" / "trainstreamd.socket"
 
 
 def test_metrics_unit_writes_a_prom_file_the_collector_reads() -> None:
@@ -72,14 +73,19 @@ def _unit_to_verify(unit: Path) -> str:
     return text.replace("ExecStart=/usr/bin/tsctl", "ExecStart=/bin/true", 1)
 
 
-@pytest.mark.parametrize("unit", [UNIT, METRICS_UNIT], ids=lambda u: u.name)
+@pytest.mark.parametrize("unit", [UNIT, METRICS_UNIT, SOCKET_UNIT], ids=lambda u: u.name)
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit: Path) -> None:
     # Skipped here rather than for the whole module: the config test below needs no systemd.
     if SYSTEMD_ANALYZE is None:
         pytest.skip("systemd-analyze not found (Debian package `systemd`); cannot verify the unit")
 
     copy = tmp_path / unit.name
-    copy.write_text(_unit_to_verify(unit))
+    if unit == SOCKET_UNIT:
+        # A socket unit is checked with the service it starts beside it.
+        copy.write_text(unit.read_text())
+        (tmp_path / UNIT.name).write_text(_unit_to_verify(UNIT))
+    else:
+        copy.write_text(_unit_to_verify(unit))
 
     # --recursive-errors=one: the exit status is about our unit, not about the host's units.
     # --man=no: don't depend on man pages being installed.
@@ -147,3 +153,21 @@ def test_example_config_parses(daemon_config_pb2: ModuleType) -> None:
     assert int(stop.group(1)) > config.drain_timeout_s
     runtime_dir = "/run/" + _unit_value(unit, "RuntimeDirectory")
     assert os.path.dirname(config.socket_path) == runtime_dir
+
+
+def test_socket_unit_listens_where_the_config_says_and_outlives_the_daemon() -> None:
+    """The daemon serves the sockets it is passed only as a pair at <path> and <path>.data (it
+    refuses anything else); the service keeps its runtime folder on stop, or the folder would
+    take the socket unit's sockets with it."""
+    socket_unit, service = SOCKET_UNIT.read_text(), UNIT.read_text()
+    config_text = CONFIG.read_text()
+    path = _config_socket()
+    assert _unit_value(socket_unit, "ListenStream") == path
+    assert _unit_value(socket_unit, "ListenSequentialPacket") == path + ".data"
+    mode = re.search(r'^socket_mode: "(.*)"$', config_text, flags=re.MULTILINE).group(1)
+    assert _unit_value(socket_unit, "SocketMode") == mode
+    assert _unit_value(socket_unit, "SocketUser") == _unit_value(service, "User")
+    assert _unit_value(socket_unit, "SocketGroup") == _unit_value(service, "Group")
+    assert _unit_value(service, "RuntimeDirectoryPreserve") == "yes"
+    assert _unit_value(service, "Also") == SOCKET_UNIT.name
+    assert _unit_value(socket_unit, "WantedBy") == "sockets.target"

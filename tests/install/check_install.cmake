@@ -27,6 +27,7 @@ run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component syste
 include(GNUInstallDirs)
 foreach(f bin/trainstreamd bin/tsctl include/trainstream/client.h include/trainstream/version.h
           lib/systemd/system/trainstreamd.service lib/systemd/system/trainstream-metrics.service
+          lib/systemd/system/trainstreamd.socket
           lib/sysusers.d/trainstream.conf
           lib/tmpfiles.d/trainstream.conf etc/trainstream/trainstreamd.conf
           ${CMAKE_INSTALL_LIBDIR}/cmake/trainstream/trainstreamConfig.cmake
