@@ -2,12 +2,10 @@
 """Checks the files in deploy/: the systemd unit passes `systemd-analyze verify` without a warning
 about it, and the example config parses as a DaemonConfig and agrees with the unit."""
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,7 +14,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "trainstreamd.service"
 CONFIG = REPO / "deploy" / "trainstreamd.conf"
-PROTO = REPO / "daemon" / "config" / "daemon_config.proto"
 
 UNIT_NAME = UNIT.name
 EXEC_START = "/usr/bin/trainstreamd --config=/etc/trainstream/trainstreamd.conf"
@@ -109,36 +106,6 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit: Path) -> None:
         found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", security.stdout)
         assert found, security.stdout + security.stderr
         assert float(found.group(1)) <= 1.5, security.stdout
-
-
-@pytest.fixture(scope="module")
-def daemon_config_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """daemon_config.proto compiled with grpc_tools.protoc and imported."""
-    pytest.importorskip(
-        "grpc_tools.protoc",
-        reason="grpcio-tools is not installed (scripts/bootstrap.sh puts it in /opt/trainstream/venv)",
-    )
-    out = tmp_path_factory.mktemp("daemon_config_pb2")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpc_tools.protoc",
-            f"--proto_path={PROTO.parent}",
-            f"--python_out={out}",
-            str(PROTO),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, f"protoc failed:\n{result.stdout}{result.stderr}"
-    spec = importlib.util.spec_from_file_location("daemon_config_pb2", out / "daemon_config_pb2.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_example_config_parses(daemon_config_pb2: ModuleType) -> None:
