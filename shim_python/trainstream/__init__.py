@@ -20,6 +20,7 @@ from .frozen.linear import BaseLinear, attach_base, quantize_model
 from .integrations.huggingface import load_model, wrap_hf
 from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_loss,
                                   sequence_logprobs)
+from .memory.activation_offloader import ActivationOffloader
 from .memory.blocks import find_blocks
 from .memory.paged_kv_cache import PagedKVCache
 from .memory.hardware import profile_hardware
@@ -57,6 +58,7 @@ __all__ = [
     "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
     "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "PagedKVCache",
     "GpuBase", "gpu_pools", "pinned_stats", "reserve_pinned", "transfer_stats",
+    "ActivationOffloader",
     "causal_lm_loss", "chunked_cross_entropy", "dpo_loss", "sequence_logprobs",
 ]
 
