@@ -22,7 +22,8 @@
 #                                            each case's reasons) and bench/chunked_loss.py
 #   scripts/gpu_check.sh owed                what 2026-12-04 left for the H200, in one call: the
 #                                            GPU tests of what changed (KV cache DMA path,
-#                                            attention=, clipping), generation, attention bench
+#                                            attention=, clipping, ActivationOffloader),
+#                                            generation, attention bench
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -125,7 +126,8 @@ if [[ $what == hf_layer ]]; then
 fi
 if [[ $what == owed ]]; then
   timeout 150 python3 -m pytest -ra -m gpu tests/e2e/test_paged_kv_cache.py \
-    tests/e2e/test_wrap.py tests/e2e/test_hf_trainer.py > "$OUT/pytest_gpu.log" 2>&1 || status=1
+    tests/e2e/test_wrap.py tests/e2e/test_hf_trainer.py tests/e2e/test_activation_offloader.py \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
   timeout 120 python3 -m pytest -ra tests/e2e/test_attention_backend.py \
     tests/e2e/test_offload_adamw_options.py tests/e2e/test_inspection.py \
     > "$OUT/pytest_cpu_paths.log" 2>&1 || status=1
