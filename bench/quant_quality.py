@@ -42,8 +42,9 @@ from step_bench import add_worker_arguments, answered_as_worker, run_worker  # n
 CONFIG = GPTConfig(vocab=256, dim=128, heads=4, layers=4, context=128)
 FORMATS = ["bf16", "int8", "nf4", "fp8", "nvfp4"]
 # The same in bf16 compute: the bf16 base, and the fp8 base on FP8 tensor cores (fp8_matmul=True:
-# weights requantized per row, inputs per token), each against the other.
-VARIANTS = FORMATS + ["bf16/bf16", "fp8/tensor_cores"]
+# weights requantized per row, inputs per token), each against the other; and that path with
+# each call's largest 1% of input channels multiplied in bf16 (outliers=0.01).
+VARIANTS = FORMATS + ["bf16/bf16", "fp8/tensor_cores", "fp8/outliers"]
 BATCH, SEQ = 16, 128
 
 
@@ -118,7 +119,8 @@ class LoRA(nn.Module):
 
 
 def evaluate(variant: str, case: dict) -> dict:
-    """One format ("fmt" computing in fp32, "fmt/bf16" or "fp8/tensor_cores" in bf16), in a
+    """One format ("fmt" computing in fp32; "fmt/bf16", "fp8/tensor_cores" or "fp8/outliers" in
+    bf16), in a
     worker process of its own (its connections to the daemon end with it)."""
     import trainstream
     from safetensors import safe_open
@@ -134,7 +136,8 @@ def evaluate(variant: str, case: dict) -> dict:
     model = GPT(CONFIG).to(dtype)
     model.requires_grad_(False)
     taken = trainstream.attach_base(model, base, device=device,
-                                    fp8_matmul=mode == "tensor_cores")
+                                    fp8_matmul=mode in ("tensor_cores", "outliers"),
+                                    outliers=0.01 if mode == "outliers" else 0)
     model.to(device)
     row = {"format": variant, "compute": str(dtype).replace("torch.", ""),
            "quantized_layers": len([n for n in taken["linear"] if n in block_linears]),

@@ -54,6 +54,8 @@ ACCEPTED = {
                            "daemon's memory (0: none)",
     "chunked_loss": (True, False),
     "attention": (None, "auto", "cudnn", "efficient", "flash", "math"),
+    "outliers": "0, False, None, 'auto' or True (0.01), or a fraction up to 0.1 of each fp8 "
+                "matmul's input channels (its largest) multiplied in bf16 (quantize='fp8')",
     # TrainStream 0.6's options, with its meaning: a forward always waits for the updates of
     # the weights it reads (False, reading weights mid-update, is refused below); the slowdown
     # bounds activation paging only where no VRAM target exists, and wrap() always has one.

@@ -113,7 +113,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
               "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
               "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15,
-              "attention": None}
+              "attention": None, "outliers": 0}
     config.update(options)
     events: list = []
 
@@ -162,9 +162,18 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
     quantize = config["quantize"]
     if quantize == "auto":
         quantize = _auto_quantization(model, config, target, events)
+    from .frozen.fp8_matmul import outlier_fraction
+
+    if outlier_fraction(config["outliers"]) and quantize != "fp8":
+        chose = " (quantize='auto' chose " + repr(quantize) + ")" if (
+            config["quantize"] == "auto") else ""
+        raise InvalidArgumentError(
+            f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core matmuls "
+            f"of frozen weights; it needs quantize='fp8'{chose}")
     if quantize not in (None, False, "none"):
         # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
-        done = quantize_model(model, quantize, config["quant_block_size"])
+        done = quantize_model(model, quantize, config["quant_block_size"],
+                              outliers=config["outliers"])
         events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
                                         f"{quantize} in this process (load_base() and "
                                         "attach_base() share one copy between processes)"))

@@ -101,6 +101,80 @@ def test_a_bad_fp8_matmul_option_is_refused():
         trainstream.quantize_model(_model(), "fp8", fp8_matmul="always")
 
 
+def _with_outlier_channels(tokens: int, channels: int, planted: list, factor: float):
+    """An input whose ``planted`` channels are ``factor`` times larger than the rest, as a few
+    hidden dimensions of an LLM's activations are."""
+    torch.manual_seed(11)
+    x = torch.randn(tokens, channels)
+    x[:, planted] *= factor
+    return x.to(torch.bfloat16)
+
+
+@cpu_scaled_mm
+def test_outlier_channels_take_the_inputs_error_out_of_the_tensor_core_path():
+    """With a scale per token, a channel far larger than the rest sets the scale, and the
+    others' values sink into e4m3's coarse subnormals. outliers= multiplies the largest channels
+    in bf16 instead, and the error falls back to what the weights' own rounding costs. The
+    planted channels' weight columns are zero, so the comparison sees only what their scale
+    does to the other channels. e4m3 spans 2^17 between its smallest and largest value: a
+    channel 3,000 times the rest costs little (0.0331 against 0.0318), 30,000 times a lot."""
+    reference, plain, split = _model(), _model(), _model()
+    for net in (reference, plain, split):
+        net[0].weight[:, [5, 77]] = 0
+    trainstream.quantize_model(reference, "fp8", fp8_matmul=False)
+    trainstream.quantize_model(plain, "fp8", fp8_matmul=True)
+    trainstream.quantize_model(split, "fp8", fp8_matmul=True, outliers=0.02)
+    x = _with_outlier_channels(64, 128, [5, 77], 30000.0)
+    clean = _with_outlier_channels(64, 128, [], 1.0)
+    exact = reference[0](x)
+    error_plain, error_split = _relative(plain[0](x), exact), _relative(split[0](x), exact)
+    usual = _relative(plain[0](clean), reference[0](clean))  # no outliers at all
+    assert error_plain > 1.5 * usual, (error_plain, usual)
+    assert error_split < 1.1 * usual, (error_split, usual)
+    assert split[0].matmul_choice == {"path": "scaled_mm", "why": "fp8_matmul=True",
+                                      "outliers": 0.02}
+    # The input's gradient is the whole row-scaled weight's, split or not.
+    xs, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    split[0](xs).float().sum().backward()
+    plain[0](xp).float().sum().backward()
+    assert torch.equal(xs.grad, xp.grad)
+
+
+@cpu_scaled_mm
+def test_channels_sent_the_slow_way_are_multiplied_exactly_and_chosen_per_call():
+    """An input whose every nonzero channel is among the call's largest: the FP8 part gets
+    zeros, and the result is the bf16 product with the row-scaled weight, whichever channels
+    the call has."""
+    layer = _model(inp=128)
+    trainstream.quantize_model(layer, "fp8", fp8_matmul=True, outliers=0.05)  # 7 of 128
+    first = layer[0]
+    first(torch.randn(4, 128, dtype=torch.bfloat16))  # the requantized weight is made now
+    weight = fp8_matmul.rowwise_weight(first.fp8_rows, first.fp8_row_scales, torch.bfloat16)
+    for channels in ([3, 9, 100], [0, 64, 65, 66, 120, 121, 127]):
+        x = torch.zeros(16, 128, dtype=torch.bfloat16)
+        x[:, channels] = torch.randn(16, len(channels), dtype=torch.bfloat16)
+        expected = x @ weight.t() + first.bias.to(torch.bfloat16)
+        assert _relative(first(x), expected) < 1e-2
+
+
+def test_outliers_are_refused_where_they_would_be_ignored():
+    with pytest.raises(trainstream.InvalidArgumentError, match="int8 weights quantize no input"):
+        trainstream.quantize_model(_model(), "int8", outliers=0.01)
+    with pytest.raises(trainstream.InvalidArgumentError, match="fp8_matmul=False never uses"):
+        trainstream.quantize_model(_model(), "fp8", fp8_matmul=False, outliers=True)
+    with pytest.raises(trainstream.InvalidArgumentError, match=r"fraction .* \(0, 0.1\]"):
+        trainstream.quantize_model(_model(), "fp8", outliers=0.5)
+    with pytest.raises(trainstream.InvalidArgumentError, match="needs quantize='fp8'"):
+        trainstream.wrap(_model(), device="cpu", outliers=0.01)
+    # "auto" on a device without FP8 tensor cores: the layer can't split, and says why.
+    model = _model()
+    trainstream.quantize_model(model, "fp8", outliers="auto")
+    assert model[0].outliers == 0.01
+    with pytest.raises(trainstream.FailedPreconditionError,
+                       match=r"outliers=0.01 .* cannot take that path \(not a CUDA device\)"):
+        model(torch.randn(4, 128, dtype=torch.bfloat16))
+
+
 def _skip_without_fp8_tensor_cores() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -153,3 +227,20 @@ def test_tensor_cores_forward_and_backward_on_the_gpu_stay_within_the_bound():
     y.float().square().sum().backward()
     y_ref.float().square().sum().backward()
     assert _relative(x.grad, x_ref.grad) < 0.08
+
+
+@pytest.mark.gpu
+def test_outliers_on_the_gpu_split_each_call_without_a_host_sync():
+    _skip_without_fp8_tensor_cores()
+    reference, split = _model(out=1024, inp=2048).cuda(), _model(out=1024, inp=2048).cuda()
+    trainstream.quantize_model(reference, "fp8", fp8_matmul=False)
+    trainstream.quantize_model(split, "fp8", fp8_matmul=True, outliers=0.01)
+    x = torch.randn(512, 2048, dtype=torch.bfloat16, device="cuda")
+    split(x)  # the first call requantizes the weight (once, with its own syncs)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the split raises
+    try:
+        y = split(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert split[0].matmul_choice["path"] == "scaled_mm"
+    assert _relative(y, reference(x)) < 0.06

@@ -8,6 +8,14 @@ row (a second rounding of values already in e4m3: the error is measured in the t
 forward quantizes the input with a scale per token. Backward makes the input's gradient from the
 same row-scaled weight in the compute dtype, so forward and backward use one weight.
 
+Outlier channels (``outliers=``, TrainStream 0.6's split for NVFP4, applied here to FP8 on
+Hopper): a few hidden dimensions of an LLM's activations are far larger than the rest, and with
+a scale per token the largest sets the scale every other value of the token is rounded to. With
+``outliers=0.01`` each call picks its largest 1% of input channels on the device (no host
+sync), quantizes them as zero and multiplies them in the compute dtype against the same weight
+columns: ``y = scaled_mm(fp8(x without them), W) + x[:, idx] @ W[:, idx].T``. The input's
+gradient is unchanged. It removes the activations' share of the error, not the weight's.
+
 The choice is made per weight shape and token count, by timing both paths (forward and the
 input's gradient) on the device the first time the shape runs (CUDA GPUs with FP8 tensor cores:
 compute capability 8.9 and up), and kept for the process; each layer records what it chose and
@@ -17,11 +25,40 @@ one copy of the weight: run that first forward at the training batch's size.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
+from ..errors import InvalidArgumentError
+
 E4M3_MAX = 448.0
+# The most a caller may send the slow way: past a tenth of the channels the split costs more
+# than it saves.
+MAX_OUTLIERS = 0.1
+
+
+def outlier_fraction(value: Any) -> float:
+    """``outliers=`` as a fraction: 0, False or None off; "auto" or True 0.01; a float in
+    [0, 0.1] as it is."""
+    if value is None or value is False or (isinstance(value, (int, float)) and value == 0
+                                           and not isinstance(value, bool)):
+        return 0.0
+    if value is True or (isinstance(value, str) and value == "auto"):
+        return 0.01
+    if isinstance(value, float) and 0.0 < value <= MAX_OUTLIERS:
+        return value
+    raise InvalidArgumentError(
+        f"outliers={value!r}: use 0, False, None, 'auto', True (0.01) or a fraction of the "
+        f"input channels in (0, {MAX_OUTLIERS}]")
+
+
+def outlier_count(in_features: int, fraction: float) -> int:
+    """Channels a call of this width sends the slow way (0 when off)."""
+    return 0 if fraction <= 0 else max(1, math.ceil(fraction * in_features))
 _TIMED_RUNS = 5
-# (out, in, tokens, device index) -> {"path": ..., "dequantize_ms": ..., "scaled_mm_ms": ...}
+# (out, in, tokens, device index, outliers) -> {"path": ..., "dequantize_ms": ...,
+# "scaled_mm_ms": ...}
 _CHOICES: dict = {}
 
 
@@ -95,14 +132,26 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """y = x W^T (+ bias) on FP8 tensor cores, W the row-scaled weight."""
+           out_dtype: torch.dtype, outliers: float = 0.0) -> torch.Tensor:
+    """y = x W^T (+ bias) on FP8 tensor cores, W the row-scaled weight; with ``outliers`` the
+    largest channels of this call multiplied in ``out_dtype`` instead (see module doc)."""
     tokens = x.reshape(-1, x.shape[-1])
+    slow = None
+    count = outlier_count(tokens.shape[1], outliers)
+    if count:
+        # Picked on the device from this call's values: no host sync, no index leaves the GPU.
+        idx = tokens.abs().amax(dim=0).topk(count).indices
+        columns = (codes.view(torch.float8_e4m3fn).index_select(1, idx).to(out_dtype)
+                   * _floats(scales).reshape(-1, 1).to(out_dtype))
+        slow = tokens.index_select(1, idx).to(out_dtype) @ columns.t()
+        tokens = tokens.index_fill(1, idx, 0)
     xq, xs = quantize_tokens(tokens)
     # The weight's codes [out, in] row-major are the column-major [in, out] operand it wants;
     # the input must be row-major. (Codes may be kept as bytes, which no .to(dtype) casts.)
     y = torch._scaled_mm(xq.contiguous(), codes.view(torch.float8_e4m3fn).t(), scale_a=xs,
                          scale_b=_floats(scales), out_dtype=out_dtype)
+    if slow is not None:
+        y = y + slow
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], codes.shape[0])
@@ -120,14 +169,14 @@ def _time_ms(fn) -> float:
 
 
 def choose(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, make_weight,
-           out_dtype: torch.dtype) -> tuple[dict, bool]:
+           out_dtype: torch.dtype, outliers: float = 0.0) -> tuple[dict, bool]:
     """Which path is faster for this input's token count and this weight's shape, timed once
     per shape on the device, each as a training step uses it (forward, then the input's
     gradient): ``make_weight()`` and a matmul with it, twice (the dequantizing path), against
     :func:`linear` and the row-scaled weight's matmul. Returns the choice record (see module
     doc) and whether it was timed now."""
     tokens = x.reshape(-1, x.shape[-1])
-    key = (codes.shape[0], codes.shape[1], tokens.shape[0], x.device.index)
+    key = (codes.shape[0], codes.shape[1], tokens.shape[0], x.device.index, outliers)
     timed_now = key not in _CHOICES
     if timed_now:
         grad = torch.ones(tokens.shape[0], codes.shape[0], dtype=out_dtype, device=x.device)
@@ -137,7 +186,7 @@ def choose(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, make_weig
             return grad @ make_weight()
 
         def tensor_cores():
-            linear(tokens, codes, scales, None, out_dtype)
+            linear(tokens, codes, scales, None, out_dtype, outliers)
             return input_grad(grad, codes, scales)
 
         # Events record on the current device's stream: the layer's device made current.

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import fp8_matmul
+from .fp8_matmul import outlier_fraction
 from .store import BaseTensor, SharedBase, dequantize, dequantize_cuda, source_dtype
 from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..transport import kernels
@@ -55,7 +56,7 @@ class _FrozenLinear(torch.autograd.Function):
             layer._choose_matmul(x)
         if layer.fp8_rows is not None:
             return fp8_matmul.linear(x, layer.fp8_rows, layer.fp8_row_scales, bias,
-                                     layer.compute_dtype)
+                                     layer.compute_dtype, layer.outliers)
         return nn.functional.linear(x, _weight(layer, x.device), bias)
 
     @staticmethod
@@ -76,10 +77,14 @@ class BaseLinear(nn.Linear):
     An fp8 weight on a GPU with FP8 tensor cores may multiply there instead of being
     dequantized (``fp8_matmul``, see :mod:`trainstream.fp8_matmul`): "auto" times both at the
     first forward of each shape and keeps the faster; ``matmul_choice`` says what was chosen and
-    why, and ``memory_report()`` counts the layers per path."""
+    why, and ``memory_report()`` counts the layers per path. ``outliers`` (an fp8 weight on the
+    tensor-core path only): the fraction of each call's input channels, its largest, multiplied
+    in the compute dtype instead (see fp8_matmul); a layer that cannot take that path refuses
+    it at its first forward rather than ignore it."""
 
     def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
-                 bias: Any, compute_dtype: torch.dtype, fp8_matmul: Any = "auto"):
+                 bias: Any, compute_dtype: torch.dtype, fp8_matmul: Any = "auto",
+                 outliers: Any = 0):
         # nn.Linear's own constructor would allocate a weight: the module's is enough.
         nn.Module.__init__(self)
         if fp8_matmul not in ("auto", True, False):
@@ -100,6 +105,13 @@ class BaseLinear(nn.Linear):
         # fp8 weights only: "auto" times FP8 tensor cores against dequantizing at the first
         # forward on a GPU that has them, True uses them, False never does.
         self.fp8_matmul = fp8_matmul
+        # Only an fp8 weight's input is quantized: the others multiply in full precision.
+        fraction = outlier_fraction(outliers)
+        self.outliers = fraction if stored.stored == "fp8" else 0.0
+        if self.outliers and fp8_matmul is False:
+            raise InvalidArgumentError(
+                f"outliers={outliers!r} splits the FP8 tensor-core matmul, which "
+                "fp8_matmul=False never uses")
         self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
         self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
         self.pooled = False  # its bytes are a view of a daemon GPU pool (attach_base)
@@ -125,6 +137,10 @@ class BaseLinear(nn.Linear):
             ok, why = False, f"computes in {self.compute_dtype} (row-scaled FP8 gives bf16)"
         if not ok:
             self.matmul_choice = {"path": "dequantize", "why": why}
+            if self.outliers:
+                raise FailedPreconditionError(
+                    f"outliers={self.outliers} splits the FP8 tensor-core matmul; "
+                    f"{self.stored.name} cannot take that path ({why}): pass outliers=0")
             return
         timed_now = False
         with torch.no_grad():
@@ -132,18 +148,21 @@ class BaseLinear(nn.Linear):
                 codes, scales = fp8_matmul.rowwise(_weight(self, x.device))
                 if forced:
                     choice = {"path": "scaled_mm", "why": "fp8_matmul=True"}
+                elif self.outliers:
+                    # Asked for: the split exists on the tensor-core path alone.
+                    choice = {"path": "scaled_mm", "why": f"outliers={self.outliers}"}
                 else:
                     choice, timed_now = fp8_matmul.choose(x.detach(), codes, scales,
                                                           lambda: _weight(self, x.device),
                                                           self.compute_dtype)
                     choice["why"] = "timed on this GPU"
             except torch.OutOfMemoryError:
-                if forced:
+                if forced or self.outliers:
                     raise
                 codes = scales = None
                 choice = {"path": "dequantize", "why": "no memory to requantize and time it"}
             except RuntimeError as e:  # this torch or GPU refused: dequantize as before
-                if forced:
+                if forced or self.outliers:
                     raise
                 codes = scales = None
                 choice = {"path": "dequantize",
@@ -164,6 +183,8 @@ class BaseLinear(nn.Linear):
             # The stored bytes on the device give way to the row-scaled copy (as many bytes).
             self.data = self.data.new_empty(0)
             self.scales = self.scales.new_empty(0)
+        if self.outliers:
+            choice["outliers"] = self.outliers
         self.matmul_choice = choice
 
     @property
@@ -203,7 +224,7 @@ def checkpoint_name(name: str) -> str:
 
 def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                 keep_on_host: bool = False, rename: Any = None,
-                fp8_matmul: Any = "auto", gpu_pool: bool = False) -> dict:
+                fp8_matmul: Any = "auto", gpu_pool: bool = False, outliers: Any = 0) -> dict:
     """Takes ``model``'s frozen weights from ``base`` by name: each ``nn.Linear`` whose weight
     the base holds becomes a :class:`BaseLinear` over the base's bytes (on the CPU the shared
     copy itself; on a GPU copied there once, or read from the shared host copy at every use with
@@ -215,7 +236,9 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     after work alike. A model of which the base holds no frozen tensor is refused, with names
     from both sides.
     ``fp8_matmul`` ("auto", True, False): whether an fp8 base's layers multiply on FP8 tensor
-    cores (see :class:`BaseLinear`). ``gpu_pool=True`` (a CUDA ``device``): the layers read the
+    cores (see :class:`BaseLinear`); ``outliers`` (0; "auto" or True: 0.01; a fraction up to
+    0.1): on that path, each call's largest input channels multiplied in the compute dtype
+    (an fp8 base only: others quantize no input). ``gpu_pool=True`` (a CUDA ``device``): the layers read the
     base in place from the daemon's VRAM pool on that GPU, one copy shared by every process of
     the user there (:meth:`SharedBase.on_gpu`), and unquantized frozen tensors of the model's
     dtype are views of it too. Returns what was taken: {"linear": [...], "copied": [...],
@@ -231,6 +254,10 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         raise InvalidArgumentError(
             f"gpu_pool=True reads the base from a GPU's VRAM: it needs a CUDA device (not "
             f"{device}) and no keep_on_host")
+    if outlier_fraction(outliers) and base.format != "fp8":
+        raise InvalidArgumentError(
+            f"outliers={outliers!r} splits FP8 tensor-core matmuls; a {base.format} base "
+            "quantizes no input (load it as fp8, or pass outliers=0)")
     pool = base.on_gpu(device) if gpu_pool else None
     taken: dict = {"linear": [], "copied": [], "viewed": [], "bytes": 0}
     handled: set = set()  # biases of the layers replaced, set with them
@@ -262,7 +289,7 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
             else:
                 bias = module.bias.detach().to(device)
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
-                           fp8_matmul=fp8_matmul)
+                           fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
         _replace(model, name, layer)
         taken["linear"].append(f"{name}.weight")
@@ -308,7 +335,7 @@ def attached_base(model: nn.Module) -> tuple:
 
 
 def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
-                   fp8_matmul: Any = "auto") -> list:
+                   fp8_matmul: Any = "auto", outliers: Any = 0) -> list:
     """Quantizes the frozen ``nn.Linear`` weights of ``model`` in this process (the daemon's
     reference quantizer) into :class:`BaseLinear` layers on their device; returns their names.
     Trainable layers, and those without frozen weights, stay as they are. For one host copy
@@ -316,6 +343,10 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
     :func:`attach_base` instead."""
     if format not in ("int8", "nf4", "fp8", "nvfp4"):
         raise InvalidArgumentError(f"format={format!r} is not one of int8, nf4, fp8, nvfp4")
+    if outlier_fraction(outliers) and format != "fp8":
+        raise InvalidArgumentError(
+            f"outliers={outliers!r} splits FP8 tensor-core matmuls; {format} weights quantize "
+            "no input here (use format='fp8', or outliers=0)")
     done = []
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for name, module in list(model.named_modules()):
@@ -333,7 +364,7 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
             if bias is not None and not bias.requires_grad:
                 bias = bias.detach()
             layer = BaseLinear(stored, data.to(w.device), scales.to(w.device), bias,
-                               compute_dtype=w.dtype, fp8_matmul=fp8_matmul)
+                               compute_dtype=w.dtype, fp8_matmul=fp8_matmul, outliers=outliers)
             _replace(model, name, layer)
             done.append(name)
     return done

@@ -170,7 +170,7 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
                client: Any = None, progress: bool = True,
                fp8_matmul: Any = "auto", gpu_pool: bool = False, quant_block_size: int = 0,
                trust_remote_code: bool = False, cache_dir: str | None = None,
-               random_weights: bool = False, ram_fraction: float = 0.85,
+               random_weights: bool = False, ram_fraction: float = 0.85, outliers: Any = 0,
                **config_overrides: Any) -> torch.nn.Module:
     """A causal LM from a Hugging Face checkpoint (a folder with config.json and .safetensors,
     or a Hub id found in the local cache: :func:`resolve_checkpoint`), frozen, its weights from
@@ -187,7 +187,8 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
     :func:`trainstream.quantize_model`). ``config_overrides`` set fields of the model's config
     (``attn_implementation="sdpa"``, say). PEFT's
     ``get_peft_model`` takes the result in every format: its frozen layers are linear layers to
-    PEFT. ``fp8_matmul``, ``gpu_pool`` (one VRAM copy per GPU): see :func:`attach_base`."""
+    PEFT. ``fp8_matmul``, ``gpu_pool`` (one VRAM copy per GPU), ``outliers`` (fp8 on FP8
+    tensor cores): see :func:`attach_base`."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # an optional dependency: only this function needs it
@@ -218,7 +219,8 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
             from ..frozen.linear import quantize_model
 
             for layer in decoder_layers(model):  # as a base: the head and embeddings as they are
-                quantize_model(layer, quantize, quant_block_size)
+                quantize_model(layer, quantize, quant_block_size, fp8_matmul=fp8_matmul,
+                               outliers=outliers)
         model._trainstream_loaded = 0
         model.trainstream_format = "bf16" if quantize in ("auto", "bf16") else quantize
         return model
@@ -236,7 +238,7 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
     model.requires_grad_(False)
     base = load_base(path, format=fmt, block=quant_block_size, client=client, progress=progress)
     taken = attach_base(model, base, device=device, keep_on_host=keep_on_host,
-                        fp8_matmul=fp8_matmul, gpu_pool=gpu_pool)
+                        fp8_matmul=fp8_matmul, gpu_pool=gpu_pool, outliers=outliers)
     _materialize_computed_buffers(model, device)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
