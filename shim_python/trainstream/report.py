@@ -45,6 +45,9 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
         "quantize": session.config.get("quantize"),
         "quantized_layers": len(quantized),
+        # fp8 layers that multiply each call's largest input channels in bf16 (outliers=).
+        "outliers": max((m.outliers for m in quantized), default=0.0),
+        "outlier_layers": sum(1 for m in quantized if m.outliers),
         # Streamed weights come from the daemon's page-locked buffers: none is staged through
         # pageable memory. No peer-GPU pooling exists here (session.peer is None).
         "bounce_bytes": 0, "peer_bytes": 0, "peer_blocks": [], "peer_owned_bytes": 0,

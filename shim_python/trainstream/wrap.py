@@ -162,14 +162,20 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
     quantize = config["quantize"]
     if quantize == "auto":
         quantize = _auto_quantization(model, config, target, events)
-    from .frozen.fp8_matmul import outlier_fraction
+    from .frozen.fp8_matmul import outlier_fraction, supported
 
-    if outlier_fraction(config["outliers"]) and quantize != "fp8":
+    if outlier_fraction(config["outliers"]):
         chose = " (quantize='auto' chose " + repr(quantize) + ")" if (
             config["quantize"] == "auto") else ""
-        raise InvalidArgumentError(
-            f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core matmuls "
-            f"of frozen weights; it needs quantize='fp8'{chose}")
+        if quantize != "fp8":
+            raise InvalidArgumentError(
+                f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core "
+                f"matmuls of frozen weights; it needs quantize='fp8'{chose}")
+        ok, why = supported(target)
+        if not ok:
+            raise FailedPreconditionError(
+                f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core "
+                f"matmuls, which {target} cannot run ({why}): pass outliers=0")
     if quantize not in (None, False, "none"):
         # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
         done = quantize_model(model, quantize, config["quant_block_size"],

@@ -166,6 +166,9 @@ def test_outliers_are_refused_where_they_would_be_ignored():
         trainstream.quantize_model(_model(), "fp8", outliers=0.5)
     with pytest.raises(trainstream.InvalidArgumentError, match="needs quantize='fp8'"):
         trainstream.wrap(_model(), device="cpu", outliers=0.01)
+    with pytest.raises(trainstream.FailedPreconditionError,
+                       match=r"cpu cannot run \(not a CUDA device\)"):
+        trainstream.wrap(_model(), device="cpu", quantize="fp8", outliers=0.01)
     # "auto" on a device without FP8 tensor cores: the layer can't split, and says why.
     model = _model()
     trainstream.quantize_model(model, "fp8", outliers="auto")
