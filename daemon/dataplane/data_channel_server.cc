@@ -194,7 +194,7 @@ void DataChannelServer::Close(int fd) {
 
 bool DataChannelServer::Serve(Connection& connection) {
   const int fd = connection.fd.get();
-  // Only grant_files carries descriptors; any another request brings is closed unused.
+  // Only grant_files carries descriptors; any other request brings is closed unused.
   absl::StatusOr<ipc::ReceivedMessage> message =
       ipc::ReceiveMessage(fd, ipc::kMaxFdsPerDatagram, 0);
   if (!message.ok()) {

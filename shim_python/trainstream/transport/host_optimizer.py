@@ -8,6 +8,7 @@ weights in shared memory, fed by gradients this process writes into its slots.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -382,12 +383,14 @@ class HostOptimizer:
         self.set_step(iteration, steps)
 
     def save(self, path: str) -> int:
-        """Checkpoints the job's optimizer state to ``path`` (atomically); returns its bytes."""
-        return self._native.save(path)
+        """Checkpoints the job's optimizer state to ``path`` (atomically); returns its bytes.
+        This process creates the file, with its own rights; the daemon writes it."""
+        return self._native.save(os.path.abspath(os.fspath(path)))
 
     def load(self, path: str) -> None:
-        """Restores a checkpoint written by :meth:`save` for the same parameters."""
-        self._native.load(path)
+        """Restores a checkpoint written by :meth:`save` for the same parameters (opened by
+        this process, read by the daemon)."""
+        self._native.load(os.path.abspath(os.fspath(path)))
         self.iteration = self.info()["step"]
 
     def info(self) -> dict:
