@@ -17,7 +17,7 @@ import trainstream
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
+from tiny_gpt import TinyGPT, batch, loss_fn, train_steps  # noqa: E402
 
 GPU = [pytest.mark.gpu,
        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,16 +35,8 @@ def _train(model, steps, start=0):
     """``steps`` steps from batch ``start``, with the model's one optimizer."""
     if not hasattr(model, "_test_opt"):
         model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt = model._test_opt
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(step, device=next(model.parameters()).device.type)
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, model._test_opt, steps, next(model.parameters()).device.type,
+                       start)
 
 
 @pytest.mark.parametrize("device", DEVICES)
