@@ -127,7 +127,7 @@ fi
 if [[ $what == owed ]]; then
   timeout 150 python3 -m pytest -ra -m gpu tests/e2e/test_paged_kv_cache.py \
     tests/e2e/test_wrap.py tests/e2e/test_hf_trainer.py tests/e2e/test_activation_offloader.py \
-    tests/e2e/test_fp8_matmul.py \
+    tests/e2e/test_fp8_matmul.py tests/gpu/test_adamw_mapped.py \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
   timeout 120 python3 -m pytest -ra tests/e2e/test_attention_backend.py \
     tests/e2e/test_offload_adamw_options.py tests/e2e/test_inspection.py \
