@@ -42,7 +42,10 @@ absl::StatusOr<std::unique_ptr<CudaHostRegistration>> CudaHostRegistration::Regi
   std::string why;
   if (!CudaDevicePresent(&why)) return absl::UnavailableError(why);
 #ifdef TRAINSTREAM_HAVE_CUDA
-  unsigned int flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0);
+  // Mapped: kernels may read and write the memory in place over PCIe (kernels/cuda/
+  // adamw_mapped.cu); under unified addressing the host pointer is the device's too.
+  unsigned int flags = cudaHostRegisterPortable | cudaHostRegisterMapped |
+                       (read_only ? cudaHostRegisterReadOnly : 0);
   // One registration for the whole mapping: CUDA treats each registration as an allocation of
   // its own, and a copy whose range spans two of them fails (cudaErrorInvalidValue), so a tensor
   // anywhere in the mapping must sit inside one. Only when the driver refuses one that large is
