@@ -125,34 +125,32 @@ absl::StatusOr<uint64_t> GrantedFiles::Add(const std::string& session_id, uint64
   }
 
   absl::MutexLock lock(&mu_);
-  size_t& held = files_of_session_[session_id];
+  // The session's count is looked up, not made: a refused request leaves no entry behind.
+  const auto counted = files_of_session_.find(session_id);
+  const size_t held = counted == files_of_session_.end() ? 0 : counted->second;
   if (held + checked.size() > max_files_per_session_ || files_ + checked.size() > max_files_) {
-    if (held == 0) files_of_session_.erase(session_id);
     return absl::ResourceExhaustedError(absl::StrFormat(
         "the daemon holds %d files handed over by this session and %d in all; a session may "
         "hand over %d at a time (a request uses its grant up)",
         held, files_, max_files_per_session_));
   }
-  uint64_t id = grant;
-  if (id == 0) {
-    id = next_id_++;
-    grants_[id].session_id = session_id;
-  }
-  const auto it = grants_.find(id);
-  if (it == grants_.end() || it->second.session_id != session_id) {
-    if (held == 0) files_of_session_.erase(session_id);
-    return absl::NotFoundError(absl::StrFormat("this session has no grant of files %d", grant));
-  }
-  for (const auto& [name, file] : checked) {
-    if (it->second.grant.files_.contains(name)) {
-      if (it->second.grant.files_.empty()) grants_.erase(it);
-      if (held == 0) files_of_session_.erase(session_id);
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s is in grant %d already", name, id));
+  if (grant != 0) {
+    const auto it = grants_.find(grant);
+    if (it == grants_.end() || it->second.session_id != session_id) {
+      return absl::NotFoundError(absl::StrFormat("this session has no grant of files %d", grant));
+    }
+    for (const auto& [name, file] : checked) {
+      if (it->second.grant.files_.contains(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s is in grant %d already", name, grant));
+      }
     }
   }
-  for (auto& [name, file] : checked) it->second.grant.files_.emplace(name, std::move(file));
-  held += checked.size();
+  const uint64_t id = grant != 0 ? grant : next_id_++;
+  Pending& pending = grants_[id];
+  pending.session_id = session_id;
+  for (auto& [name, file] : checked) pending.grant.files_.emplace(name, std::move(file));
+  files_of_session_[session_id] = held + checked.size();
   files_ += checked.size();
   return id;
 }
