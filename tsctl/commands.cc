@@ -22,6 +22,10 @@ constexpr Command kCommands[] = {
      "Prometheus metrics; --textfile writes them for node_exporter, every S seconds with "
      "--interval",
      &RunMetrics},
+    {"drain", "[--wait]",
+     "stop taking sessions, wait for the open ones, exit (root, the daemon's user and its admin "
+     "group); --wait returns once it has",
+     &RunDrain},
 };
 
 // The payload that marks a status as tsctl's own usage error, so that a daemon's

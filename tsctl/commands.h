@@ -54,6 +54,7 @@ absl::Status RunOptimizers(const Invocation& invocation);
 absl::Status RunBases(const Invocation& invocation);
 absl::Status RunPools(const Invocation& invocation);
 absl::Status RunMetrics(const Invocation& invocation);
+absl::Status RunDrain(const Invocation& invocation);
 
 }  // namespace trainstream::tsctl
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "rpc/trainstream_service.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include "absl/strings/str_format.h"
@@ -207,6 +208,28 @@ absl::Status TrainStreamService::ServeSealBuffer(grpc::ServerContext* context,
                 {{"bytes", static_cast<double>(record->bytes)}}, (*session)->id,
                 (*session)->owner.uid);
   ToProto(*record, reply);
+  return absl::OkStatus();
+}
+
+absl::Status TrainStreamService::ServeDrain(grpc::ServerContext* context,
+                                            const v1::DrainRequest* /*request*/,
+                                            v1::DrainReply* reply) {
+  absl::StatusOr<PeerCredentials> caller = Caller(context);
+  if (!caller.ok()) return caller.status();
+  if (caller->uid != 0 && caller->uid != ::geteuid() && !caller->admin) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "a drain stops the daemon for every user: root, its own user (uid %d) and its admin "
+        "group may ask for one, uid %d may not",
+        ::geteuid(), caller->uid));
+  }
+  reply->set_sessions(static_cast<uint32_t>(sessions_->size()));
+  events_->Emit("daemon.drain_requested",
+                absl::StrFormat("uid %d asked for a drain; %d sessions are open", caller->uid,
+                                reply->sessions()),
+                {{"sessions", static_cast<double>(reply->sessions())}}, "", caller->uid);
+  // The drain a stop signal starts, by the same path: main()'s signal thread tells the service
+  // manager STOPPING and drains, as it does for `systemctl stop`.
+  ::kill(::getpid(), SIGTERM);
   return absl::OkStatus();
 }
 

@@ -73,6 +73,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   TRAINSTREAM_RPC(FreeBuffer, v1::FreeBufferRequest, v1::FreeBufferReply);
   TRAINSTREAM_RPC(SealBuffer, v1::SealBufferRequest, v1::Buffer);
   TRAINSTREAM_RPC(GetStatus, v1::GetStatusRequest, v1::Status);
+  TRAINSTREAM_RPC(Drain, v1::DrainRequest, v1::DrainReply);
   TRAINSTREAM_RPC(ListSessions, v1::ListSessionsRequest, v1::ListSessionsReply);
   TRAINSTREAM_RPC(GetMemory, v1::GetMemoryRequest, v1::MemoryReport);
   TRAINSTREAM_RPC(StreamEvents, v1::StreamEventsRequest, grpc::ServerWriter<v1::Event>);

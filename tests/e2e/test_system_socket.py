@@ -126,6 +126,10 @@ def test_tsctl_finds_the_system_daemon_or_says_why_not(users, system_daemon, tsc
                      "--json")
     assert member.returncode == 0, member.stderr
     assert json.loads(member.stdout)["version"]
+    # A user of the daemon may not stop it for everyone else.
+    drain = _run_as(MEMBER, users[MEMBER], system_daemon.socket, tsctl_binary, "drain")
+    assert drain.returncode == 1 and "may not" in drain.stderr, (drain.stdout, drain.stderr)
+    assert system_daemon.process.poll() is None
     outsider = _run_as(OUTSIDER, users[OUTSIDER], system_daemon.socket, tsctl_binary, "status")
     assert outsider.returncode == 3, (outsider.stdout, outsider.stderr)
     assert f"refuses {OUTSIDER}" in outsider.stderr and f"usermod -aG {GROUP}" in outsider.stderr

@@ -151,3 +151,28 @@ def test_metrics_say_what_the_daemon_holds_and_when_it_is_gone(start_daemon, tsc
     bad = tsctl(tsctl_binary, sock, "metrics", "--interval=5")
     assert bad.returncode == 2 and "name one" in bad.stderr
     assert tsctl(tsctl_binary, sock, "metrics", "--textfile=/tmp/x.txt").returncode == 2
+
+
+def test_drain_waits_for_the_open_session_then_the_daemon_exits(daemon, tsctl_binary):
+    """tsctl drain does what SIGTERM does: new sessions are refused at once, the open one is
+    waited for, and the daemon exits 0 when it closes; --wait returns once it has."""
+    sock = f"--socket={daemon.socket}"
+    client = trainstream.connect(daemon.socket, job_id="drained")
+    drained = tsctl(tsctl_binary, sock, "drain", "--json")
+    assert drained.returncode == 0, drained.stderr
+    assert json.loads(drained.stdout)["sessions"] == 1
+    status = json.loads(tsctl(tsctl_binary, sock, "status", "--json").stdout)
+    assert status["draining"] is True
+    refused = subprocess.run([tsctl_binary, sock, "events", "--json"], capture_output=True,
+                             text=True, timeout=30)
+    kinds = [json.loads(line)["kind"] for line in refused.stdout.splitlines()]
+    assert "daemon.drain_requested" in kinds and "daemon.draining" in kinds
+    assert daemon.process.poll() is None  # the open session holds the drain
+    waiting = subprocess.Popen([tsctl_binary, sock, "drain", "--wait"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    client.close()
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 0, err
+    assert "the daemon has stopped" in out
+    assert daemon.process.wait(15) == 0
+    assert tsctl(tsctl_binary, sock, "drain").returncode == 3  # no daemon left to ask
