@@ -8,23 +8,31 @@
 #include <cstdint>
 #include <cstring>
 
+// The conversions below compile for the GPU too (kernels/cuda/adamw_mapped.cu): one definition
+// of each rounding for both, so the two paths cannot drift apart.
+#ifdef __CUDACC__
+#define TRAINSTREAM_HOST_DEVICE __host__ __device__
+#else
+#define TRAINSTREAM_HOST_DEVICE
+#endif
+
 namespace trainstream::kernels {
 
-inline float BitsToFloat(uint32_t bits) {
+TRAINSTREAM_HOST_DEVICE inline float BitsToFloat(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
-inline uint32_t FloatToBits(float f) {
+TRAINSTREAM_HOST_DEVICE inline uint32_t FloatToBits(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   return bits;
 }
 
-inline float BFloat16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+TRAINSTREAM_HOST_DEVICE inline float BFloat16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
 
 // Round to nearest even, as c10::BFloat16 does; NaN stays a quiet NaN.
-inline uint16_t FloatToBFloat16(float f) {
+TRAINSTREAM_HOST_DEVICE inline uint16_t FloatToBFloat16(float f) {
   uint32_t bits = FloatToBits(f);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   bits += 0x7fffu + ((bits >> 16) & 1u);
@@ -34,7 +42,7 @@ inline uint16_t FloatToBFloat16(float f) {
 // Stochastic rounding: adds 16 random bits below the kept ones, then truncates, so the expected
 // value equals the input. An infinity has no low bits for the addition to carry out of, so it
 // stays infinite; NaN becomes the quiet NaN that nearest rounding gives.
-inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t random) {
+TRAINSTREAM_HOST_DEVICE inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t random) {
   uint32_t bits = FloatToBits(f);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   bits += random & 0xffffu;
@@ -48,7 +56,7 @@ uint16_t FloatToHalf(float f);
 // rounding. The seed is already well mixed (Constants()), so the index needs no multiplication
 // of its own; the finaliser is a bijection, so no two elements of a step share their bits.
 // Every path computes exactly this.
-inline uint32_t MixBits(uint32_t seed, uint32_t index) {
+TRAINSTREAM_HOST_DEVICE inline uint32_t MixBits(uint32_t seed, uint32_t index) {
   uint32_t x = index ^ seed;
   x ^= x >> 16;
   x *= 0x85ebca6bu;

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "cuda/adamw_mapped.h"
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -9,47 +8,17 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "cpu/numeric.h"
 
 namespace trainstream::kernels {
 namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float Bf16Bits(uint16_t h) {
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
-}
-
-// Round to nearest even; NaN to the quiet NaN (numeric.h's FloatToBFloat16).
-__device__ __forceinline__ uint16_t Bf16Nearest(float f) {
-  uint32_t bits = __float_as_uint(f);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// numeric.h's FloatToBFloat16Stochastic.
-__device__ __forceinline__ uint16_t Bf16Stochastic(float f, uint32_t random) {
-  uint32_t bits = __float_as_uint(f);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  bits += random & 0xffffu;
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// numeric.h's MixBits.
-__device__ __forceinline__ uint32_t MixBits(uint32_t seed, uint32_t index) {
-  uint32_t x = index ^ seed;
-  x ^= x >> 16;
-  x *= 0x85ebca6bu;
-  x ^= x >> 13;
-  x *= 0xc2b2ae35u;
-  x ^= x >> 16;
-  return x;
-}
-
 __device__ __forceinline__ float Load(const void* base, ScalarType type, size_t i) {
   switch (type) {
     case ScalarType::kFloat32: return static_cast<const float*>(base)[i];
-    case ScalarType::kBFloat16: return Bf16Bits(static_cast<const uint16_t*>(base)[i]);
+    case ScalarType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
     case ScalarType::kFloat16:
       return __half2float(__ushort_as_half(static_cast<const uint16_t*>(base)[i]));
   }
@@ -59,7 +28,7 @@ __device__ __forceinline__ float Load(const void* base, ScalarType type, size_t 
 __device__ __forceinline__ void StoreNearest(void* base, ScalarType type, size_t i, float v) {
   switch (type) {
     case ScalarType::kFloat32: static_cast<float*>(base)[i] = v; break;
-    case ScalarType::kBFloat16: static_cast<uint16_t*>(base)[i] = Bf16Nearest(v); break;
+    case ScalarType::kBFloat16: static_cast<uint16_t*>(base)[i] = FloatToBFloat16(v); break;
     case ScalarType::kFloat16:
       static_cast<uint16_t*>(base)[i] = __half_as_ushort(__float2half_rn(v));
       break;
@@ -89,8 +58,8 @@ __global__ void AdamWMappedKernel(MappedAdamWTensor t, AdamWConstants c,
     if (t.master != nullptr) t.master[i] = p;
     if (stochastic) {
       const uint32_t random = MixBits(c.seed, static_cast<uint32_t>(i));
-      static_cast<uint16_t*>(t.exp_avg)[i] = Bf16Stochastic(m, random & 0xffffu);
-      static_cast<uint16_t*>(t.exp_avg_sq)[i] = Bf16Stochastic(v, random >> 16);
+      static_cast<uint16_t*>(t.exp_avg)[i] = FloatToBFloat16Stochastic(m, random & 0xffffu);
+      static_cast<uint16_t*>(t.exp_avg_sq)[i] = FloatToBFloat16Stochastic(v, random >> 16);
     } else {
       static_cast<float*>(t.exp_avg)[i] = m;
       static_cast<float*>(t.exp_avg_sq)[i] = v;
