@@ -163,6 +163,13 @@ def daemon(start_daemon) -> Daemon:
 
 
 @pytest.fixture
+def daemon_socket(daemon, monkeypatch):
+    """The test daemon as $TRAINSTREAM_SOCKET: connect() and wrap() with no socket named use it."""
+    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
+    return daemon.socket
+
+
+@pytest.fixture
 def stub(daemon, proto_modules):
     import grpc
     from tsapi import trainstream_pb2_grpc

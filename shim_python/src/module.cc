@@ -109,20 +109,25 @@ PYBIND11_MODULE(_trainstream, m) {
   m.attr("__version__") = trainstream::kTrainStreamVersion;
   m.def("default_socket_path", &trainstream::client::DefaultSocketPath);
   m.def("find_daemon_socket", [] { return Released(trainstream::client::FindDaemonSocket); });
-  // AdamW on raw pointers (torch tensors' data_ptr()): the host path's scalar reference and
-  // the GPU kernel over state in mapped host memory or VRAM (kernels/cuda/adamw_mapped.h),
-  // which agree bit for bit. Types are "float32", "bfloat16" or "float16"; `step` is 1-based.
-  // The reference returns the number of non-finite gradient elements.
-  auto scalar_type = [](const std::string& name) {
+  // AdamW on raw pointers (torch tensors' data_ptr()): the host path's scalar reference
+  // (on_gpu false; returns the number of non-finite gradient elements) or the GPU kernel over
+  // state in mapped host memory or VRAM (kernels/cuda/adamw_mapped.h; counts into the device
+  // uint64 `nonfinite`, queued on `stream`), which agree bit for bit. Types are "float32",
+  // "bfloat16" or "float16"; `step` is 1-based.
+  m.def("adamw", [](bool on_gpu, uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                    const std::string& moment_type, uintptr_t grad, const std::string& grad_type,
+                    uintptr_t param, const std::string& param_type, uint64_t numel, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, uint64_t step,
+                    float grad_scale, uint64_t rounding_seed, uintptr_t nonfinite,
+                    uintptr_t stream) -> uint64_t {
     namespace k = trainstream::kernels;
-    if (name == "float32") return k::ScalarType::kFloat32;
-    if (name == "bfloat16") return k::ScalarType::kBFloat16;
-    if (name == "float16") return k::ScalarType::kFloat16;
-    throw py::value_error("a type is float32, bfloat16 or float16, not " + name);
-  };
-  auto adamw_step = [](double lr, double beta1, double beta2, double eps, double weight_decay,
-                       uint64_t step, float grad_scale, uint64_t rounding_seed) {
-    trainstream::kernels::AdamWStep s;
+    auto type = [](const std::string& name) {
+      if (name == "float32") return k::ScalarType::kFloat32;
+      if (name == "bfloat16") return k::ScalarType::kBFloat16;
+      if (name == "float16") return k::ScalarType::kFloat16;
+      throw py::value_error("a type is float32, bfloat16 or float16, not " + name);
+    };
+    k::AdamWStep s;
     s.lr = lr;
     s.beta1 = beta1;
     s.beta2 = beta2;
@@ -130,64 +135,45 @@ PYBIND11_MODULE(_trainstream, m) {
     s.weight_decay = weight_decay;
     s.grad_scale = grad_scale;
     s.rounding_seed = rounding_seed;
-    trainstream::kernels::SetStepNumber(&s, step);
-    return s;
-  };
-  m.def("adamw_reference",
-        [scalar_type, adamw_step](uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                                  const std::string& moment_type, uintptr_t grad,
-                                  const std::string& grad_type, uintptr_t param,
-                                  const std::string& param_type, uint64_t numel, double lr,
-                                  double beta1, double beta2, double eps, double weight_decay,
-                                  uint64_t step, float grad_scale, uint64_t rounding_seed) {
-          namespace k = trainstream::kernels;
-          const void* grads[] = {reinterpret_cast<const void*>(grad)};
-          k::AdamWTensor t;
-          t.master = reinterpret_cast<float*>(master);
-          t.exp_avg = reinterpret_cast<void*>(exp_avg);
-          t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-          t.moment_type = scalar_type(moment_type);
-          t.grads = grads;
-          t.grad_type = scalar_type(grad_type);
-          t.param_out = reinterpret_cast<void*>(param);
-          t.param_type = scalar_type(param_type);
-          t.numel = numel;
-          uint64_t nonfinite = 0;
-          const k::AdamWStep s = adamw_step(lr, beta1, beta2, eps, weight_decay, step,
-                                            grad_scale, rounding_seed);
-          py::gil_scoped_release release;
-          OkOrThrow(k::AdamWUpdate(t, 0, numel, s, k::Isa::kScalar, &nonfinite));
-          return nonfinite;
-        });
-  m.def("adamw_mapped_cuda",
-        [scalar_type, adamw_step](uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                                  const std::string& moment_type, uintptr_t grad,
-                                  const std::string& grad_type, uintptr_t param,
-                                  const std::string& param_type, uint64_t numel, double lr,
-                                  double beta1, double beta2, double eps, double weight_decay,
-                                  uint64_t step, float grad_scale, uint64_t rounding_seed,
-                                  uintptr_t nonfinite, uintptr_t stream) {
+    k::SetStepNumber(&s, step);
+    if (!on_gpu) {
+      const void* grads[] = {reinterpret_cast<const void*>(grad)};
+      k::AdamWTensor t;
+      t.master = reinterpret_cast<float*>(master);
+      t.exp_avg = reinterpret_cast<void*>(exp_avg);
+      t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+      t.moment_type = type(moment_type);
+      t.grads = grads;
+      t.grad_type = type(grad_type);
+      t.param_out = reinterpret_cast<void*>(param);
+      t.param_type = type(param_type);
+      t.numel = numel;
+      uint64_t count = 0;
+      py::gil_scoped_release release;
+      OkOrThrow(k::AdamWUpdate(t, 0, numel, s, k::Isa::kScalar, &count));
+      return count;
+    }
 #ifdef TRAINSTREAM_HAVE_CUDA
-          namespace k = trainstream::kernels;
-          k::MappedAdamWTensor t;
-          t.master = reinterpret_cast<float*>(master);
-          t.exp_avg = reinterpret_cast<void*>(exp_avg);
-          t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-          t.moment_type = scalar_type(moment_type);
-          t.grad = reinterpret_cast<const void*>(grad);
-          t.grad_type = scalar_type(grad_type);
-          t.param = reinterpret_cast<void*>(param);
-          t.param_type = scalar_type(param_type);
-          t.numel = numel;
-          OkOrThrow(k::AdamWMappedOnDevice(
-              t, adamw_step(lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                            rounding_seed),
-              reinterpret_cast<unsigned long long*>(nonfinite), reinterpret_cast<void*>(stream)));
+    k::MappedAdamWTensor t;
+    t.master = reinterpret_cast<float*>(master);
+    t.exp_avg = reinterpret_cast<void*>(exp_avg);
+    t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+    t.moment_type = type(moment_type);
+    t.grad = reinterpret_cast<const void*>(grad);
+    t.grad_type = type(grad_type);
+    t.param = reinterpret_cast<void*>(param);
+    t.param_type = type(param_type);
+    t.numel = numel;
+    OkOrThrow(k::AdamWMappedOnDevice(t, s, reinterpret_cast<unsigned long long*>(nonfinite),
+                                     reinterpret_cast<void*>(stream)));
 #else
-          OkOrThrow(absl::FailedPreconditionError(
-              "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+    (void)nonfinite;
+    (void)stream;
+    OkOrThrow(absl::FailedPreconditionError(
+        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
-        });
+    return 0;
+  });
   // The daemon's reference dequantizer, for checking the shim's own (and the GPU kernels)
   // against it: fp32 values from a quantized tensor's stored bytes.
   m.def("dequantize_reference", [](const std::string& format, int block, uint64_t numel,

@@ -20,12 +20,6 @@ from tiny_gpt import TinyGPT, batch, max_param_diff, train_steps  # noqa: E402
 
 
 @pytest.fixture
-def daemon_socket(daemon, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    return daemon.socket
-
-
-@pytest.fixture
 def deterministic():
     yield
     torch.use_deterministic_algorithms(False)

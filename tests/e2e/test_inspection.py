@@ -19,12 +19,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from tiny_gpt import TinyGPT, train_steps  # noqa: E402
 
 
-@pytest.fixture
-def daemon_socket(daemon, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    return daemon.socket
-
-
 def test_pinned_stats_and_the_report_without_a_model_come_from_the_daemon(daemon_socket):
     with trainstream.connect() as client:
         client.allocate("held", 3 << 20, tag="inspect")

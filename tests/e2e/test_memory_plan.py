@@ -26,12 +26,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RESIDENT = dict(offload=True, param_offload=False, activation_offload=False, recompute=False)
 
 
-@pytest.fixture
-def daemon_socket(daemon, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    return daemon.socket
-
-
 def train(model, opt, steps, device=DEVICE, start=0):
     return train_steps(model, opt, steps, device, start)
 

@@ -25,12 +25,6 @@ from tiny_gpt import loss_fn as tiny_gpt_loss  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def daemon_socket(daemon, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    return daemon.socket
-
-
 def train(model, opt, steps, start=0):
     return train_steps(model, opt, steps, DEVICE, start)
 

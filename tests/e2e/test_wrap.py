@@ -92,12 +92,6 @@ def host_bound_twins(start_daemon, monkeypatch, seed, **options):
     return ref, ref_opt, ours, opt
 
 
-@pytest.fixture
-def daemon_socket(daemon, monkeypatch):
-    monkeypatch.setenv("TRAINSTREAM_SOCKET", daemon.socket)
-    return daemon.socket
-
-
 @pytest.mark.parametrize("case", ["plain", "clip", "accumulate", "schedule"])
 def test_wrap_matches_stock_adamw_over_20_steps(daemon_socket, case):
     torch.manual_seed(0)

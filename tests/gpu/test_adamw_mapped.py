@@ -31,21 +31,17 @@ def _state(n: int, moment_dtype, param_dtype, seed: int):
             "param": master.to(param_dtype)}
 
 
-def _run_reference(s: dict, step: int, seed: int) -> int:
-    return _trainstream.adamw_reference(
-        s["master"].data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
-        NAMES[s["exp_avg"].dtype], s["grad"].data_ptr(), NAMES[s["grad"].dtype],
-        s["param"].data_ptr(), NAMES[s["param"].dtype], s["param"].numel(), HYPER["lr"],
-        HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], step, 1.0, seed)
-
-
-def _run_gpu(s: dict, step: int, seed: int, counter: torch.Tensor) -> None:
-    _trainstream.adamw_mapped_cuda(
-        s["master"].data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
+def _run(s: dict, step: int, seed: int, counter: torch.Tensor | None = None) -> int:
+    """One AdamW step over ``s``: the GPU kernel when ``counter`` (its non-finite count, on the
+    device) is given, else the host reference (which returns its count)."""
+    on_gpu = counter is not None
+    return _trainstream.adamw(
+        on_gpu, s["master"].data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
         NAMES[s["exp_avg"].dtype], s["grad"].data_ptr(), NAMES[s["grad"].dtype],
         s["param"].data_ptr(), NAMES[s["param"].dtype], s["param"].numel(), HYPER["lr"],
         HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], step, 1.0, seed,
-        counter.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        counter.data_ptr() if on_gpu else 0,
+        torch.cuda.current_stream().cuda_stream if on_gpu else 0)
 
 
 @pytest.mark.parametrize("state_in", ["pinned host memory", "VRAM"])
@@ -62,8 +58,8 @@ def test_the_kernel_agrees_bit_for_bit_with_the_host_reference(state_in, moment_
     ours["grad"], ours["param"] = ours["grad"].cuda(), ours["param"].cuda()
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
     for step in (1, 2, 3):
-        _run_reference(reference, step, seed=step)
-        _run_gpu(ours, step, seed=step, counter=counter)
+        _run(reference, step, seed=step)
+        _run(ours, step, seed=step, counter=counter)
     torch.cuda.synchronize()
     for key in ("master", "exp_avg", "exp_avg_sq", "param"):
         assert torch.equal(ours[key].cpu().view(torch.int16 if ours[key].element_size() == 2
@@ -80,8 +76,8 @@ def test_non_finite_gradients_are_counted_and_applied_as_torch_does():
     reference = {k: v.clone() for k, v in s.items()}
     gpu = {k: v.cuda() for k, v in s.items()}
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
-    assert _run_reference(reference, 1, 0) == 3
-    _run_gpu(gpu, 1, 0, counter)
+    assert _run(reference, 1, 0) == 3
+    _run(gpu, 1, 0, counter)
     torch.cuda.synchronize()
     assert int(counter.item()) == 3
     assert torch.equal(gpu["master"].cpu().isnan(), reference["master"].isnan())
@@ -100,9 +96,9 @@ def test_close_to_torch_adamw_and_refuses_pageable_memory():
     gpu = {k: v.cuda() for k, v in s.items()}
     gpu["master"] = s["master"].clone().pin_memory()
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
-    _run_gpu(gpu, 1, 0, counter)
+    _run(gpu, 1, 0, counter)
     torch.cuda.synchronize()
     assert torch.allclose(gpu["param"], p.detach(), rtol=0, atol=1e-6)
     pageable = dict(gpu, master=s["master"].clone())  # ordinary host memory: not for the GPU
     with pytest.raises(Exception, match="pageable host memory"):
-        _run_gpu(pageable, 2, 0, counter)
+        _run(pageable, 2, 0, counter)
