@@ -15,14 +15,6 @@ namespace {
 using job_optimizer_internal::Chunks;
 using job_optimizer_internal::Message;
 
-uint64_t Mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
 }  // namespace
 
 float JobOptimizer::MeanScaleLocked() const {
@@ -187,9 +179,7 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
   step.decoupled_weight_decay = settings_.decoupled_weight_decay;
   step.grad_scale = grad_scale;
   kernels::SetStepNumber(&step, p.param_step + 1);
-  // A function of the tensor and its step alone, so a run restored from a checkpoint (in any
-  // job) rounds exactly as the uninterrupted run would have.
-  step.rounding_seed = Mix64(Mix64(index + 0x9e3779b97f4a7c15ull) ^ (p.param_step + 1));
+  step.rounding_seed = kernels::RoundingSeed(index, p.param_step + 1);
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
   kernels::AdamWTensor tensor;
   tensor.master = p.master_ptr;

@@ -48,6 +48,11 @@ AdamWConstants Constants(const AdamWStep& step);
 // Fills in the bias corrections of step `t` (1-based) the way torch.optim.AdamW computes them.
 void SetStepNumber(AdamWStep* step, uint64_t t);
 
+// The stochastic-rounding seed of tensor `index`'s step `t` (1-based): a function of the two
+// alone, so a run restored from a checkpoint (in any job), and a tensor updated on the GPU
+// instead of the host, rounds exactly as the uninterrupted host run would have.
+uint64_t RoundingSeed(uint64_t index, uint64_t t);
+
 // One tensor's state. `grads` holds `num_grads` arrays (one per rank) that are summed.
 struct AdamWTensor {
   float* master = nullptr;

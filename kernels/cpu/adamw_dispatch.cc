@@ -66,6 +66,22 @@ void SetStepNumber(AdamWStep* step, uint64_t t) {
   step->bias_correction2_sqrt = std::sqrt(1.0 - std::pow(step->beta2, t_d));
 }
 
+namespace {
+
+uint64_t Mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+}  // namespace
+
+uint64_t RoundingSeed(uint64_t index, uint64_t t) {
+  return Mix64(Mix64(index + 0x9e3779b97f4a7c15ull) ^ t);
+}
+
 AdamWConstants Constants(const AdamWStep& s) {
   AdamWConstants c;
   c.decay = s.decoupled_weight_decay ? static_cast<float>(1.0 - s.lr * s.weight_decay) : 1.0f;

@@ -38,7 +38,8 @@ __device__ __forceinline__ void StoreNearest(void* base, ScalarType type, size_t
 // The scalar reference's loop body, with every rounding spelled out (_rn intrinsics) so that
 // nvcc contracts nothing the host path does not.
 __global__ void AdamWMappedKernel(MappedAdamWTensor t, AdamWConstants c,
-                                  unsigned long long* nonfinite) {
+                                  unsigned long long* nonfinite, const float* skip_if) {
+  if (skip_if != nullptr && *skip_if != 0.0f) return;
   const bool stochastic = t.moment_type == ScalarType::kBFloat16;
   unsigned long long bad = 0;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < t.numel;
@@ -96,7 +97,8 @@ absl::Status DevicePointer(void** p, const char* what) {
 }  // namespace
 
 absl::Status AdamWMappedOnDevice(const MappedAdamWTensor& tensor, const AdamWStep& step,
-                                 unsigned long long* nonfinite, void* stream) {
+                                 unsigned long long* nonfinite, void* stream,
+                                 const float* skip_if) {
   MappedAdamWTensor t = tensor;
   if (t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr ||
       t.param == nullptr) {
@@ -131,7 +133,7 @@ absl::Status AdamWMappedOnDevice(const MappedAdamWTensor& tensor, const AdamWSte
   const unsigned blocks =
       static_cast<unsigned>(std::min<size_t>(wanted, static_cast<size_t>(sms > 0 ? sms : 1) * 8));
   AdamWMappedKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      t, Constants(step), nonfinite);
+      t, Constants(step), nonfinite, skip_if);
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) {
     return absl::InternalError(

@@ -36,10 +36,13 @@ struct MappedAdamWTensor {
 // Queues the update of all `t.numel` elements on `stream` (a cudaStream_t) and returns without
 // waiting. `nonfinite` (a device uint64, optional) is incremented by the number of gradient
 // elements that were NaN or infinite (they are applied all the same, as torch does).
+// `skip_if` (a device float, optional; nonfinite="guard"'s flag) leaves everything as it is
+// when it holds anything but zero as the kernel starts.
 // INVALID_ARGUMENT for a missing pointer, an fp32 master missing for a non-fp32 parameter, or
 // bf16 moments' misuse; the CUDA error otherwise.
 absl::Status AdamWMappedOnDevice(const MappedAdamWTensor& t, const AdamWStep& step,
-                                 unsigned long long* nonfinite, void* stream);
+                                 unsigned long long* nonfinite, void* stream,
+                                 const float* skip_if = nullptr);
 
 }  // namespace trainstream::kernels
 

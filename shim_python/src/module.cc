@@ -112,14 +112,15 @@ PYBIND11_MODULE(_trainstream, m) {
   // AdamW on raw pointers (torch tensors' data_ptr()): the host path's scalar reference
   // (on_gpu false; returns the number of non-finite gradient elements) or the GPU kernel over
   // state in mapped host memory or VRAM (kernels/cuda/adamw_mapped.h; counts into the device
-  // uint64 `nonfinite`, queued on `stream`), which agree bit for bit. Types are "float32",
-  // "bfloat16" or "float16"; `step` is 1-based.
+  // uint64 `nonfinite`, queued on `stream`; nothing when the device float `skip_if` is set),
+  // which agree bit for bit. Types are "float32", "bfloat16" or "float16"; `step` is 1-based;
+  // `decoupled` false is Adam (weight decay folded into the gradient).
   m.def("adamw", [](bool on_gpu, uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
                     const std::string& moment_type, uintptr_t grad, const std::string& grad_type,
                     uintptr_t param, const std::string& param_type, uint64_t numel, double lr,
                     double beta1, double beta2, double eps, double weight_decay, uint64_t step,
                     float grad_scale, uint64_t rounding_seed, uintptr_t nonfinite,
-                    uintptr_t stream) -> uint64_t {
+                    uintptr_t stream, bool decoupled, uintptr_t skip_if) -> uint64_t {
     namespace k = trainstream::kernels;
     auto type = [](const std::string& name) {
       if (name == "float32") return k::ScalarType::kFloat32;
@@ -135,6 +136,7 @@ PYBIND11_MODULE(_trainstream, m) {
     s.weight_decay = weight_decay;
     s.grad_scale = grad_scale;
     s.rounding_seed = rounding_seed;
+    s.decoupled_weight_decay = decoupled;
     k::SetStepNumber(&s, step);
     if (!on_gpu) {
       const void* grads[] = {reinterpret_cast<const void*>(grad)};
@@ -165,15 +167,20 @@ PYBIND11_MODULE(_trainstream, m) {
     t.param_type = type(param_type);
     t.numel = numel;
     OkOrThrow(k::AdamWMappedOnDevice(t, s, reinterpret_cast<unsigned long long*>(nonfinite),
-                                     reinterpret_cast<void*>(stream)));
+                                     reinterpret_cast<void*>(stream),
+                                     reinterpret_cast<const float*>(skip_if)));
 #else
     (void)nonfinite;
     (void)stream;
+    (void)skip_if;
     OkOrThrow(absl::FailedPreconditionError(
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
     return 0;
   });
+  // The host path's stochastic-rounding seed of parameter `index`'s step `t`, for updates of
+  // that parameter made elsewhere (optimizer_mode="gpu") to round the same.
+  m.def("adamw_rounding_seed", &trainstream::kernels::RoundingSeed);
   // The daemon's reference dequantizer, for checking the shim's own (and the GPU kernels)
   // against it: fp32 values from a quantized tensor's stored bytes.
   m.def("dequantize_reference", [](const std::string& format, int block, uint64_t numel,

@@ -23,7 +23,7 @@ from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_los
 from .memory.activation_offloader import ActivationOffloader
 from .memory.blocks import find_blocks
 from .memory.paged_kv_cache import PagedKVCache
-from .memory.hardware import profile_hardware
+from .transport.hardware import profile_hardware
 from .optim.offload_adamw import OffloadAdamW
 from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .report import memory_report

@@ -16,7 +16,7 @@ MOVED = {
     "fp8_matmul": "frozen.fp8_matmul",
     "offload_adamw": "optim.offload_adamw", "staged_adamw": "optim.staged_adamw",
     "nonfinite_guard": "optim.nonfinite_guard",
-    "blocks": "memory.blocks", "hardware": "memory.hardware", "planner": "memory.planner",
+    "blocks": "memory.blocks", "hardware": "transport.hardware", "planner": "memory.planner",
     "kv_cache": "memory.kv_cache", "recompute": "memory.recompute",
     "activation_arena": "memory.activation_arena", "allocator_split": "memory.allocator_split",
     "paging": "memory.pager", "adaptive_plan": "memory.adaptive",

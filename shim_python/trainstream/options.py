@@ -12,7 +12,7 @@ from .optim.offload_adamw import MOMENT_DTYPES, NONFINITE
 # Options wrap() accepts, with the values each takes; naming any other is an error rather than
 # silently ignored.
 ACCEPTED = {
-    "optimizer_mode": ("cpu", "auto"),
+    "optimizer_mode": ("cpu", "gpu", "auto"),
     "offload": ("auto", True),
     "moment_dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "torch.float32",
                      "torch.bfloat16"),

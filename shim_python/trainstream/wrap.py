@@ -284,7 +284,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   gradient_dtype=config["gradient_dtype"], machines=topology.machines,
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
-                  client=client, names=names, initial=initial, threads=config["threads"])
+                  client=client, names=names, initial=initial, threads=config["threads"],
+                  mode=config["optimizer_mode"])
     # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory).
     frozen_streamed = [max(p.numel() * p.element_size(), 1) for p in
                        (paging.paged_params() if paging else ()) if not p.requires_grad]
@@ -444,6 +445,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                  f"{'CUDA' if offload.is_cuda else 'CPU'} model, {len(offload.trained_params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
                  f"rank {rank}/{world})", tensors=len(offload.trained_params))
+    mode, why, figures = offload.mode_decision
+    if mode == "gpu":
+        why += (f": {offload.staged_state_elements:,} elements updated in place by the GPU, "
+                f"{offload.host_updated_elements():,} by trainstreamd (streamed weights, "
+                "other dtypes)")
+    session.note("optimizer.mode", why, **figures)
     # offload="auto" measures over the first steps, then decides (an event says which way).
     offload.configure(on_decision=session.note, vram_headroom=float(config["vram_headroom"]),
                       switch_when_fits=config["offload"] == "auto" or None)

@@ -124,7 +124,7 @@ def test_the_old_module_paths_are_the_new_modules():
             importlib.import_module(f"trainstream.{new}"), old
     # A module's globals set through the old path are the ones its code reads.
     import trainstream.hardware as old_hardware
-    from trainstream.memory import hardware
+    from trainstream.transport import hardware
 
     assert old_hardware is hardware
     # Two old module names are also the package's public functions: those stay functions.

@@ -197,7 +197,8 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
 
 
 @pytest.mark.parametrize("options", [
-    dict(quantise="nf4"), dict(optimizer_mode="gpu"), dict(accumulation_steps=0),
+    dict(quantise="nf4"), dict(optimizer_mode="gpu"), dict(optimizer_mode="fast"),
+    dict(accumulation_steps=0),
     dict(vram_headroom=1.5), dict(memory_wait_s=-1), dict(quant_block_size=3),
     dict(prefetch_depth=0), dict(param_offload="sometimes"), dict(recompute=[99]),
     dict(vram_budget=-1), dict(gpu_state_blocks=-1), dict(max_grad_norm=0),
@@ -229,7 +230,10 @@ def test_misuse_gets_clear_errors(daemon_socket):
         trainstream.wrap(other, torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="unknown option 'quantise'.*accepted"):
         trainstream.wrap(TinyGPT(), quantise="nf4")
-    with pytest.raises(ValueError, match="optimizer_mode='gpu' is not one of"):
+    with pytest.raises(ValueError, match="optimizer_mode='fast' is not one of"):
+        trainstream.wrap(TinyGPT(), optimizer_mode="fast")
+    with pytest.raises(ValueError, match="optimizer_mode='gpu'.* cannot run here: the model is "
+                                         "on the CPU"):
         trainstream.wrap(TinyGPT(), optimizer_mode="gpu")
     with pytest.raises(ValueError, match="vram_headroom=1.5 must be"):
         trainstream.wrap(TinyGPT(), vram_headroom=1.5)
@@ -495,7 +499,8 @@ def test_staging_moments_through_a_cpu_model_is_refused(daemon_socket):
     with pytest.raises(trainstream.FailedPreconditionError,
                        match="cannot move to VRAM: a CPU model's updates land in place"):
         opt.keep_state_on_device(set(), {id(p) for p in model.blocks[1].parameters()})
-    assert opt.stats()["staged_state"] == {"tensors": 0, "elements": 0, "chunks": 0,
+    assert opt.stats()["staged_state"] == {"tensors": 0, "elements": 0, "engine": "staged",
+                                           "chunks": 0,
                                            "bytes_each_way": 0}
 
 

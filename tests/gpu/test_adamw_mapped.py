@@ -31,9 +31,11 @@ def _state(n: int, moment_dtype, param_dtype, seed: int):
             "param": master.to(param_dtype)}
 
 
-def _run(s: dict, step: int, seed: int, counter: torch.Tensor | None = None) -> int:
-    """One AdamW step over ``s``: the GPU kernel when ``counter`` (its non-finite count, on the
-    device) is given, else the host reference (which returns its count)."""
+def _run(s: dict, step: int, seed: int, counter: torch.Tensor | None = None,
+         decoupled: bool = True, skip_if: torch.Tensor | None = None) -> int:
+    """One AdamW step over ``s`` (``decoupled=False``: Adam): the GPU kernel when ``counter``
+    (its non-finite count, on the device) is given, else the host reference (which returns its
+    count)."""
     on_gpu = counter is not None
     return _trainstream.adamw(
         on_gpu, s["master"].data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
@@ -41,7 +43,12 @@ def _run(s: dict, step: int, seed: int, counter: torch.Tensor | None = None) -> 
         s["param"].data_ptr(), NAMES[s["param"].dtype], s["param"].numel(), HYPER["lr"],
         HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], step, 1.0, seed,
         counter.data_ptr() if on_gpu else 0,
-        torch.cuda.current_stream().cuda_stream if on_gpu else 0)
+        torch.cuda.current_stream().cuda_stream if on_gpu else 0, decoupled,
+        skip_if.data_ptr() if skip_if is not None else 0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 @pytest.mark.parametrize("state_in", ["pinned host memory", "VRAM"])
@@ -62,10 +69,7 @@ def test_the_kernel_agrees_bit_for_bit_with_the_host_reference(state_in, moment_
         _run(ours, step, seed=step, counter=counter)
     torch.cuda.synchronize()
     for key in ("master", "exp_avg", "exp_avg_sq", "param"):
-        assert torch.equal(ours[key].cpu().view(torch.int16 if ours[key].element_size() == 2
-                                                else torch.int32),
-                           reference[key].view(torch.int16 if reference[key].element_size() == 2
-                                               else torch.int32)), key
+        assert torch.equal(_bits(ours[key]), _bits(reference[key])), key
     assert int(counter.item()) == 0
 
 
@@ -102,3 +106,28 @@ def test_close_to_torch_adamw_and_refuses_pageable_memory():
     pageable = dict(gpu, master=s["master"].clone())  # ordinary host memory: not for the GPU
     with pytest.raises(Exception, match="pageable host memory"):
         _run(pageable, 2, 0, counter)
+
+
+def test_adam_and_the_guard_flag():
+    """decoupled=False (Adam: the decay folded into the gradient) agrees with the host's Adam;
+    a set skip_if flag (nonfinite="guard" found a bad value earlier in the step) leaves every
+    tensor as it was, and a clear one lets the update through."""
+    n = 70000
+    reference = _state(n, torch.bfloat16, torch.bfloat16, seed=4)
+    ours = {k: v.clone() for k, v in reference.items()}
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        ours[key] = ours[key].pin_memory()
+    ours["grad"], ours["param"] = ours["grad"].cuda(), ours["param"].cuda()
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    flag = torch.ones((), dtype=torch.float32, device="cuda")
+    before = {k: v.clone() for k, v in ours.items()}
+    _run(ours, 1, seed=9, counter=counter, decoupled=False, skip_if=flag)
+    torch.cuda.synchronize()
+    for key in before:
+        assert torch.equal(_bits(ours[key]), _bits(before[key])), key
+    flag.zero_()
+    _run(reference, 1, seed=9, decoupled=False)
+    _run(ours, 1, seed=9, counter=counter, decoupled=False, skip_if=flag)
+    torch.cuda.synchronize()
+    for key in ("master", "exp_avg", "exp_avg_sq", "param"):
+        assert torch.equal(_bits(ours[key]), _bits(reference[key])), key

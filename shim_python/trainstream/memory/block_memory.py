@@ -362,7 +362,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
     link = 0.0
     if pager.cuda and session.config["profile"]:
-        from .hardware import profile_hardware
+        from ..transport.hardware import profile_hardware
 
         gpu = profile_hardware().get("gpu") or {}
         link = 1e9 * min(gpu.get("h2d_gbps", 0.0), gpu.get("d2h_gbps", 0.0))
@@ -391,8 +391,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
         option = staged_option = 0
-    if offload.staged_state_refusal() is not None:
-        staged_option = 0
+    if offload.staged_state_refusal() is not None or offload.updates_on_gpu:
+        staged_option = 0  # optimizer_mode="gpu": mapped updates need no staging slots
     # Only fp32 weights may keep their state in VRAM (the master weights of others are the
     # daemon's); each updated on the host moves its gradient out and itself back a step.
     trainable_outside = sum(p.numel() for p in offload.trained_params

@@ -36,7 +36,8 @@ class Checkpoints:
                 ours["state"][i] = {"step": entry["step"].detach().cpu().clone(),
                                     "exp_avg": entry["exp_avg"].detach().cpu().clone(),
                                     "exp_avg_sq": entry["exp_avg_sq"].detach().cpu().clone()}
-            ours["master"][i] = p.detach().float().cpu().clone()
+            master = self._mapped_master(i)  # the GPU kernel's, finer than a bf16 weight
+            ours["master"][i] = (master if master is not None else p.detach()).float().cpu().clone()
         position = {id(p): n for n, p in enumerate(self._all)}
         state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
         groups = []

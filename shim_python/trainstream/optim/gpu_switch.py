@@ -76,7 +76,7 @@ class GpuSwitch:
 
     def _switch_to_gpu(self) -> None:
         self.synchronize()
-        self.keep_state_on_device(set())  # the daemon's state is whole, then all moves
+        self.all_state_to_daemon()  # the daemon's state is whole, then all moves
         if self._adaptive is not None:
             self._adaptive.state_left_vram()
         for h in self._hooks:

@@ -50,11 +50,18 @@ class GradientRouting:
                 self._finish_after_backward()
                 if i in self._staged_indices:
                     # Final: its update starts now, beside the rest of backward.
+                    moved = self._staged.bytes_each_way
+                    master = self._mapped_master(i)
+                    extra = {"master": master} if master is not None else {}
                     self._staged.add(i, p, p.grad, self._host.exp_avg(i),
                                      self._host.exp_avg_sq(i), self._hyper(i),
-                                     cuda_device.current(self._device_index))
-                    self.bytes_to_host += 8 * p.numel()
-                    self.bytes_to_device += 8 * p.numel()
+                                     cuda_device.current(self._device_index), **extra)
+                    # Staged: fp32 moments each way (counted by the engine at its flush);
+                    # mapped: what the kernel reads, counted at once.
+                    moved = (self._staged.bytes_each_way - moved if self._update_on_gpu
+                             else 8 * p.numel())
+                    self.bytes_to_host += moved
+                    self.bytes_to_device += moved
                     p.grad = None  # its chunk holds it until the update has read it
             return
         if not self._cuda:

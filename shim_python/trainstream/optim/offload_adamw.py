@@ -31,8 +31,11 @@ from .gpu_switch import AUTO_STEPS, GpuSwitch
 from .gradients import GradientRouting
 from .groups import daemon_group, safe_name
 from .pass_options import check_pass_options
-from .placement import BF16_MOMENTS_REFUSAL, StatePlacement, unregister_exit_return
+from .placement import (BF16_MOMENTS_REFUSAL, StatePlacement, gpu_update_refusal,
+                        unregister_exit_return)
 from .returns import DeviceReturns
+from .surface import LayerSurface
+from .update_mode import check_mode, decide_mode
 
 if TYPE_CHECKING:
     from .nonfinite_guard import DeviceGuard
@@ -49,8 +52,8 @@ GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": 
 __all__ = ["BF16_MOMENTS_REFUSAL", "GRADIENT_DTYPES", "MOMENT_DTYPES", "NONFINITE", "OffloadAdamW"]
 
 
-class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Checkpoints,
-                   torch.optim.Optimizer):
+class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement, GpuSwitch,
+                   Checkpoints, torch.optim.Optimizer):
     """AdamW (``kind="adam"``: Adam) with fp32 master weights and moments in trainstreamd.
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` as for ``torch.optim.AdamW``.
@@ -60,9 +63,10 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
     ``nonfinite`` (``"guard"``: a step stops updating at its first non-finite gradient value
     and says so; ``"ignore"``, ``"skip"``, ``"error"``), ``client`` (default:
     :func:`trainstream.connect`), ``job_id``, ``rank``, ``world_size``, ``names`` (a dict from
-    parameter to name, for messages and checkpoints). TrainStream 0.6's ``mode``,
-    ``distributed``, ``threads``, ``chunk_elems``, ``eager`` and ``pin_moments``: see
-    pass_options.py and the README.
+    parameter to name, for messages and checkpoints), ``mode`` (``"cpu"``, ``"gpu"``:
+    mapped_adamw.py, ``"auto"``: update_mode.py). TrainStream 0.6's ``distributed``,
+    ``threads``, ``chunk_elems``, ``eager`` and ``pin_moments``: see pass_options.py and the
+    README.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas=(0.9, 0.999),
@@ -77,10 +81,7 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                  distributed: bool = False, threads: int | None = None,
                  chunk_elems: int | None = None, eager: bool | None = None,
                  pin_moments: bool | None = None):
-        if mode != "cpu":
-            raise InvalidArgumentError(
-                f"OffloadAdamW: mode={mode!r}: only 'cpu' (AdamW on trainstreamd's threads, "
-                "the moments in its memory) is built; the zero-copy GPU kernel is not yet")
+        check_mode(mode)
         check_pass_options(threads, chunk_elems, eager, pin_moments, needs_all=bool(
             max_grad_norm) or compute_grad_norm or nonfinite in ("skip", "error"))
         if distributed:
@@ -103,6 +104,11 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
             raise InvalidArgumentError("no trainable parameters to optimize")
         first = self._params[0]
         self._cuda = first.is_cuda
+        # optimizer_mode: refused or decided before the daemon is asked (update_mode.py).
+        self.mode_decision = decide_mode(mode, gpu_update_refusal(
+            self._cuda, world_size, machines, nonfinite, bool(max_grad_norm) or compute_grad_norm,
+            self._params), self._params, MOMENT_DTYPES.get(moment_dtype, torch.float32))
+        self._update_on_gpu = False  # set once the daemon holds the state (below)
         for p in self._params:
             if p.device != first.device:
                 raise InvalidArgumentError(
@@ -245,6 +251,9 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         if getattr(self, "_resumed", False):
             # After the device-return and paging set-up: refresh_weights() reads both.
             self.refresh_weights()
+        if self.mode_decision[0] == "gpu":
+            self._update_on_gpu = True
+            self.keep_state_on_device(set())  # every parameter that may: mapped_candidates
 
     def _take_over(self, i: int, p: torch.Tensor) -> None:
         """Routes parameter ``i``'s gradients to the daemon (and, on a CPU, its storage)."""
@@ -279,7 +288,7 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
                               "trainstreamd", stacklevel=3)
             else:
                 # The daemon holds the whole job's state again (a later process may resume it).
-                self.keep_state_on_device(set())
+                self.all_state_to_daemon()
         unregister_exit_return(self)
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
@@ -504,77 +513,6 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         self.attach_forward_waits(model, list(blocks))
         return self
 
-    # What the layers above (the memory plan, wrap()) read and set, instead of its internals.
-    @property
-    def trained_params(self) -> list:
-        """The parameters it updates, in the daemon's order (index ``i`` is the daemon's)."""
-        return self._params
-
-    def index_of(self, p: torch.Tensor) -> int | None:
-        """``p``'s index in the daemon, None for a parameter it does not update."""
-        return self._index.get(id(p))
-
-    @property
-    def host(self) -> HostOptimizer:
-        """The daemon's side: its master weights, moments and gradient slots per parameter."""
-        return self._host
-
-    @property
-    def is_cuda(self) -> bool:
-        """Whether the model's parameters are on a CUDA device."""
-        return self._cuda
-
-    @property
-    def resumed(self) -> bool:
-        """Whether it re-attached to a job's state that a process before it made."""
-        return getattr(self, "_resumed", False)
-
-    @property
-    def gradient_dtypes(self) -> list:
-        """The dtype each parameter's gradient leaves in, by index."""
-        return self._grad_dtypes
-
-    @property
-    def gradient_dtype(self) -> torch.dtype | None:
-        """gradient_dtype= as given (None: each gradient leaves in its parameter's dtype)."""
-        return self._gradient_dtype
-
-    @property
-    def switch_pending(self) -> bool:
-        """offload="auto" has not decided yet."""
-        return bool(self._switch_when_fits)
-
-    def add_hook(self, handle: Any) -> None:
-        """A hook someone installed for it, removed with it at detach()."""
-        self._hooks.append(handle)
-
-    def weights_to_daemon(self, i: int) -> None:
-        """Parameter ``i``'s current value into the daemon's master (and model-dtype) copy."""
-        self._weights_to_daemon(i)
-
-    def returned_bytes(self) -> int:
-        """Bytes of updated weights the daemon copies back to the device a step."""
-        return sum(p.numel() * p.element_size() for i, p in enumerate(self._params)
-                   if i not in self._paged_indices)
-
-    def host_updated_elements(self) -> int:
-        """Elements the daemon updates a step (those not updated in VRAM)."""
-        return sum(p.numel() for i, p in enumerate(self._params) if i not in self._device_indices)
-
-    def configure(self, *, on_decision: Any = None, vram_headroom: float | None = None,
-                  switch_when_fits: bool | None = None, memory_plan: Any = None) -> None:
-        """Settings wrap() knows only once its session exists: where decisions are said, the
-        VRAM share offload="auto" leaves free, whether it decides, and the run-time memory
-        plan told after every step (its ``after_step()``, ``adapting``)."""
-        if on_decision is not None:
-            self._on_decision = on_decision
-        if vram_headroom is not None:
-            self._vram_headroom = float(vram_headroom)
-        if switch_when_fits is not None:
-            self._switch_when_fits = bool(switch_when_fits)
-        if memory_plan is not None:
-            self._adaptive = memory_plan
-
     @property
     def steps(self) -> int:
         if self._gpu_optimizer is not None:
@@ -589,12 +527,16 @@ class OffloadAdamW(GradientRouting, DeviceReturns, StatePlacement, GpuSwitch, Ch
         info["gpu_state"] = {"tensors": len(self._device_indices - self._staged_indices),
                              "elements": self.device_state_elements,
                              "moment_bytes": 8 * self.device_state_elements}
-        # Updated on the GPU from moments staged out of the daemon (keep_state_on_device).
+        # Updated on the GPU from moments staged out of the daemon (keep_state_on_device), or
+        # read where they lie (optimizer_mode="gpu": "mapped").
         staged = self._staged
         info["staged_state"] = {"tensors": len(self._staged_indices),
                                 "elements": self.staged_state_elements,
+                                "engine": ("mapped" if self._update_on_gpu else "staged"),
                                 "chunks": staged.chunks if staged else 0,
                                 "bytes_each_way": staged.bytes_each_way if staged else 0}
+        info["optimizer_mode"] = {"mode": self.mode_decision[0], "why": self.mode_decision[1],
+                                  **self.mode_decision[2]}
         info["steps"] = self.steps
         return info
 

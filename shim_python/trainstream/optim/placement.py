@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where OffloadAdamW's state lives per parameter: in trainstreamd (the default), in VRAM under
-torch's fused AdamW (keep_state_on_device), or staged: moments copied out of the daemon and
-back around a GPU update. Moves between them carry the moments, weights and step counts."""
+torch's fused AdamW (keep_state_on_device), or in trainstreamd but updated on the GPU: staged
+(moments copied out of the daemon and back around a GPU update) or, under optimizer_mode="gpu",
+mapped (the kernel reads and writes them where they lie). Moves between them carry the moments,
+weights and step counts."""
 
 from __future__ import annotations
 
@@ -15,11 +17,34 @@ import torch
 from ..errors import FailedPreconditionError
 from ..transport import device as cuda_device
 from .groups import torch_group
+from .mapped_adamw import MappedAdamW, mappable_dtype
 from .nonfinite_guard import DeviceGuard
 from .staged_adamw import StagedAdamW
 
 # Why no state may move to VRAM under bf16 moments (gpu_state_refusal).
 BF16_MOMENTS_REFUSAL = "bf16 moments are the daemon's (torch's fused AdamW keeps fp32 ones)"
+
+
+def gpu_update_refusal(cuda: bool, world_size: int, machines: int, nonfinite: str,
+                       reports_norm: bool, params: list) -> str | None:
+    """Why optimizer_mode="gpu" cannot update a job's parameters on the GPU (None: it can).
+    Known from the optimizer's arguments alone, so it is said before the daemon is asked."""
+    if not cuda:
+        return "the model is on the CPU: there is no GPU to update it on"
+    if world_size > 1 or machines > 1:
+        return ("a data-parallel job sums every rank's gradients in trainstreamd before each "
+                "update, so its pass runs there")
+    if nonfinite in ("skip", "error"):
+        return (f"nonfinite={nonfinite!r} checks every gradient of the step in trainstreamd "
+                "before any update ('guard' and 'ignore' work on the GPU)")
+    if reports_norm:
+        return ("max_grad_norm and compute_grad_norm need the step's global gradient norm, "
+                "which exists only after backward, and the GPU updates each tensor during it "
+                "(clip with torch.nn.utils.clip_grad_norm_ before backward ends is not "
+                "possible either: use optimizer_mode='cpu' for clipping)")
+    if not any(mappable_dtype(p.dtype) and p.is_contiguous() for p in params):
+        return "no parameter is a contiguous fp32, bf16 or fp16 tensor"
+    return None
 
 class StatePlacement:
     """OffloadAdamW's state placement (a part of the class)."""
@@ -51,6 +76,29 @@ class StatePlacement:
             reason = ("max_grad_norm and compute_grad_norm need the global gradient norm, "
                       "which exists only after backward, and staged updates run during it")
         return reason
+
+    def gpu_update_refusal(self) -> str | None:
+        """Why optimizer_mode="gpu" cannot update this job's parameters on the GPU."""
+        if self._gpu_optimizer is not None:
+            return "the whole optimizer runs on the GPU already (offload='auto')"
+        return gpu_update_refusal(self._cuda, self._world_size, self._machines, self._nonfinite,
+                                  self._reports_norm, self._params)
+
+    def mapped_candidates(self, excluded: set) -> list[int]:
+        """The parameters optimizer_mode="gpu" updates on the GPU, of those not in
+        ``excluded``: every contiguous fp32, bf16 or fp16 one whose weights do not stream
+        (a streamed weight's GPU copy is there only for its block's passes)."""
+        return [i for i in range(len(self._params)) if i not in excluded
+                and i not in self._paged_indices and self._params[i].is_contiguous()
+                and mappable_dtype(self._params[i].dtype)]
+
+    def _mapped_master(self, i: int) -> torch.Tensor | None:
+        """The daemon's fp32 master the GPU kernel updates for parameter ``i`` (None when the
+        parameter is fp32, its own master, or not mapped)."""
+        if (isinstance(self._staged, MappedAdamW) and i in self._staged_indices
+                and self._params[i].dtype != torch.float32):
+            return self._host.master(i)
+        return None
 
     def device_state_candidates(self, param_ids: set) -> list[int]:
         """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
@@ -110,8 +158,11 @@ class StatePlacement:
             self._moments_from_daemon(self._device_optimizer, arriving_held)
         if staged and self._staged is None:
             guard = self._device_guard()
-            self._staged = StagedAdamW(self._params[0].device, self._kind,
-                                       found_inf=guard.found if guard is not None else None)
+            if self._update_on_gpu:
+                self._staged = MappedAdamW(self._params[0].device, self._kind, guard=guard)
+            else:
+                self._staged = StagedAdamW(self._params[0].device, self._kind,
+                                           found_inf=guard.found if guard is not None else None)
         for i in sorted(staged - self._staged_indices):
             self._staged.set_steps(i, self._params[i].numel(), steps[i])
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
@@ -143,7 +194,8 @@ class StatePlacement:
 
     @property
     def staged_state_elements(self) -> int:
-        """Elements updated on the GPU with their moments staged from the daemon."""
+        """Elements updated on the GPU with their state in the daemon (staged, or mapped under
+        optimizer_mode="gpu")."""
         return sum(self._params[i].numel() for i in self._staged_indices)
 
     def _hyper(self, i: int) -> tuple:
@@ -272,9 +324,12 @@ class StatePlacement:
         return steps
 
     def _weights_to_daemon(self, i: int) -> None:
-        """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy."""
+        """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy;
+        a master the GPU kernel updates in place is current already, and finer than the
+        parameter."""
         p = self._params[i]
-        self._host.master(i).copy_(p.detach().reshape(p.shape))
+        if self._mapped_master(i) is None:
+            self._host.master(i).copy_(p.detach().reshape(p.shape))
         if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
             self._host.param(i).copy_(p.detach())
 
@@ -293,12 +348,21 @@ class StatePlacement:
             for i in self._staged_indices:
                 self._staged.set_steps(i, self._params[i].numel(), steps[i])
 
+    def all_state_to_daemon(self) -> None:
+        """Every parameter's state back in the daemon and updated there (under
+        optimizer_mode="gpu" too, whose mapped updates then stop). Between steps only."""
+        on_gpu, self._update_on_gpu = self._update_on_gpu, False
+        try:
+            self.keep_state_on_device(set())
+        finally:
+            self._update_on_gpu = on_gpu
+
     def return_state_to_daemon(self) -> None:
         """Every parameter's state back in the daemon, unless a step is in progress (its
         gradients would land on moved state): at exit, so a process that ends without unwrap()
         leaves the job whole for a restart."""
         if not any(self._backwards):
-            self.keep_state_on_device(set())
+            self.all_state_to_daemon()
 
     def _device_state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""

@@ -19,7 +19,11 @@ class DeviceReturns:
         """These parameters' updates are no longer copied to the device (their device memory is
         about to go): waits for copies in flight first. Any of them updated in VRAM go back to
         the daemon first (their weights will be its host copies)."""
-        if any(id(self._params[i]) in param_ids for i in self._device_indices):
+        leaving = {i for i, p in enumerate(self._params) if id(p) in param_ids}
+        moved = leaving & self._device_indices
+        # Paged first: optimizer_mode="gpu" then leaves them to the daemon with the rest.
+        self._paged_indices |= leaving
+        if moved:
             def kept(indices: set) -> set:
                 return {id(self._params[i]) for i in indices
                         if id(self._params[i]) not in param_ids}
@@ -28,12 +32,10 @@ class DeviceReturns:
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
         self._waited_modules.clear()
-        for i, p in enumerate(self._params):
-            if id(p) in param_ids:
-                self._paged_indices.add(i)
-                if self._device_return and self._targets[i] != 0:
-                    self._host.retarget_device(i, 0, 0)
-                    self._targets[i] = 0
+        for i in sorted(leaving):
+            if self._device_return and self._targets[i] != 0:
+                self._host.retarget_device(i, 0, 0)
+                self._targets[i] = 0
 
     def resume_returning(self, param_ids: set) -> None:
         """These parameters hold device tensors again (blocks that stopped streaming): their
@@ -47,6 +49,9 @@ class DeviceReturns:
                 if self._device_return:
                     self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
                     self._targets[i] = p.data_ptr()
+        if self._update_on_gpu:  # optimizer_mode="gpu": they are updated on the GPU again
+            self.keep_state_on_device({id(self._params[i]) for i in
+                                       self._device_indices - self._staged_indices})
 
     def page_weights(self, pager: Any) -> None:
         """Parameters of ``pager``'s blocks are read from host memory at every use: their

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The native module's compute kernels, for the layers above: the daemon's quantizer run in
 this process (one chunk a call, so a layer spreads over a thread pool), the GPU dequantizer,
-and the causal-LM cross-entropy kernels. Each takes raw pointers: its caller owns the tensors
+the causal-LM cross-entropy kernels and AdamW over mapped state (optimizer_mode="gpu"). Each takes raw pointers: its caller owns the tensors
 and their devices."""
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ nvfp4_tensor_scale = _trainstream.nvfp4_tensor_scale
 quantize_chunk = _trainstream.quantize_chunk
 # kernels/cuda/dequantize.cu over stored bytes on a CUDA device, queued on the stream given.
 dequantize_cuda = _trainstream.dequantize_cuda
+# AdamW on raw pointers: the host path's scalar reference (first argument False) or the GPU
+# kernel over state in mapped host memory or VRAM (True), which agree bit for bit.
+adamw = _trainstream.adamw
+# The host path's stochastic-rounding seed of parameter index's step t.
+adamw_rounding_seed = _trainstream.adamw_rounding_seed
 
 
 def cross_entropy() -> Any:

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the layers above OffloadAdamW (the memory plan, wrap()) read and set, instead of its
+internals (a part of the class)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..transport.host_optimizer import HostOptimizer
+
+
+class LayerSurface:
+    """OffloadAdamW's surface for the layers above."""
+
+    @property
+    def trained_params(self) -> list:
+        """The parameters it updates, in the daemon's order (index ``i`` is the daemon's)."""
+        return self._params
+
+    def index_of(self, p: torch.Tensor) -> int | None:
+        """``p``'s index in the daemon, None for a parameter it does not update."""
+        return self._index.get(id(p))
+
+    @property
+    def host(self) -> HostOptimizer:
+        """The daemon's side: its master weights, moments and gradient slots per parameter."""
+        return self._host
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the model's parameters are on a CUDA device."""
+        return self._cuda
+
+    @property
+    def resumed(self) -> bool:
+        """Whether it re-attached to a job's state that a process before it made."""
+        return getattr(self, "_resumed", False)
+
+    @property
+    def gradient_dtypes(self) -> list:
+        """The dtype each parameter's gradient leaves in, by index."""
+        return self._grad_dtypes
+
+    @property
+    def gradient_dtype(self) -> torch.dtype | None:
+        """gradient_dtype= as given (None: each gradient leaves in its parameter's dtype)."""
+        return self._gradient_dtype
+
+    @property
+    def updates_on_gpu(self) -> bool:
+        """optimizer_mode="gpu": the GPU updates the parameters it may (mapped_adamw.py)."""
+        return self._update_on_gpu
+
+    @property
+    def switch_pending(self) -> bool:
+        """offload="auto" has not decided yet."""
+        return bool(self._switch_when_fits)
+
+    def add_hook(self, handle: Any) -> None:
+        """A hook someone installed for it, removed with it at detach()."""
+        self._hooks.append(handle)
+
+    def weights_to_daemon(self, i: int) -> None:
+        """Parameter ``i``'s current value into the daemon's master (and model-dtype) copy."""
+        self._weights_to_daemon(i)
+
+    def returned_bytes(self) -> int:
+        """Bytes of updated weights the daemon copies back to the device a step."""
+        return sum(p.numel() * p.element_size() for i, p in enumerate(self._params)
+                   if i not in self._paged_indices)
+
+    def host_updated_elements(self) -> int:
+        """Elements the daemon updates a step (those not updated in VRAM)."""
+        return sum(p.numel() for i, p in enumerate(self._params) if i not in self._device_indices)
+
+    def configure(self, *, on_decision: Any = None, vram_headroom: float | None = None,
+                  switch_when_fits: bool | None = None, memory_plan: Any = None) -> None:
+        """Settings wrap() knows only once its session exists: where decisions are said, the
+        VRAM share offload="auto" leaves free, whether it decides, and the run-time memory
+        plan told after every step (its ``after_step()``, ``adapting``)."""
+        if on_decision is not None:
+            self._on_decision = on_decision
+        if vram_headroom is not None:
+            self._vram_headroom = float(vram_headroom)
+        if switch_when_fits is not None:
+            self._switch_when_fits = bool(switch_when_fits)
+        if memory_plan is not None:
+            self._adaptive = memory_plan
