@@ -86,6 +86,8 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         import trainstream
 
         options = dict(quantize="nf4") if mode == "wrap_nf4" else {}
+        if mode == "wrap_gpu":  # the AdamW update on the GPU over the daemon's state
+            options["optimizer_mode"] = "gpu"
         options.update(json.loads(os.environ.get("TS_HF_OPTIONS", "{}")))  # diagnostics
         model, opt = trainstream.wrap(model, opt, device="cuda", **options)
         session = model._trainstream_session

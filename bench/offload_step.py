@@ -14,6 +14,11 @@ otherwise run, on one GPU, in one run (each configuration in a fresh process):
     the host optimizer as the daemon's update pass over all workers (summed worker seconds /
     workers). ``wrap`` keeps fp32 moments and gradients (exact); ``wrap_bf16`` sends bf16
     gradients and keeps bf16 moments (stochastic rounding), fp32 master weights either way.
+(c) ``optimizer_mode="gpu"`` in either case (``wrap_gpu``, ``wrap_gpu_bf16``: fp32 or bf16
+    moments): the update runs on the GPU as each gradient is final, reading and writing the
+    moments in the daemon's pinned memory over PCIe; its bound is max(compute, the moments'
+    bytes each way over the slower direction). In the fitting case it keeps offload=True (the
+    mode itself is measured, not a switch to fused GPU AdamW).
 
     python bench/offload_step.py [--fits] [--big] [--json out.json]
 """
@@ -85,17 +90,20 @@ def worker(mode: str, case: dict) -> dict:
                 loss_on(model, data(s)).backward()
                 opt.step()
                 opt.zero_grad()
-        elif mode in ("wrap", "wrap_bf16"):
+        elif mode in ("wrap", "wrap_bf16", "wrap_gpu", "wrap_gpu_bf16"):
             import trainstream
 
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             began = time.perf_counter()
-            # wrap_bf16: bf16 moments (stochastic rounding) and gradients sent in bf16; the
-            # master weights stay fp32.
-            low = mode == "wrap_bf16"
+            # *_bf16: bf16 moments (stochastic rounding) and, on the host path, gradients sent
+            # in bf16; the master weights stay fp32.
+            low = mode.endswith("_bf16")
+            on_gpu = mode.startswith("wrap_gpu")
+            options = dict(optimizer_mode="gpu", offload=True) if on_gpu else dict(
+                gradient_dtype="bfloat16" if low else None)
             model, opt = trainstream.wrap(model, opt,
                                           moment_dtype="bfloat16" if low else "float32",
-                                          gradient_dtype="bfloat16" if low else None)
+                                          **options)
             row["wrap_s"] = round(time.perf_counter() - began, 2)
 
             def step(s):
@@ -139,6 +147,7 @@ def worker(mode: str, case: dict) -> dict:
         if mode.startswith("wrap"):
             stats = opt.stats()
             row["runs_on"] = stats["runs_on"]
+            row["gpu_updated_elements"] = stats["staged_state"]["elements"]
             last = stats.get("last_step", {})
             threads = max(1, int(stats.get("threads", 1)))
             row["host_update_s"] = round(float(last.get("update_seconds", 0)) / threads, 4)
@@ -171,8 +180,9 @@ def main() -> None:
           f"device->host {bandwidth['d2h_gbps']} GB/s")
     with private_daemon("80%") as socket:
         for case_name in cases:
-            modes = args.modes or (["stock", "wrap"] if case_name == "fits"
-                                   else ["stock", "compute", "wrap", "wrap_bf16", "fsdp2"])
+            modes = args.modes or (["stock", "compute", "wrap", "wrap_gpu"] if case_name == "fits"
+                                   else ["stock", "compute", "wrap", "wrap_bf16", "wrap_gpu",
+                                         "wrap_gpu_bf16", "fsdp2"])
             by_mode = {}
             # A model that fits steps in tens of milliseconds: each configuration runs in
             # `rounds` fresh processes, alternating, and keeps its fastest.
@@ -207,14 +217,29 @@ def fmt(row: dict) -> str:
 def report(case_name: str, rows: dict, bandwidth: dict) -> None:
     print(f"\n== {case_name}")
     for mode, row in rows.items():
-        print(f"  {mode:8s} {fmt(row)}")
+        print(f"  {mode:13s} {fmt(row)}")
     wrap = rows.get("wrap", {})
     if case_name == "fits" and "step_s" in wrap and "step_s" in rows.get("stock", {}):
         print(f"  wrap(offload='auto') / stock: {wrap['step_s'] / rows['stock']['step_s']:.3f} "
               f"(runs on {wrap.get('runs_on')})")
+    if "step_s" in rows.get("wrap_gpu", {}) and "step_s" in wrap:
+        print(f"  optimizer_mode='gpu' / 'cpu': "
+              f"{rows['wrap_gpu']['step_s'] / wrap['step_s']:.3f}")
+    compute = rows.get("compute", {}).get("step_s", 0.0)
+    for mode in ("wrap_gpu", "wrap_gpu_bf16"):
+        row = rows.get(mode, {})
+        if "step_s" not in row:
+            continue
+        # The moments (2 x 4 or 2 x 2 bytes an element) read and written over the link.
+        state = (4 if mode == "wrap_gpu_bf16" else 8) * row["gpu_updated_elements"]
+        pcie = state / (min(bandwidth["h2d_gbps"], bandwidth["d2h_gbps"]) * 1e9)
+        bound = max(compute, pcie)
+        row["lower_bound_s"] = round(bound, 4)
+        print(f"  {mode}: lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
+              f"PCIe {1000 * pcie:.1f} for {state / 1e9:.2f} GB each way); step / bound "
+              f"{row['step_s'] / bound:.2f}")
     if case_name != "big":
         return
-    compute = rows.get("compute", {}).get("step_s", 0.0)
     fsdp = rows.get("fsdp2", {})
     for mode in ("wrap", "wrap_bf16"):
         row = rows.get(mode, {})

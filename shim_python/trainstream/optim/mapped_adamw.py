@@ -81,6 +81,8 @@ class MappedAdamW:
         caller may drop the gradient once this returns. ``master``: the daemon's fp32 master,
         for a parameter that is not fp32 (an fp32 parameter is its own)."""
         self._settle()
+        if not grad.is_contiguous():  # the kernel reads it flat (made on the producer)
+            grad = grad.contiguous()
         lr, beta1, beta2, eps, weight_decay = hyper
         stream = self._stream
         stream.wait_stream(producer)
