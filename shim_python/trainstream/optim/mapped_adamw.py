@@ -34,10 +34,6 @@ class MappedAdamW:
     The same surface as StagedAdamW, which placement.py drives: ``set_steps``, ``steps_of``,
     ``forget``, ``add``, ``flush``, ``join``, ``synchronize``."""
 
-    # The daemon's fp32 master of a bf16 or fp16 parameter is updated in place (the staged
-    # pipeline keeps only fp32 parameters, whose master is the parameter itself).
-    keeps_master = True
-
     def __init__(self, device: torch.device, kind: str = "adamw",
                  guard: DeviceGuard | None = None):
         self._device = device

@@ -118,16 +118,32 @@ class StatePlacement:
         pinned memory and staged through VRAM as backward finishes each gradient
         (staged_adamw.py): no host pass and no VRAM but the slots (and, with accumulation, the
         gradient until the last micro-step), for 8 bytes a parameter over PCIe each way
-        instead of 4. Between steps only. Returns the elements whose state is in VRAM."""
+        instead of 4.
+
+        Under optimizer_mode="gpu" every other parameter that may (mapped_candidates) is
+        updated on the GPU in place of the staged ones, its state read and written where it
+        lies in the daemon's memory (mapped_adamw.py); ``staged_ids`` are not asked for then.
+
+        Between steps only. Returns the elements whose state is in VRAM."""
         reason = self.gpu_state_refusal()
-        staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
-                  if self._params[i].is_contiguous()}  # updated through flat views
-        wanted = set(self.device_state_candidates(param_ids)) | staged
-        if reason is not None and wanted:
+        held_wanted = set(self.device_state_candidates(param_ids))
+        if reason is not None and held_wanted:
             raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
-        reason = self.staged_state_refusal()
-        if reason is not None and staged:
-            raise FailedPreconditionError(f"no state can be staged through VRAM: {reason}")
+        if self._update_on_gpu:
+            staged = set(self.mapped_candidates(held_wanted))
+            reason = self.gpu_update_refusal()
+            if reason is not None and staged:
+                raise FailedPreconditionError(
+                    f"optimizer_mode='gpu' cannot update on the GPU: {reason}")
+        else:
+            staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
+                      if self._params[i].is_contiguous()}  # updated through flat views
+            if reason is not None and staged:
+                raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
+            reason = self.staged_state_refusal()
+            if reason is not None and staged:
+                raise FailedPreconditionError(f"no state can be staged through VRAM: {reason}")
+        wanted = held_wanted | staged
         if any(self._backwards):
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
