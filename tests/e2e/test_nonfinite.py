@@ -84,3 +84,24 @@ def test_ignore_applies_them_as_torch_does():
     _poison_once(next(model.parameters()), {1}, counter)
     _step(model, opt, 0, "cpu")
     assert not torch.isfinite(_weights(model)[0]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_device_flag_catches_nan_and_infinity_in_every_gradient_dtype(dtype):
+    """The GPU paths' flag (optimizer_mode="gpu" checks bf16 gradients, which torch's own
+    GradScaler check does not take): set by a NaN, +inf or -inf anywhere, left clear by finite
+    values, 0 or 1 as torch's fused AdamW reads it, the gradients unchanged."""
+    from trainstream.optim.nonfinite_guard import DeviceGuard
+
+    guard = DeviceGuard(torch.device("cpu"))
+    finite = torch.linspace(-3, 3, 100).to(getattr(torch, dtype))
+    kept = finite.clone()
+    guard.check([finite, None])
+    assert float(guard.found) == 0.0 and torch.equal(finite, kept)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        guard.found.zero_()
+        grad = finite.clone()
+        grad[57] = bad
+        guard.check([finite, grad])
+        guard.check([grad])  # twice: still 1, not 2
+        assert float(guard.found) == 1.0, bad

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``wrap(attention=...)``: which of PyTorch's scaled-dot-product-attention kernels a wrapped
 model's attention runs. ``"auto"`` times every kernel that can run on the first attention call
-of a training forward, on that call's own shapes (forward and backward), and keeps the
-fastest; a named one (``"cudnn"``, ``"efficient"``, ``"flash"``, ``"math"``) is tried first,
+of a training forward, on that call's own shapes (forward and backward), and PyTorch's own pick
+beside them ("default"), twice each in turn, and keeps the fastest (so it is never slower than
+leaving PyTorch alone, as far as two trials can tell); a named one (``"cudnn"``, ``"efficient"``, ``"flash"``, ``"math"``) is tried first,
 PyTorch's order after it; ``None`` leaves PyTorch's order alone.
 
 The choice is applied to every ``F.scaled_dot_product_attention`` call made inside an
@@ -30,6 +31,10 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIE
 NAMES = {v: k for k, v in BACKENDS.items()}
 # PyTorch's own order of preference, after a named kernel.
 ORDER = ["flash", "efficient", "cudnn", "math"]
+# "auto"'s name for PyTorch's own choice, timed beside the kernels.
+DEFAULT = "default"
+# Trials of each candidate, in turn: the fastest of them counts.
+TRIALS = 2
 MODES = ("auto", None) + tuple(BACKENDS)
 
 
@@ -44,13 +49,17 @@ def allowed(names: list) -> list:
 
 
 def _time_kernel(name: str, args: tuple, kwargs: dict, repeats: int) -> float:
-    """Milliseconds of one forward and backward of the call with kernel ``name`` only."""
+    """Milliseconds of one forward and backward of the call with kernel ``name`` only
+    (``"default"``: PyTorch's own choice)."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in args[:3])
     cuda = q.is_cuda
 
     def once() -> None:
-        with sdpa_kernel([BACKENDS[name]]):
+        if name == DEFAULT:
             out = _ORIGINAL_SDPA(q, k, v, *args[3:], **kwargs)
+        else:
+            with sdpa_kernel([BACKENDS[name]]):
+                out = _ORIGINAL_SDPA(q, k, v, *args[3:], **kwargs)
         out.backward(torch.ones_like(out))
 
     once()  # chosen, compiled, warmed
@@ -95,12 +104,21 @@ class AttentionBackend:
     # -- the choice ----------------------------------------------------------------------
 
     def _measure(self, args: tuple, kwargs: dict) -> None:
-        """"auto": times the kernels on this call's shapes, keeps the fastest."""
-        for name in ORDER:
-            try:
-                self.timings_ms[name] = round(_time_kernel(name, args, kwargs, self._repeats), 4)
-            except RuntimeError as e:  # this kernel cannot run these shapes here
-                self.timings_ms[name] = f"not available: {str(e).splitlines()[0][:160]}"
+        """"auto": times the kernels and PyTorch's own pick on this call's shapes, each
+        TRIALS times in turn (a slow moment of the machine then costs one trial, not a
+        kernel's whole chance), and keeps the fastest."""
+        # Under deterministic mode PyTorch's own pick may be a kernel that mode leaves out.
+        names = ORDER + ([] if torch.are_deterministic_algorithms_enabled() else [DEFAULT])
+        for _ in range(TRIALS):
+            for name in names:
+                if isinstance(self.timings_ms.get(name), str):
+                    continue  # it could not run these shapes
+                try:
+                    ms = round(_time_kernel(name, args, kwargs, self._repeats), 4)
+                except RuntimeError as e:  # this kernel cannot run these shapes here
+                    self.timings_ms[name] = f"not available: {str(e).splitlines()[0][:160]}"
+                    continue
+                self.timings_ms[name] = min(ms, self.timings_ms.get(name, ms))
         timed = {n: t for n, t in self.timings_ms.items() if isinstance(t, float)}
         if not timed:
             self.backend = None
@@ -119,7 +137,10 @@ class AttentionBackend:
         if self.backend is None:
             return None
         if self.mode == "auto":
-            timed = sorted((t, n) for n, t in self.timings_ms.items() if isinstance(t, float))
+            if self.backend == DEFAULT and not torch.are_deterministic_algorithms_enabled():
+                return None  # PyTorch's own pick was the fastest
+            timed = sorted((t, n) for n, t in self.timings_ms.items()
+                           if isinstance(t, float) and n != DEFAULT)
             names = [n for _, n in timed] + [n for n in ORDER if n not in self.timings_ms]
         else:
             names = [self.backend] + [n for n in ORDER if n != self.backend]
@@ -135,6 +156,8 @@ class AttentionBackend:
             self._measure(args, kwargs)  # the first training call: on its own shapes
         kernels = self._kernels()
         if not kernels:
+            if self.backend == DEFAULT:  # "auto" kept PyTorch's own pick
+                self.calls[DEFAULT] = self.calls.get(DEFAULT, 0) + 1
             return _ORIGINAL_SDPA(*args, **kwargs)
         # Where the first kernels cannot run inputs of this kind, later calls like it start at
         # the one that could (no exception a call).
