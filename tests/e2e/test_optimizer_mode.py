@@ -64,6 +64,14 @@ def test_auto_on_a_cpu_model_stays_on_the_host_and_says_why(daemon_socket):
     trainstream.unwrap(model)
 
 
+def test_an_optimizer_made_alone_says_its_choice_in_the_daemons_log(daemon_socket):
+    """OffloadAdamW(mode="auto") without wrap(): the decision is in the events tsctl shows."""
+    opt = trainstream.OffloadAdamW(TinyGPT().parameters(), mode="auto")
+    said = [e for e in opt.client.events() if e["kind"] == "client.optimizer.mode"]
+    assert len(said) == 1 and "optimizer_mode='auto' chose 'cpu'" in said[0]["message"]
+    opt.detach()
+
+
 def test_gpu_mode_refusals_name_the_reason(daemon_socket):
     with pytest.raises(trainstream.InvalidArgumentError,
                        match="optimizer_mode='gpu'.*the model is on the CPU"):

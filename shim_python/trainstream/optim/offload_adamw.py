@@ -254,6 +254,9 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         if self.mode_decision[0] == "gpu":
             self._update_on_gpu = True
             self.keep_state_on_device(set())  # every parameter that may: mapped_candidates
+        if client is None and mode != "cpu":  # wrap() says it itself, with its own figures
+            self.client.report_event("optimizer.mode", self.mode_decision[1],
+                                     **self.mode_decision[2])
 
     def _take_over(self, i: int, p: torch.Tensor) -> None:
         """Routes parameter ``i``'s gradients to the daemon (and, on a CPU, its storage)."""
