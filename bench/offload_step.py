@@ -21,6 +21,8 @@ otherwise run, on one GPU, in one run (each configuration in a fresh process):
     mode itself is measured, not a switch to fused GPU AdamW).
 
     python bench/offload_step.py [--fits] [--big] [--json out.json]
+    (TS_BENCH_PROFILE=1: each row also runs two steps under torch.profiler and keeps the ops
+    that took the most GPU and CPU time)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from gpt import GPT, PRESETS, loss_on, synthetic_batch  # noqa: E402
 from step_bench import (add_worker_arguments, answered_as_worker,  # noqa: E402
-                        pinned_bandwidth, run_worker)
+                        pinned_bandwidth, profiled_steps, run_worker)
 
 CASES = {
     "fits": dict(preset="124m", batch=8, seq=1024, vram_gb=0, warmup=5, steps=40),
@@ -144,6 +146,8 @@ def worker(mode: str, case: dict) -> dict:
             warmup, steps = 1, 3
         seconds, peak = timed_steps(step, warmup, steps)
         row.update(step_s=round(seconds, 4), peak_vram_gib=round(peak / 2**30, 2))
+        if os.environ.get("TS_BENCH_PROFILE") == "1":  # where a step's time goes
+            row.update(profiled_steps(step, warmup + steps))
         if mode.startswith("wrap"):
             stats = opt.stats()
             row["runs_on"] = stats["runs_on"]
@@ -151,8 +155,10 @@ def worker(mode: str, case: dict) -> dict:
             last = stats.get("last_step", {})
             threads = max(1, int(stats.get("threads", 1)))
             row["host_update_s"] = round(float(last.get("update_seconds", 0)) / threads, 4)
-            row["events"] = [e["message"] for e in trainstream.memory_report(model)["events"]
-                             if e["kind"] == "client.wrap.offload"]
+            report = trainstream.memory_report(model)
+            row["events"] = [e["message"] for e in report["events"]
+                             if e["kind"] in ("client.wrap.offload", "client.optimizer.mode")]
+            row["hooks"] = report.get("hooks")  # the CPU time the optimizer's hooks took
     except torch.OutOfMemoryError as e:
         row.update(oom=True, error=str(e).splitlines()[0][:200],
                    peak_vram_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))

@@ -104,3 +104,23 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
             times.append(time.perf_counter() - start)
         out[f"{name}_gbps"] = round(n / statistics.median(times) / 1e9, 2)
     return out
+
+
+def profiled_steps(step: Callable[[int], None], first: int, steps: int = 2) -> dict:
+    """TS_BENCH_PROFILE=1: ``steps`` more steps under torch.profiler; the ops that took the most
+    GPU time and the most CPU time, as tables (for a row of the results)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for s in range(first, first + steps):
+            step(s)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    out = {"profile_cpu": table.table(sort_by="self_cpu_time_total", row_limit=18)}
+    if cuda:
+        out["profile"] = table.table(sort_by="self_cuda_time_total", row_limit=18)
+    return out

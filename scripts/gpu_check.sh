@@ -24,6 +24,13 @@
 #                                            GPU tests of what changed (KV cache DMA path,
 #                                            attention=, clipping, ActivationOffloader),
 #                                            generation, attention bench
+#   scripts/gpu_check.sh mode_tests          what 2026-12-05 left for the H200, first call:
+#                                            optimizer_mode="gpu" (bf16 guard fix) and
+#                                            attention="auto"'s GPU tests, then the fitting
+#                                            GPT's step with the hook clocks and a profile
+#   scripts/gpu_check.sh mode_bench          second call: the 1.6B GPT under the cap (host path,
+#                                            mapped fp32 and bf16 moments), Qwen2.5-1.5B full
+#                                            (host path against mapped), generation profiled
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -136,6 +143,22 @@ if [[ $what == owed ]]; then
     --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
   PYTHONUNBUFFERED=1 timeout 120 python3 bench/attention.py --cases qwen7b_512 qwen7b_2k \
     qwen7b_8k --json "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 || status=1
+fi
+if [[ $what == mode_tests ]]; then
+  timeout 200 python3 -m pytest -ra -m gpu tests/e2e/test_optimizer_mode.py \
+    tests/gpu/test_adamw_mapped.py tests/e2e/test_attention_backend.py tests/e2e/test_nonfinite.py \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 200 python3 bench/offload_step.py --fits \
+    --rounds 1 --modes stock compute wrap wrap_gpu --json "$OUT/offload_fits.json" \
+    > "$OUT/offload_step.txt" 2>&1 || status=1
+fi
+if [[ $what == mode_bench ]]; then
+  PYTHONUNBUFFERED=1 timeout 330 python3 bench/offload_step.py --big --modes compute wrap \
+    wrap_gpu wrap_gpu_bf16 --json "$OUT/offload_big.json" > "$OUT/offload_step.txt" 2>&1 \
+    || status=1
+  PYTHONUNBUFFERED=1 timeout 250 python3 bench/hf_models.py --cases qwen1.5b_full \
+    --modes stock wrap wrap_gpu --json "$OUT/hf_models.json" > "$OUT/hf_models.txt" 2>&1 \
+    || status=1
 fi
 if [[ $what == attention ]]; then
   # wrap(attention="auto")'s pick against PyTorch's on the Qwen2.5 attention shapes.
