@@ -252,3 +252,32 @@ def test_equals_the_stock_trainer_on_a_gpu(tmp_path):
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["ts_vram_peak_gb"] > 0 and h["ts_d2h_gb"] >= 0 for h in logged), logged
     trainstream.unwrap(trainer.model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_optimizer_mode_gpu_through_the_trainer(tmp_path):
+    """trainstream={"optimizer_mode": "gpu"}: the Trainer's steps update on the GPU, with the
+    schedule and accumulation, as the stock Trainer does without clipping (the mode needs it
+    off: the refusal says how to turn it off in TrainingArguments)."""
+    model, _ = hf_models.build("tiny-qwen2", "full")
+    with pytest.raises(trainstream.InvalidArgumentError, match="max_grad_norm=0"):
+        TrainStreamTrainer(model=model, args=_args(str(tmp_path / "clipped"), "cuda"),
+                           train_dataset=Rows("tiny-qwen2"),
+                           trainstream={"optimizer_mode": "gpu"}).train()
+    stock_model, _ = hf_models.build("tiny-qwen2", "full")
+    stock = transformers.Trainer(model=stock_model,
+                                 args=_args(str(tmp_path / "stock0"), "cuda", max_grad_norm=0.0),
+                                 train_dataset=Rows("tiny-qwen2"))
+    stock.train()
+    model, _ = hf_models.build("tiny-qwen2", "full")
+    trainer = TrainStreamTrainer(model=model, args=_args(str(tmp_path / "ours"), "cuda",
+                                                         max_grad_norm=0.0),
+                                 train_dataset=Rows("tiny-qwen2"),
+                                 trainstream={"optimizer_mode": "gpu"})
+    trainer.train()
+    got, want = _losses(trainer), _losses(stock)
+    assert len(got) == len(want) == 6
+    assert max(abs(a - b) for a, b in zip(want, got)) < 5e-4, (want, got)
+    assert trainer.optimizer.optimizer.stats()["optimizer_mode"]["mode"] == "gpu"
+    trainstream.unwrap(trainer.model)

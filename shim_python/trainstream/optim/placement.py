@@ -39,9 +39,9 @@ def gpu_update_refusal(cuda: bool, world_size: int, machines: int, nonfinite: st
                 "before any update ('guard' and 'ignore' work on the GPU)")
     if reports_norm:
         return ("max_grad_norm and compute_grad_norm need the step's global gradient norm, "
-                "which exists only after backward, and the GPU updates each tensor during it "
-                "(clip with torch.nn.utils.clip_grad_norm_ before backward ends is not "
-                "possible either: use optimizer_mode='cpu' for clipping)")
+                "which exists only after backward, and the GPU updates each tensor during it: "
+                "clip with optimizer_mode='cpu', or leave clipping off (max_grad_norm=None; "
+                "in transformers' TrainingArguments, max_grad_norm=0)")
     if not any(mappable_dtype(p.dtype) and p.is_contiguous() for p in params):
         return "no parameter is a contiguous fp32, bf16 or fp16 tensor"
     return None
