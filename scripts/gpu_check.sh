@@ -147,6 +147,7 @@ fi
 if [[ $what == mode_tests ]]; then
   timeout 200 python3 -m pytest -ra -m gpu tests/e2e/test_optimizer_mode.py \
     tests/gpu/test_adamw_mapped.py tests/e2e/test_attention_backend.py tests/e2e/test_nonfinite.py \
+    tests/e2e/test_hf_trainer.py \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
   PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 200 python3 bench/offload_step.py --fits \
     --rounds 1 --modes stock compute wrap wrap_gpu --json "$OUT/offload_fits.json" \
