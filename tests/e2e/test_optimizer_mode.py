@@ -121,6 +121,7 @@ def test_gpu_mode_matches_the_daemons_pass_bit_for_bit(daemon_socket, dtype, mom
         assert torch.equal(_bits(ours["master"][k]), _bits(theirs["master"][k])), k
     stats = gpu_opt.stats()
     assert stats["staged_state"]["engine"] == "mapped"
+    assert stats["staged_state"]["nonfinite_values"] == 0
     assert stats["staged_state"]["chunks"] == 3 * len(list(gpu.parameters()))
     assert gpu_opt.bytes_to_host == stats["staged_state"]["bytes_each_way"] > 0
     host_opt.detach()
@@ -168,6 +169,21 @@ def test_a_non_finite_step_is_skipped_on_the_gpu_as_in_the_daemon(daemon_socket)
     assert _same(host, gpu) == []
     assert gpu_opt.state_dict()["state"][0]["step"] == host_opt.state_dict()["state"][0]["step"]
     host_opt.detach()
+    gpu_opt.detach()
+
+
+@on_gpu
+def test_ignore_applies_non_finite_gradients_and_counts_them(daemon_socket):
+    """nonfinite="ignore": applied, as torch does (the weights turn NaN), and counted."""
+    _, gpu, host_opt, gpu_opt = _pair(torch.float32, "float32", "adamw", nonfinite="ignore")
+    host_opt.detach()
+    x, y = batch(0, device="cuda")
+    (loss_fn(gpu, x, y) * float("nan")).backward()
+    gpu_opt.step()
+    gpu_opt.synchronize()
+    assert all(p.isnan().all() for p in gpu.parameters())
+    assert gpu_opt.stats()["staged_state"]["nonfinite_values"] == sum(
+        p.numel() for p in gpu.parameters())
     gpu_opt.detach()
 
 

@@ -538,6 +538,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                                 "engine": ("mapped" if self._update_on_gpu else "staged"),
                                 "chunks": staged.chunks if staged else 0,
                                 "bytes_each_way": staged.bytes_each_way if staged else 0}
+        if self._update_on_gpu and staged is not None:  # applied, unless nonfinite="guard"
+            info["staged_state"]["nonfinite_values"] = staged.nonfinite_values()
         info["optimizer_mode"] = {"mode": self.mode_decision[0], "why": self.mode_decision[1],
                                   **self.mode_decision[2]}
         info["steps"] = self.steps
