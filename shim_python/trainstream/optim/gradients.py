@@ -48,20 +48,18 @@ class GradientRouting:
             # iteration first.
             if micro + 1 == self.accumulation_steps:
                 self._finish_after_backward()
-                if i in self._staged_indices:
+                if i in self._staged_indices and self._update_on_gpu:
+                    # Final: its update starts now, beside the rest of backward; with clipping
+                    # or a reported norm, at step(), once the global norm is known.
+                    if not self._reports_norm:
+                        self._start_mapped([i], cuda_device.current(self._device_index))
+                elif i in self._staged_indices:
                     # Final: its update starts now, beside the rest of backward.
-                    moved = self._staged.bytes_each_way
-                    master = self._mapped_master(i)
-                    extra = {"master": master} if master is not None else {}
                     self._staged.add(i, p, p.grad, self._host.exp_avg(i),
                                      self._host.exp_avg_sq(i), self._hyper(i),
-                                     cuda_device.current(self._device_index), **extra)
-                    # Staged: fp32 moments each way (counted by the engine at its flush);
-                    # mapped: what the kernel reads, counted at once.
-                    moved = (self._staged.bytes_each_way - moved if self._update_on_gpu
-                             else 8 * p.numel())
-                    self.bytes_to_host += moved
-                    self.bytes_to_device += moved
+                                     cuda_device.current(self._device_index))
+                    self.bytes_to_host += 8 * p.numel()  # fp32 moments each way
+                    self.bytes_to_device += 8 * p.numel()
                     p.grad = None  # its chunk holds it until the update has read it
             return
         if not self._cuda:

@@ -72,10 +72,12 @@ class MappedAdamW:
 
     def add(self, index: int, weight: torch.Tensor, grad: torch.Tensor,
             exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: tuple,
-            producer: torch.cuda.Stream, master: torch.Tensor | None = None) -> None:
+            producer: torch.cuda.Stream, master: torch.Tensor | None = None,
+            grad_scale: float = 1.0) -> None:
         """Queues parameter ``index``'s update, whose final gradient ``producer`` made; the
         caller may drop the gradient once this returns. ``master``: the daemon's fp32 master,
-        for a parameter that is not fp32 (an fp32 parameter is its own)."""
+        for a parameter that is not fp32 (an fp32 parameter is its own). ``grad_scale``
+        multiplies the gradient first (the step's clip coefficient), as the host path's does."""
         self._settle()
         if not grad.is_contiguous():  # the kernel reads it flat (made on the producer)
             grad = grad.contiguous()
@@ -94,7 +96,7 @@ class MappedAdamW:
             True, master.data_ptr() if master is not None else 0, exp_avg.data_ptr(),
             exp_avg_sq.data_ptr(), _TYPE_NAMES[exp_avg.dtype], grad.data_ptr(),
             _TYPE_NAMES[grad.dtype], weight.data_ptr(), _TYPE_NAMES[weight.dtype], numel, lr,
-            beta1, beta2, eps, weight_decay, step, 1.0,
+            beta1, beta2, eps, weight_decay, step, grad_scale,
             kernels.adamw_rounding_seed(index, step), self._nonfinite.data_ptr(),
             stream.cuda_stream, self._decoupled, flag)
         if self._guard is not None:

@@ -106,8 +106,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._cuda = first.is_cuda
         # optimizer_mode: refused or decided before the daemon is asked (update_mode.py).
         self.mode_decision = decide_mode(mode, gpu_update_refusal(
-            self._cuda, world_size, machines, nonfinite, bool(max_grad_norm) or compute_grad_norm,
-            self._params), self._params, MOMENT_DTYPES.get(moment_dtype, torch.float32))
+            self._cuda, world_size, machines, nonfinite, self._params), self._params,
+            MOMENT_DTYPES.get(moment_dtype, torch.float32))
         self._update_on_gpu = False  # set once the daemon holds the state (below)
         for p in self._params:
             if p.device != first.device:
@@ -393,9 +393,11 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             self._step_on_device()
         result = self._host.wait()
         if clip_on_device:
+            coef = 1.0
             if not result["skipped"]:
-                self._clip_on_device(self._host.info()["last_step"].get("clip_coef", 1.0))
-            self._step_on_device()
+                coef = self._host.info()["last_step"].get("clip_coef", 1.0)
+                self._clip_on_device(coef)
+            self._step_on_device(coef)
         if result["skipped"] and self._nonfinite == "guard":
             self._say_guarded("in trainstreamd's pass (tsctl events has the count),")
         # Every update of this step is on its way back (the router enqueued each copy before

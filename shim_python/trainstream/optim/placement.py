@@ -26,7 +26,7 @@ BF16_MOMENTS_REFUSAL = "bf16 moments are the daemon's (torch's fused AdamW keeps
 
 
 def gpu_update_refusal(cuda: bool, world_size: int, machines: int, nonfinite: str,
-                       reports_norm: bool, params: list) -> str | None:
+                       params: list) -> str | None:
     """Why optimizer_mode="gpu" cannot update a job's parameters on the GPU (None: it can).
     Known from the optimizer's arguments alone, so it is said before the daemon is asked."""
     if not cuda:
@@ -37,11 +37,6 @@ def gpu_update_refusal(cuda: bool, world_size: int, machines: int, nonfinite: st
     if nonfinite in ("skip", "error"):
         return (f"nonfinite={nonfinite!r} checks every gradient of the step in trainstreamd "
                 "before any update ('guard' and 'ignore' work on the GPU)")
-    if reports_norm:
-        return ("max_grad_norm and compute_grad_norm need the step's global gradient norm, "
-                "which exists only after backward, and the GPU updates each tensor during it: "
-                "clip with optimizer_mode='cpu', or leave clipping off (max_grad_norm=None; "
-                "in transformers' TrainingArguments, max_grad_norm=0)")
     if not any(mappable_dtype(p.dtype) and p.is_contiguous() for p in params):
         return "no parameter is a contiguous fp32, bf16 or fp16 tensor"
     return None
@@ -82,7 +77,7 @@ class StatePlacement:
         if self._gpu_optimizer is not None:
             return "the whole optimizer runs on the GPU already (offload='auto')"
         return gpu_update_refusal(self._cuda, self._world_size, self._machines, self._nonfinite,
-                                  self._reports_norm, self._params)
+                                  self._params)
 
     def mapped_candidates(self, excluded: set) -> list[int]:
         """The parameters optimizer_mode="gpu" updates on the GPU, of those not in
@@ -260,9 +255,11 @@ class StatePlacement:
         warnings.warn(f"trainstream: {message}", stacklevel=3)
 
     def _post_device_norm(self) -> None:
-        """Clipping or a reported norm: the sum of squares of the gradients updated in VRAM
-        goes to the daemon, which adds it to its own for the step's global norm."""
-        held = sorted(self._device_indices - self._staged_indices)
+        """Clipping or a reported norm: the sum of squares of the gradients updated on the GPU
+        (in VRAM, or mapped: kept until step() then, see _step_on_device) goes to the daemon,
+        which adds it to its own for the step's global norm."""
+        held = sorted(self._device_indices - self._staged_indices
+                      if not self._update_on_gpu else self._device_indices)
         if not self._reports_norm or not held:
             return
         grads = [self._params[i].grad for i in held if self._params[i].grad is not None]
@@ -272,6 +269,29 @@ class StatePlacement:
             total = float(torch.stack(norms).double().square().sum())
         self._host.post_norm_contribution(total)
 
+    def _start_mapped(self, indices: list, producer: torch.cuda.Stream,
+                      clip_coef: float = 1.0) -> None:
+        """Queues the mapped updates of these parameters (optimizer_mode="gpu") from their
+        final gradients, which the caller then drops (a forward under inference_mode may
+        complete the iteration: the engine's own tensors must stay ordinary ones)."""
+        with torch.inference_mode(False):
+            self._start_mapped_now(indices, producer, clip_coef)
+
+    def _start_mapped_now(self, indices: list, producer: torch.cuda.Stream,
+                          clip_coef: float) -> None:
+        for i in indices:
+            p = self._params[i]
+            if p.grad is None:
+                continue  # no gradient this step: left alone, as torch does
+            moved = self._staged.bytes_each_way
+            master = self._mapped_master(i)
+            self._staged.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
+                             self._hyper(i), producer, master=master, grad_scale=clip_coef)
+            moved = self._staged.bytes_each_way - moved
+            self.bytes_to_host += moved
+            self.bytes_to_device += moved
+            p.grad = None
+
     def _clip_on_device(self, coef: float) -> None:
         """The daemon's clip coefficient, applied to the gradients updated in VRAM."""
         grads = [self._params[i].grad for i in self._device_indices - self._staged_indices
@@ -279,15 +299,19 @@ class StatePlacement:
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
 
-    def _step_on_device(self) -> None:
+    def _step_on_device(self, clip_coef: float = 1.0) -> None:
         """Updates the parameters whose state lives in VRAM (queued on the current stream), with
-        the groups' hyper-parameters as they are now (a scheduler's lr)."""
+        the groups' hyper-parameters as they are now (a scheduler's lr). Under
+        optimizer_mode="gpu" with clipping or a reported norm, the mapped updates were held back
+        for the norm: they start here, their gradients scaled by ``clip_coef`` in the kernel."""
         guard = self._device_guard() if (self._staged is not None
                                          or self._device_optimizer is not None) else None
         if guard is not None and guard.last_step_found():
             self._say_guarded("among the parameters updated on the GPU,")
         if self._staged is not None:
             current = cuda_device.current(self._device_index)
+            if self._update_on_gpu and self._reports_norm:
+                self._start_mapped(sorted(self._staged_indices), current, clip_coef)
             self._staged.flush(current)
             self._staged.join(current)  # the next forward reads their new weights
         optimizer = self._device_optimizer
