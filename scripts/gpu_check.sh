@@ -219,7 +219,7 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
          dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt \
-         base_lora.txt gpu_pool.txt hf_trainer.txt generation.txt; do
+         base_lora.txt gpu_pool.txt hf_trainer.txt generation.txt checkpoint_stall.txt; do
   [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"
 done
 for f in "$OUT"/step_*.log; do
