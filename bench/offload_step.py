@@ -146,12 +146,18 @@ def worker(mode: str, case: dict) -> dict:
             warmup, steps = 1, 3
         seconds, peak = timed_steps(step, warmup, steps)
         row.update(step_s=round(seconds, 4), peak_vram_gib=round(peak / 2**30, 2))
+        ran = warmup + steps
         if os.environ.get("TS_BENCH_PROFILE") == "1":  # where a step's time goes
-            row.update(profiled_steps(step, warmup + steps))
+            row.update(profiled_steps(step, ran))
+            ran += 2
         if mode.startswith("wrap"):
             stats = opt.stats()
             row["runs_on"] = stats["runs_on"]
             row["gpu_updated_elements"] = stats["staged_state"]["elements"]
+            # Bytes over PCIe a step, each way, as the optimizer counted them (the mapped
+            # kernel's state; the host path's gradients out and weights back).
+            row["pcie_to_device_bytes_per_step"] = opt.bytes_to_device // ran
+            row["pcie_to_host_bytes_per_step"] = opt.bytes_to_host // ran
             last = stats.get("last_step", {})
             threads = max(1, int(stats.get("threads", 1)))
             row["host_update_s"] = round(float(last.get("update_seconds", 0)) / threads, 4)
@@ -243,7 +249,9 @@ def report(case_name: str, rows: dict, bandwidth: dict) -> None:
         row["lower_bound_s"] = round(bound, 4)
         print(f"  {mode}: lower bound {1000 * bound:.1f} ms = max(compute {1000 * compute:.1f}, "
               f"PCIe {1000 * pcie:.1f} for {state / 1e9:.2f} GB each way); step / bound "
-              f"{row['step_s'] / bound:.2f}")
+              f"{row['step_s'] / bound:.2f}; counted over PCIe a step: "
+              f"{row.get('pcie_to_device_bytes_per_step', 0) / 1e9:.2f} GB to the GPU, "
+              f"{row.get('pcie_to_host_bytes_per_step', 0) / 1e9:.2f} GB back")
     if case_name != "big":
         return
     fsdp = rows.get("fsdp2", {})
