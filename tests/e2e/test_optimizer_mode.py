@@ -53,6 +53,34 @@ def test_auto_weighs_the_host_pass_against_the_link():
     assert mode == "cpu" and "no host or PCIe bandwidth" in why
 
 
+def test_what_the_gpu_cannot_update_is_refused_with_the_reason():
+    """Each refusal names its cause; "gpu" raises it, "auto" falls back to "cpu" with it."""
+    from trainstream.optim.placement import gpu_update_refusal
+    from trainstream.optim.update_mode import decide_mode
+
+    bf16 = [torch.empty(8, dtype=torch.bfloat16)]
+    assert gpu_update_refusal(True, 1, 1, "guard", bf16) is None
+    assert gpu_update_refusal(True, 1, 1, "ignore", bf16) is None
+    cases = {
+        (False, 1, 1, "guard"): "the model is on the CPU",
+        (True, 2, 1, "guard"): "data-parallel",
+        (True, 1, 2, "guard"): "data-parallel",
+        (True, 1, 1, "skip"): "nonfinite='skip'",
+        (True, 1, 1, "error"): "nonfinite='error'",
+    }
+    for (cuda, world, machines, nonfinite), said in cases.items():
+        reason = gpu_update_refusal(cuda, world, machines, nonfinite, bf16)
+        assert said in reason
+        with pytest.raises(trainstream.InvalidArgumentError, match=said):
+            decide_mode("gpu", reason, bf16, torch.float32)
+        mode, why, _ = decide_mode("auto", reason, bf16, torch.float32)
+        assert mode == "cpu" and said in why
+    odd = [torch.empty(8, dtype=torch.float64), torch.empty(4, 4).t()]
+    assert "fp32, bf16 or fp16" in gpu_update_refusal(True, 1, 1, "guard", odd)
+    assert decide_mode("cpu", None, bf16, torch.float32)[0] == "cpu"
+    assert decide_mode("gpu", None, bf16, torch.float32)[0] == "gpu"
+
+
 def test_auto_on_a_cpu_model_stays_on_the_host_and_says_why(daemon_socket):
     model, opt = trainstream.wrap(TinyGPT(), optimizer_mode="auto")
     train_steps(model, opt, 1)
