@@ -61,9 +61,11 @@ def choose_mode(params: list, moment_dtype: torch.dtype, profile: dict) -> tuple
     numel = sum(p.numel() for p in params)
     weight = sum(p.numel() * p.element_size() for p in params)
     master = sum(4 * p.numel() for p in params if p.dtype != torch.float32)
-    # Host: the gradient down and the weight up (the link, each way), the pass over master,
-    # moments, gradient and weight in host memory (profile's copy rate counts read and write).
-    host_s = max(weight / link, (numel * (8 + 4 * moment) + 2 * weight) / host_bw)
+    copies = sum(p.numel() * p.element_size() for p in params if p.dtype != torch.float32)
+    # Host: the gradient down and the weight up (the link, each way); the pass reads and writes
+    # the master and both moments, reads the gradient and, for a parameter that is not fp32,
+    # writes its copy in the model's dtype (profile's copy rate counts read and write).
+    host_s = max(weight / link, (numel * (8 + 4 * moment) + weight + copies) / host_bw)
     gpu_s = (2 * moment * numel + master) / link  # each way, concurrently
     figures = dict(parameters=numel, host_ms=round(1e3 * host_s, 3),
                    gpu_ms=round(1e3 * gpu_s, 3), host_copy_gbps=host_bw / 1e9,
