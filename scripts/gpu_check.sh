@@ -32,6 +32,8 @@
 #   scripts/gpu_check.sh mode_bench          second call: the 1.6B GPT under the cap (host path,
 #                                            mapped fp32 and bf16 moments), Qwen2.5-1.5B full
 #                                            (host path against mapped), generation profiled
+#   scripts/gpu_check.sh outliers            issue 26: bench/quant_quality.py's FP8 path with
+#                                            and without outliers= (perplexity, on CUDA)
 #   scripts/gpu_check.sh wheel               issue 27: the wheel built there (carry .devdeps and
 #                                            .whl), installed fresh, its GPU tests run from it
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
@@ -199,6 +201,12 @@ if [[ $what == mode_bench ]]; then
     --modes stock wrap wrap_gpu --json "$OUT/hf_models.json" > "$OUT/hf_models.txt" 2>&1 \
     || status=1
 fi
+if [[ $what == outliers ]]; then
+  # Issue 26: the FP8 tensor-core path with and without outliers= on the H200 (perplexity).
+  PYTHONUNBUFFERED=1 timeout 560 python3 bench/quant_quality.py --device cuda \
+    --formats bf16 bf16/bf16 fp8/tensor_cores fp8/outliers --json "$OUT/quant_quality.json" \
+    > "$OUT/quant_quality.txt" 2>&1 || status=1
+fi
 if [[ $what == attention ]]; then
   # wrap(attention="auto")'s pick against PyTorch's on the Qwen2.5 attention shapes.
   PYTHONUNBUFFERED=1 timeout 400 python3 bench/attention.py --json "$OUT/attention.json" \
@@ -253,7 +261,8 @@ for f in ctest.log pytest_gpu.log pytest_cpu.log; do
 done
 for f in latency.txt h2d_bandwidth.txt host_adamw.txt offload_step.txt memory_plan.txt \
          dequantize.txt hf_models.txt chunked_loss.txt shared_base.txt shared_base_load.txt \
-         base_lora.txt gpu_pool.txt hf_trainer.txt generation.txt checkpoint_stall.txt; do
+         base_lora.txt gpu_pool.txt hf_trainer.txt generation.txt checkpoint_stall.txt \
+         quant_quality.txt; do
   [[ -f $OUT/$f ]] && grep -v '^{' "$OUT/$f"
 done
 for f in "$OUT"/step_*.log; do
