@@ -32,6 +32,7 @@
 #   scripts/gpu_check.sh mode_bench          second call: the 1.6B GPT under the cap (host path,
 #                                            mapped fp32 and bf16 moments), Qwen2.5-1.5B full
 #                                            (host path against mapped), generation profiled
+#   scripts/gpu_check.sh generation_profile  issue 25: bench/generation.py's two caches profiled
 #   scripts/gpu_check.sh outliers            issue 26: bench/quant_quality.py's FP8 path with
 #                                            and without outliers= (perplexity, on CUDA)
 #   scripts/gpu_check.sh wheel               issue 27: the wheel built there (carry .devdeps and
@@ -200,6 +201,12 @@ if [[ $what == mode_bench ]]; then
   PYTHONUNBUFFERED=1 timeout 250 python3 bench/hf_models.py --cases qwen1.5b_full \
     --modes stock wrap wrap_gpu --json "$OUT/hf_models.json" > "$OUT/hf_models.txt" 2>&1 \
     || status=1
+fi
+if [[ $what == generation_profile ]]; then
+  # Issue 25's gap: both caches' decoding under torch.profiler (the ops that took the most GPU
+  # and CPU time, in the rows and printed).
+  PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 400 python3 bench/generation.py --modes dynamic \
+    trainstream --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
 fi
 if [[ $what == outliers ]]; then
   # Issue 26: the FP8 tensor-core path with and without outliers= on the H200 (perplexity).
