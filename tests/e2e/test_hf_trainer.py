@@ -259,12 +259,13 @@ def test_equals_the_stock_trainer_on_a_gpu(tmp_path):
 def test_optimizer_mode_gpu_through_the_trainer(tmp_path):
     """trainstream={"optimizer_mode": "gpu"}: the Trainer's steps update on the GPU, with the
     schedule, accumulation and clipping (max_grad_norm=0.5: the updates wait for the global
-    norm), as the stock Trainer does."""
+    norm), as the stock Trainer does. offload=True: the tiny model would otherwise keep its
+    state in VRAM (torch's fused AdamW), and the mapped path would not run."""
     expected, _ = _stock("tiny-qwen2", "full", tmp_path, "cuda", same_loss=False)
     model, _ = hf_models.build("tiny-qwen2", "full")
     trainer = TrainStreamTrainer(model=model, args=_args(str(tmp_path / "ours"), "cuda"),
                                  train_dataset=Rows("tiny-qwen2"),
-                                 trainstream={"optimizer_mode": "gpu"})
+                                 trainstream={"optimizer_mode": "gpu", "offload": True})
     trainer.train()
     got = _losses(trainer)
     assert len(got) == len(expected) == 6

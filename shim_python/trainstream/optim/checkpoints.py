@@ -27,15 +27,17 @@ class Checkpoints:
                 steps = self._staged.steps_of(i)
                 if steps:
                     entry = {"step": torch.tensor(float(steps)),
-                             "exp_avg": self._host.exp_avg(i).clone(),
-                             "exp_avg_sq": self._host.exp_avg_sq(i).clone()}
+                             "exp_avg": self._host.exp_avg(i),
+                             "exp_avg_sq": self._host.exp_avg_sq(i)}
             else:
                 entry = self._device_optimizer.state.get(p)
             ours["state"].pop(i, None)
             if entry:
+                # fp32 moments, as the daemon's own state_dict gives them (bf16 ones upcast).
                 ours["state"][i] = {"step": entry["step"].detach().cpu().clone(),
-                                    "exp_avg": entry["exp_avg"].detach().cpu().clone(),
-                                    "exp_avg_sq": entry["exp_avg_sq"].detach().cpu().clone()}
+                                    "exp_avg": entry["exp_avg"].detach().float().cpu().clone(),
+                                    "exp_avg_sq": entry["exp_avg_sq"].detach().float().cpu()
+                                    .clone()}
             master = self._mapped_master(i)  # the GPU kernel's, finer than a bf16 weight
             ours["master"][i] = (master if master is not None else p.detach()).float().cpu().clone()
         position = {id(p): n for n, p in enumerate(self._all)}
