@@ -126,11 +126,11 @@ class StreamingWriter {
   uint64_t piece_start_ = 0;
 };
 
-// The calling thread yields the CPU and the disk to everything else (a nice of 10, the lowest
+// The calling thread yields the CPU and the disk to everything else (a nice of 19, the lowest
 // best-effort I/O priority). Preferences only: a failure changes nothing but the timing.
 void LowerThisThreadsPriority() {
   const auto tid = static_cast<id_t>(::gettid());
-  ::setpriority(PRIO_PROCESS, tid, 10);
+  ::setpriority(PRIO_PROCESS, tid, 19);
   constexpr int kWhoProcess = 1, kClassBestEffort = 2, kClassShift = 13, kLowest = 7;
   ::syscall(SYS_ioprio_set, kWhoProcess, static_cast<int>(tid),
             (kClassBestEffort << kClassShift) | kLowest);

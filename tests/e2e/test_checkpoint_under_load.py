@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from tiny_gpt import TinyGPT, batch, loss_fn  # noqa: E402
 
 
-def test_a_checkpoint_stalls_no_other_jobs_steps(start_daemon, tmp_path):
+def test_a_checkpoint_stalls_no_other_jobs_steps(start_daemon, tmp_path, request):
     long_run = os.environ.get("TS_LONG") == "1"
     side = 10_000 if long_run else 6_928  # 100M or 48M parameters: 1.2 GB or 576 MB saved
     daemon = start_daemon("--memory_budget=4G" if long_run else "--memory_budget=2G")
@@ -32,6 +32,13 @@ def test_a_checkpoint_stalls_no_other_jobs_steps(start_daemon, tmp_path):
     big_opt.step()
     big_opt.zero_grad()
 
+    # The other job computes on the CPU here (a GPU job would not): on one torch thread, so that
+    # its figure is the daemon's doing. With one thread a core, the save's writer took a core
+    # from torch's pool, whose parallel regions then waited up to 0.2 s for a descheduled
+    # worker, in forward and backward alike (dev VM, 2 cores: worst 221 ms, against 16.6 ms on
+    # one thread; the daemon's part, step(), stayed under 15 ms in both).
+    request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     small, small_opt = trainstream.wrap(TinyGPT(layers=1), lr=1e-3, device="cpu", offload=True,
                                         socket=daemon.socket, job_id="small")
