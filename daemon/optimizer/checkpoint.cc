@@ -81,8 +81,10 @@ std::string MetadataJson(const CheckpointContents& c) {
 }
 
 // Written back as it goes, this much at a time: the final fsync then has little left, and the
-// dirty pages of a many-gigabyte checkpoint never pile up in the page cache at once.
-constexpr uint64_t kWritebackBytes = uint64_t{64} << 20;
+// dirty pages of a many-gigabyte checkpoint never pile up in the page cache at once. Small
+// pieces keep each burst of disk work short for the jobs beside it (dev VM, 1.2 GB beside
+// another job's steps: its worst step 14-18 ms over its median with 8 MiB, 16-21 ms with 64).
+constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
 
 // Appends to a file, starting the writeback of each kWritebackBytes written and waiting for the
 // one before it, so at most two pieces are dirty.
