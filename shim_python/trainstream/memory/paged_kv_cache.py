@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
+from ..transport import device as cuda_device
 
 _ids = itertools.count()
 
@@ -68,6 +69,8 @@ class _Extent:
         raw = buffer.tensor(torch.uint8, (2 * self.half,))
         self.keys = raw[:self.half].view(dtype).view(positions, *shape)
         self.values = raw[self.half:].view(dtype).view(positions, *shape)
+        self.keys_address = self.keys.data_ptr()
+        self.values_address = self.values.data_ptr()
 
     def write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Positions ``first + at`` onward from contiguous device (or CPU) tensors."""
@@ -115,7 +118,14 @@ class PagedKVCache:
         self._buffers: list = []     # the daemon's buffers the extents view, kept alive
         self._slots: list = []       # two (keys, values) device slots for offloaded layers
         self._slot_of: dict = {}     # offloaded layer -> the slot it uses
+        self._next_offloaded: dict = {}  # offloaded layer -> the one after it (wrapping)
         self._filled: dict = {}      # slot -> (layer, tokens, event): what a prefetch put there
+        # Per slot, made once: attention's [batch, heads, positions, head_dim] views of it, and
+        # the two events its updates record (re-recorded each time: a wait takes the event's
+        # state when it is queued). Fewer torch calls a layer and a token: decoding is bound by
+        # the CPU that issues them.
+        self._slot_views: dict = {}
+        self._events: dict = {}
         self._copy_stream = None
         self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
         self.stats = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
@@ -149,6 +159,7 @@ class PagedKVCache:
         self.offloaded = [i for i in range(self.num_layers) if i not in self.resident]
         for n, layer in enumerate(self.offloaded):
             self._slot_of[layer] = n % 2
+            self._next_offloaded[layer] = self.offloaded[(n + 1) % len(self.offloaded)]
         self._decided = True
 
     # -- storage -------------------------------------------------------------------------
@@ -245,6 +256,7 @@ class PagedKVCache:
                     f"after {self._shape[:2]} {self._shape[3]}; reset() before other prompts")
             self._drop_storage()  # other prompts after reset(): sized afresh
         self._shape = shape
+        self._row_bytes = shape[0] * shape[1] * shape[2] * shape[3].itemsize  # one position
         if not self._decided:
             self._decide()
         start, count = self._lengths[layer], keys.shape[2]
@@ -286,37 +298,96 @@ class PagedKVCache:
                 # crossing on the copy stream.
                 current.wait_stream(self._copy_stream)
             self._from_host(layer, start, slot)
-        # Position-major once, on the device: the slot takes them, and host memory from there.
-        keys = keys.permute(2, 0, 1, 3).contiguous()
-        values = values.permute(2, 0, 1, 3).contiguous()
-        slot[0][start:start + count].copy_(keys)
-        slot[1][start:start + count].copy_(values)
+        # Position-major, straight into the slot (the copy reorders them); host memory takes
+        # them from the slot's rows.
+        slot[0][start:start + count].copy_(keys.permute(2, 0, 1, 3))
+        slot[1][start:start + count].copy_(values.permute(2, 0, 1, 3))
+        if resized or index not in self._slot_views:
+            self._slot_views[index] = (slot[0].permute(1, 2, 0, 3), slot[1].permute(1, 2, 0, 3))
         if cuda:
             # The new positions go to host memory on the copy stream once the compute stream
             # has them; the next offloaded layer's slot is filled there too, after the layer
-            # that last used it (enqueued before this update) is done with it.
+            # that last used it (enqueued before this update) is done with it. A slot is
+            # replaced only after the compute stream has waited for the copy stream (above),
+            # so the rows read here outlive the copy.
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(device)
-            ready = torch.cuda.Event()
-            ready.record(current)
             stream = self._copy_stream
+            ready, _ = self._slot_events(index)
+            ready.record(current)
             stream.wait_event(ready)
-            keys.record_stream(stream)
-            values.record_stream(stream)
-            with torch.cuda.stream(stream):
-                self._to_host(layer, start, keys, values)
-                self._prefetch_next(layer, device)
+            if self._all_dma:
+                # Both ways in one native call: this layer's new rows out, the next offloaded
+                # layer's positions in.
+                target = self._prefetch_target(layer)
+                pieces = self._to_host_pieces(layer, start, count, slot)
+                if target is not None:
+                    pieces += self._fill_pieces(*target)
+                cuda_device.copy_pieces(stream.cuda_stream, pieces)
+                if target is not None:
+                    _, done = self._slot_events(target[2])
+                    done.record(stream)
+                    self._filled[target[2]] = (target[0], target[1], done)
+            else:
+                with torch.cuda.stream(stream):
+                    self._to_host(layer, start, slot[0][start:start + count],
+                                  slot[1][start:start + count])
+                    self._prefetch_next(layer, device)
         else:
-            self._to_host(layer, start, keys, values)
-        return (slot[0][:start + count].permute(1, 2, 0, 3),
-                slot[1][:start + count].permute(1, 2, 0, 3))
+            self._to_host(layer, start, slot[0][start:start + count],
+                          slot[1][start:start + count])
+        views = self._slot_views[index]
+        return views[0].narrow(2, 0, start + count), views[1].narrow(2, 0, start + count)
 
-    def _prefetch_next(self, layer: int, device: Any) -> None:
-        """Fills the other slot with the next offloaded layer's positions (the first one again
-        after the last: the next token's), on the copy stream."""
+    def _slot_events(self, index: int) -> tuple:
+        events = self._events.get(index)
+        if events is None:
+            events = self._events[index] = (torch.cuda.Event(), torch.cuda.Event())
+        return events
+
+    @property
+    def _all_dma(self) -> bool:
+        return self.stats["pageable_extents"] == 0
+
+    def _to_host_pieces(self, layer: int, start: int, count: int, slot: tuple) -> list:
+        """(host, device, bytes) copies of the slot's rows ``start`` onward into the layer's
+        extents (the D2H half of :meth:`_to_host`, as pointers for one native call)."""
+        if self._capacity(layer) < start + count:
+            self._add_extent(layer, start + count)
+        row = self._row_bytes
+        keys, values = slot[0].data_ptr(), slot[1].data_ptr()
+        pieces = []
+        for extent in self._extents[layer]:
+            lo, hi = max(start, extent.first), min(start + count, extent.first + extent.positions)
+            if lo < hi:
+                at = (lo - extent.first) * row
+                pieces.append((extent.keys_address + at, keys + lo * row, (hi - lo) * row))
+                pieces.append((extent.values_address + at, values + lo * row, (hi - lo) * row))
+        self.stats["d2h_bytes"] += 2 * count * row
+        return pieces
+
+    def _fill_pieces(self, layer: int, tokens: int, index: int, slot: tuple) -> list:
+        """(device, host, bytes) copies of the layer's first ``tokens`` positions into
+        ``slot`` (:meth:`_from_host`, as pointers for one native call)."""
+        row = self._row_bytes
+        keys, values = slot[0].data_ptr(), slot[1].data_ptr()
+        pieces = []
+        for extent in self._extents.get(layer, []):
+            n = min(extent.positions, tokens - extent.first)
+            if n <= 0:
+                break
+            at = extent.first * row
+            pieces.append((keys + at, extent.keys_address, n * row))
+            pieces.append((values + at, extent.values_address, n * row))
+        self.stats["h2d_bytes"] += 2 * tokens * row
+        return pieces
+
+    def _prefetch_target(self, layer: int) -> tuple | None:
+        """(layer, tokens, slot index, slot) to fill after ``layer``'s update: the next
+        offloaded layer (the first one again after the last: the next token's), or None."""
         if len(self.offloaded) < 2:
-            return
-        nxt = self.offloaded[(self.offloaded.index(layer) + 1) % len(self.offloaded)]
+            return None
+        nxt = self._next_offloaded[layer]
         tokens = self._lengths[nxt]
         index = self._slot_of[nxt]
         slot = self._slots[index]
@@ -324,7 +395,16 @@ class PagedKVCache:
         # layers wraps from the last to the first on the same slot).
         if (not tokens or slot is None or slot[0].shape[0] < tokens + 1
                 or index == self._slot_of[layer]):
+            return None
+        return nxt, tokens, index, slot
+
+    def _prefetch_next(self, layer: int, device: Any) -> None:
+        """Fills the other slot with the next offloaded layer's positions, on the copy stream
+        (the path for extents without DMA)."""
+        target = self._prefetch_target(layer)
+        if target is None:
             return
+        nxt, tokens, index, slot = target
         self._from_host(nxt, tokens, slot)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
@@ -335,6 +415,7 @@ class PagedKVCache:
             self._copy_stream.synchronize()
         # The views of the extents go before the buffers they view are given back.
         self._extents, self._device_kv, self._slots, self._filled = {}, {}, [], {}
+        self._slot_views = {}
         buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             self._client.free(buffer)
