@@ -33,8 +33,8 @@ CASES = {
     "tiny": dict(preset="tiny-llama", prompt=96, new=16, batch=2),
 }
 MODES = ("dynamic", "offloaded", "trainstream", "trainstream_resident")
-# TS_BENCH_PROFILE=1: each engine's decoding also runs under torch.profiler (the ops that took
-# the most time, in the row and printed).
+# TS_BENCH_PROFILE=1: each engine's decoding also runs under torch.profiler and cProfile (the
+# ops and the Python functions that took the most time, in the row and printed).
 PROFILE = os.environ.get("TS_BENCH_PROFILE") == "1"
 
 
@@ -101,6 +101,10 @@ def worker(mode: str, case: dict) -> dict:
             sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=18)
         row["profile_cpu"] = prof.key_averages().table(sort_by="self_cpu_time_total",
                                                        row_limit=18)
+        from step_bench import python_profile
+
+        with torch.no_grad():
+            row["profile_python"] = python_profile(lambda: timed(16))
     if mode.startswith("trainstream"):
         row["memory"] = ours.kv.memory()
         row["stats"] = dict(ours.kv.stats)
@@ -147,7 +151,8 @@ def main() -> None:
                               if a != b), len(reference))
                 same = f", first {agree} of {len(reference)} tokens as DynamicCache's"
             if row.get("profile"):
-                print(row["profile"] + "\n" + row["profile_cpu"])
+                print(row["profile"] + "\n" + row["profile_cpu"] + "\n"
+                      + row.get("profile_python", ""))
             print(f"  {mode:12s} {row['decode_tokens_per_s']:9.2f} new tokens/s, prefill "
                   f"{row['prefill_s']:.3f} s, VRAM over the weights "
                   f"{row['peak_over_weights_gib']:.2f} GiB{same}")

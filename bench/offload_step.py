@@ -21,8 +21,9 @@ otherwise run, on one GPU, in one run (each configuration in a fresh process):
     mode itself is measured, not a switch to fused GPU AdamW).
 
     python bench/offload_step.py [--fits] [--big] [--json out.json]
-    (TS_BENCH_PROFILE=1: each row also runs two steps under torch.profiler and keeps the ops
-    that took the most GPU and CPU time)
+    (TS_BENCH_PROFILE=1: each row also runs two steps under torch.profiler and two under
+    cProfile, and keeps the ops that took the most GPU and CPU time and the Python functions
+    that took the most)
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def worker(mode: str, case: dict) -> dict:
         ran = warmup + steps
         if os.environ.get("TS_BENCH_PROFILE") == "1":  # where a step's time goes
             row.update(profiled_steps(step, ran))
-            ran += 2
+            ran += 4
         if mode.startswith("wrap"):
             stats = opt.stats()
             row["runs_on"] = stats["runs_on"]

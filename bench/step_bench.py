@@ -106,9 +106,32 @@ def pinned_bandwidth(gib: float = 1.0, repeats: int = 10) -> dict:
     return out
 
 
+def python_profile(run: Callable[[], None], rows: int = 22) -> str:
+    """``run`` under cProfile: the Python functions (and the native calls they make) that took
+    the most time of their own, as text. torch.profiler puts a hook's Python in the autograd
+    node that ran it; this names it."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    # The table only: from its header on, the paths of the repository's own files shortened.
+    lines = text.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return "\n".join(line.replace(os.getcwd() + "/", "") for line in lines[start:])
+
+
 def profiled_steps(step: Callable[[int], None], first: int, steps: int = 2) -> dict:
-    """TS_BENCH_PROFILE=1: ``steps`` more steps under torch.profiler; the ops that took the most
-    GPU time and the most CPU time, as tables (for a row of the results)."""
+    """TS_BENCH_PROFILE=1: ``steps`` more steps under torch.profiler, then ``steps`` more under
+    cProfile; the ops that took the most GPU and CPU time and the Python functions that took
+    the most, as tables (for a row of the results). Runs ``2 * steps`` steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -123,4 +146,11 @@ def profiled_steps(step: Callable[[int], None], first: int, steps: int = 2) -> d
     out = {"profile_cpu": table.table(sort_by="self_cpu_time_total", row_limit=18)}
     if cuda:
         out["profile"] = table.table(sort_by="self_cuda_time_total", row_limit=18)
+
+    def more_steps() -> None:
+        for s in range(first + steps, first + 2 * steps):
+            step(s)
+        if cuda:
+            torch.cuda.synchronize()
+    out["profile_python"] = python_profile(more_steps)
     return out

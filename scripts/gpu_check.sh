@@ -36,7 +36,8 @@
 #                                            tests of optimizer_mode, the Trainer, the paged KV
 #                                            cache and the mapped kernel (one block an SM), the
 #                                            fitting GPT's compute against wrap_gpu, generation
-#                                            with both caches (the leaner offloaded update)
+#                                            with both caches (the leaner offloaded update), all
+#                                            profiled (torch.profiler and cProfile)
 #   scripts/gpu_check.sh generation_profile  issue 25: bench/generation.py's two caches profiled
 #   scripts/gpu_check.sh outliers            issue 26: bench/quant_quality.py's FP8 path with
 #                                            and without outliers= (perplexity, on CUDA)
@@ -211,10 +212,13 @@ if [[ $what == lean ]]; then
   timeout 100 python3 -m pytest -ra -p no:cacheprovider -m gpu tests/e2e/test_optimizer_mode.py \
     tests/e2e/test_hf_trainer.py tests/e2e/test_paged_kv_cache.py tests/gpu/test_adamw_mapped.py \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
-  PYTHONUNBUFFERED=1 timeout 90 python3 bench/offload_step.py --fits --rounds 1 --modes compute \
-    wrap_gpu --json "$OUT/offload_fits.json" > "$OUT/offload_step.txt" 2>&1 || status=1
-  PYTHONUNBUFFERED=1 timeout 160 python3 bench/generation.py --modes dynamic trainstream \
-    --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
+  # Profiled (torch.profiler and cProfile): where the hook's 252 us a parameter and the
+  # offloaded layers' decoding time go.
+  PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 100 python3 bench/offload_step.py --fits \
+    --rounds 1 --modes compute wrap_gpu --json "$OUT/offload_fits.json" \
+    > "$OUT/offload_step.txt" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 200 python3 bench/generation.py --modes dynamic \
+    trainstream --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
 fi
 if [[ $what == generation_profile ]]; then
   # Issue 25's gap: both caches' decoding under torch.profiler (the ops that took the most GPU
