@@ -39,6 +39,7 @@ class MappedAdamW:
         self._device = device
         self._decoupled = kind == "adamw"
         self._stream = torch.cuda.Stream(device)
+        self._produced = torch.cuda.Event()
         self._guard = guard
         # Gradient elements that were NaN or infinite (applied, as torch does, unless guarded).
         self._nonfinite = torch.zeros(1, dtype=torch.int64, device=device)
@@ -83,27 +84,36 @@ class MappedAdamW:
             grad = grad.contiguous()
         lr, beta1, beta2, eps, weight_decay = hyper
         stream = self._stream
-        stream.wait_stream(producer)
+        k = len(self._launched)
+        if self._guard is not None and (self._flags is None or k >= self._flags.numel()):
+            # Before the event below: the new flags' zeros (made on the current stream) are
+            # then written before the engine's stream touches them.
+            self._grow_flags(max(2 * k, len(self._steps), 16))
+        # One event, re-recorded for each gradient (a wait takes its state when queued): this
+        # runs once a parameter, and torch's wait_stream makes an event each time.
+        self._produced.record(producer)
+        stream.wait_event(self._produced)
         grad.record_stream(stream)  # kept until the kernel has read it
         step = self._steps[index] + 1
-        flag = 0
-        if self._guard is not None:
+        numel = weight.numel()
+
+        def launch(flag: int) -> None:
+            kernels.adamw(
+                True, master.data_ptr() if master is not None else 0, exp_avg.data_ptr(),
+                exp_avg_sq.data_ptr(), _TYPE_NAMES[exp_avg.dtype], grad.data_ptr(),
+                _TYPE_NAMES[grad.dtype], weight.data_ptr(), _TYPE_NAMES[weight.dtype], numel,
+                lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                kernels.adamw_rounding_seed(index, step), self._nonfinite.data_ptr(),
+                stream.cuda_stream, self._decoupled, flag)
+
+        if self._guard is None:
+            launch(0)
+        else:
+            # In this order on the engine's stream: the check, the kernel (skipped when the
+            # step's flag is set by then), the flag as the kernel read it.
             with torch.cuda.stream(stream):
                 self._guard.check([grad])
-            flag = self._guard.found.data_ptr()
-        numel = weight.numel()
-        kernels.adamw(
-            True, master.data_ptr() if master is not None else 0, exp_avg.data_ptr(),
-            exp_avg_sq.data_ptr(), _TYPE_NAMES[exp_avg.dtype], grad.data_ptr(),
-            _TYPE_NAMES[grad.dtype], weight.data_ptr(), _TYPE_NAMES[weight.dtype], numel, lr,
-            beta1, beta2, eps, weight_decay, step, grad_scale,
-            kernels.adamw_rounding_seed(index, step), self._nonfinite.data_ptr(),
-            stream.cuda_stream, self._decoupled, flag)
-        if self._guard is not None:
-            k = len(self._launched)
-            if self._flags is None or k >= self._flags.numel():
-                self._grow_flags(max(2 * k, len(self._steps), 16))
-            with torch.cuda.stream(stream):
+                launch(self._guard.found.data_ptr())
                 self._flags[k].copy_(self._guard.found)
             self._launched.append(index)
         self._steps[index] = step
