@@ -20,6 +20,9 @@ HostBuffer::HostBuffer(BufferInfo info, std::shared_ptr<MappedSegment> segment)
 uint8_t* HostBuffer::data() const { return segment_->data() + info_.offset; }
 bool HostBuffer::writable() const { return segment_->writable(); }
 bool HostBuffer::cuda_registered() const { return segment_->cuda_registered(); }
+uint64_t HostBuffer::registration_piece_bytes() const {
+  return segment_->registration_piece_bytes();
+}
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Session::~Session() = default;

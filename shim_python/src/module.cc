@@ -344,6 +344,7 @@ PYBIND11_MODULE(_trainstream, m) {
       .def_property_readonly("owner_session_id",
                              [](const HostBuffer& b) { return b.info().owner_session_id; })
       .def_property_readonly("cuda_registered", &HostBuffer::cuda_registered)
+      .def_property_readonly("registration_piece_bytes", &HostBuffer::registration_piece_bytes)
       .def_property_readonly("address",
                              [](const HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_buffer([](HostBuffer& b) {

@@ -98,6 +98,9 @@ class HostBuffer {
   bool writable() const;
   // True when the segment is registered with CUDA (copies are DMA at full PCIe speed).
   bool cuda_registered() const;
+  // A DMA copy must not cross a multiple of this many bytes from the segment's start (the
+  // driver took the segment in registrations of this size); 0 when unregistered.
+  uint64_t registration_piece_bytes() const;
   const std::shared_ptr<MappedSegment>& segment() const { return segment_; }
 
  private:

@@ -57,6 +57,12 @@ def spread(count: int, num_layers: int) -> list:
                    for i in range(count)}) if count else []
 
 
+def inside_one_registration(offset: int, length: int, piece: int) -> bool:
+    """Whether ``length`` bytes at ``offset`` of a segment lie inside one CUDA registration of
+    it, the segment being registered ``piece`` bytes at a time (0: whole, or not at all)."""
+    return not piece or length == 0 or offset // piece == (offset + length - 1) // piece
+
+
 class _Extent:
     """One daemon buffer of a layer's positions ``first`` onward: its keys, then its values,
     each ``[positions, batch, heads, head_dim]``."""
@@ -71,6 +77,11 @@ class _Extent:
         self.values = raw[self.half:].view(dtype).view(positions, *shape)
         self.keys_address = self.keys.data_ptr()
         self.values_address = self.values.data_ptr()
+        # Raw pointer copies (one native call for many) only where each half lies inside one
+        # CUDA registration of the segment; the buffer's own copies split at their edges.
+        piece = buffer.registration_piece_bytes
+        self.direct = dma and all(inside_one_registration(start, self.half, piece)
+                                  for start in (buffer.offset, buffer.offset + self.half))
 
     def write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Positions ``first + at`` onward from contiguous device (or CPU) tensors."""
@@ -126,6 +137,7 @@ class PagedKVCache:
         # the CPU that issues them.
         self._slot_views: dict = {}
         self._events: dict = {}
+        self._indirect_extents = 0  # extents the pointer copies may not reach (see _Extent)
         self._copy_stream = None
         self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
         self.stats = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
@@ -212,7 +224,9 @@ class PagedKVCache:
         # pageable memory and hold the CPU for each copy: said once, in stats.
         dma = device.type == "cuda" and buffer.cuda_registered
         self.stats["pageable_extents"] += device.type == "cuda" and not dma
-        extents.append(_Extent(have, positions, row, buffer, dtype, (batch, heads, dim), dma))
+        extent = _Extent(have, positions, row, buffer, dtype, (batch, heads, dim), dma)
+        self._indirect_extents += not extent.direct
+        extents.append(extent)
         self.stats["extents"] += 1
 
     def _to_host(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -290,14 +304,18 @@ class PagedKVCache:
         if filled is not None and filled[:2] == (layer, start) and not resized:
             self.stats["prefetch_hits"] += 1
             if cuda:
+                # Recorded after every earlier copy on the copy stream: the rows of the layers
+                # before, which that stream reads from the slot, are out too.
                 current.wait_event(filled[2])
-        elif start:
-            self.stats["prefetch_misses"] += 1
+        else:
             if cuda and self._copy_stream is not None:
-                # The host copy's last positions (and any other prefetch into this slot) are still
-                # crossing on the copy stream.
+                # The copy stream may still read this slot's rows (an earlier layer's new
+                # positions on their way to host memory: a prompt's too, start 0) or write it
+                # (a prefetch); this layer's writes come after.
                 current.wait_stream(self._copy_stream)
-            self._from_host(layer, start, slot)
+            if start:
+                self.stats["prefetch_misses"] += 1
+                self._from_host(layer, start, slot)
         # Position-major, straight into the slot (the copy reorders them); host memory takes
         # them from the slot's rows.
         slot[0][start:start + count].copy_(keys.permute(2, 0, 1, 3))
@@ -316,7 +334,9 @@ class PagedKVCache:
             ready, _ = self._slot_events(index)
             ready.record(current)
             stream.wait_event(ready)
-            if self._all_dma:
+            if self._capacity(layer) < start + count:
+                self._add_extent(layer, start + count)  # first: its kind decides the path
+            if self._all_direct:
                 # Both ways in one native call: this layer's new rows out, the next offloaded
                 # layer's positions in.
                 target = self._prefetch_target(layer)
@@ -346,8 +366,8 @@ class PagedKVCache:
         return events
 
     @property
-    def _all_dma(self) -> bool:
-        return self.stats["pageable_extents"] == 0
+    def _all_direct(self) -> bool:
+        return self._indirect_extents == 0
 
     def _to_host_pieces(self, layer: int, start: int, count: int, slot: tuple) -> list:
         """(host, device, bytes) copies of the slot's rows ``start`` onward into the layer's
@@ -415,7 +435,8 @@ class PagedKVCache:
             self._copy_stream.synchronize()
         # The views of the extents go before the buffers they view are given back.
         self._extents, self._device_kv, self._slots, self._filled = {}, {}, [], {}
-        self._slot_views = {}
+        self._slot_views, self._events, self._copy_stream = {}, {}, None
+        self._indirect_extents = 0
         buffers, self._buffers = self._buffers, []
         for buffer in buffers:
             self._client.free(buffer)

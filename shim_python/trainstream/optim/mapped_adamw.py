@@ -86,8 +86,6 @@ class MappedAdamW:
         stream = self._stream
         k = len(self._launched)
         if self._guard is not None and (self._flags is None or k >= self._flags.numel()):
-            # Before the event below: the new flags' zeros (made on the current stream) are
-            # then written before the engine's stream touches them.
             self._grow_flags(max(2 * k, len(self._steps), 16))
         # One event, re-recorded for each gradient (a wait takes its state when queued): this
         # runs once a parameter, and torch's wait_stream makes an event each time.
@@ -158,7 +156,11 @@ class MappedAdamW:
         """Room for ``size`` launches a step (the flags so far move over on the stream)."""
         flags = torch.zeros(size, dtype=torch.float32, device=self._device)
         if self._flags is not None:
+            # The zeros (the current stream's) before the old flags land on them, and the old
+            # tensor kept until the engine's stream, which wrote it, is done with it.
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
                 flags[:self._flags.numel()].copy_(self._flags)
+            self._flags.record_stream(self._stream)
         self._flags = flags
         self._host_flags = torch.zeros(size, dtype=torch.float32, pin_memory=True)

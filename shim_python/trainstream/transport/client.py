@@ -74,6 +74,10 @@ class Buffer:
     read_only = property(lambda self: self._native.read_only)
     owner_session_id = property(lambda self: self._native.owner_session_id)
     cuda_registered = property(lambda self: self._native.cuda_registered)
+    offset = property(lambda self: self._native.offset)  # in its segment
+    # A DMA copy of raw pointers must stay between two multiples of this from the segment's
+    # start (the copy_* methods split their own); 0 when unregistered.
+    registration_piece_bytes = property(lambda self: self._native.registration_piece_bytes)
 
     def memoryview(self) -> memoryview:
         """The bytes, shared with the daemon and every process that maps the buffer."""
