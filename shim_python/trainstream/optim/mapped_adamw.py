@@ -15,12 +15,34 @@ or restore the other's checkpoint, and go on exactly as if it had not."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..transport import kernels
 from .nonfinite_guard import DeviceGuard
 
 _TYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# Gradients up to this size wait to be launched in a batch (as the host path sends them), of at
+# most this many gradients or bytes: the Python around each launch (stream switch, guard check,
+# flag copy) is paid once a batch. A larger gradient goes at once: its kernel outweighs that,
+# and VRAM is freed as backward goes.
+_BATCH_EACH_BYTES = 1 << 20
+_BATCH_GRADIENTS = 32
+_BATCH_BYTES = 8 << 20
+
+
+class _Update(NamedTuple):
+    index: int
+    weight: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    hyper: tuple
+    master: torch.Tensor | None
+    grad_scale: float
+    step: int
 
 
 def mappable_dtype(dtype: torch.dtype) -> bool:
@@ -47,10 +69,14 @@ class MappedAdamW:
         # nonfinite="guard": each launch of the step records the flag as its kernel read it;
         # the host learns a step late (from a pinned copy, as DeviceGuard does) which launches
         # were skipped, and takes their steps back.
-        self._launched: list[int] = []
+        self._launched: list[tuple[int, int]] = []  # (parameter, its batch's flag)
+        self._flag_count = 0  # batches launched this step (one flag each)
+        self._batch: list[_Update] = []
+        self._batch_bytes = 0
+        self._batch_producer: torch.cuda.Stream | None = None
         self._flags: torch.Tensor | None = None
         self._host_flags: torch.Tensor | None = None
-        self._pending: tuple[list[int], torch.cuda.Event] | None = None
+        self._pending: tuple[list, torch.cuda.Event] | None = None
         self.chunks = 0          # kernel launches since construction
         self.bytes_each_way = 0  # optimizer state read over PCIe (and as much written back)
 
@@ -78,65 +104,89 @@ class MappedAdamW:
         """Queues parameter ``index``'s update, whose final gradient ``producer`` made; the
         caller may drop the gradient once this returns. ``master``: the daemon's fp32 master,
         for a parameter that is not fp32 (an fp32 parameter is its own). ``grad_scale``
-        multiplies the gradient first (the step's clip coefficient), as the host path's does."""
+        multiplies the gradient first (the step's clip coefficient), as the host path's does.
+        A small gradient waits for a batch (launched together, by :meth:`flush` at the latest:
+        one stream switch and one check of the batch instead of one each); a large one goes
+        at once with whatever waits."""
         self._settle()
         if not grad.is_contiguous():  # the kernel reads it flat (made on the producer)
             grad = grad.contiguous()
-        lr, beta1, beta2, eps, weight_decay = hyper
+        if self._batch and producer != self._batch_producer:
+            self._launch(self._batch_producer)  # each batch waits on the stream that made it
+        self._batch_producer = producer
+        step = self._steps[index] + 1
+        self._steps[index] = step
+        self._batch.append(_Update(index, weight, grad, exp_avg, exp_avg_sq, hyper, master,
+                                   grad_scale, step))
+        nbytes = grad.numel() * grad.element_size()
+        self._batch_bytes += nbytes
+        if (nbytes > _BATCH_EACH_BYTES or len(self._batch) >= _BATCH_GRADIENTS
+                or self._batch_bytes >= _BATCH_BYTES):
+            self._launch(producer)
+        self.bytes_each_way += weight.numel() * (2 * exp_avg.element_size()
+                                                 + (4 if master is not None else 0))
+
+    def _launch(self, producer: torch.cuda.Stream) -> None:
+        """Queues the waiting updates on the engine's stream, after ``producer``'s work."""
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if not batch:
+            return
         stream = self._stream
-        k = len(self._launched)
+        k = self._flag_count
         if self._guard is not None and (self._flags is None or k >= self._flags.numel()):
             self._grow_flags(max(2 * k, len(self._steps), 16))
-        # One event, re-recorded for each gradient (a wait takes its state when queued): this
-        # runs once a parameter, and torch's wait_stream makes an event each time.
+        # One event, re-recorded for each batch (a wait takes its state when queued): torch's
+        # wait_stream makes an event each time.
         self._produced.record(producer)
         stream.wait_event(self._produced)
-        grad.record_stream(stream)  # kept until the kernel has read it
-        step = self._steps[index] + 1
-        numel = weight.numel()
-
-        def launch(flag: int) -> None:
-            kernels.adamw(
-                True, master.data_ptr() if master is not None else 0, exp_avg.data_ptr(),
-                exp_avg_sq.data_ptr(), _TYPE_NAMES[exp_avg.dtype], grad.data_ptr(),
-                _TYPE_NAMES[grad.dtype], weight.data_ptr(), _TYPE_NAMES[weight.dtype], numel,
-                lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                kernels.adamw_rounding_seed(index, step), self._nonfinite.data_ptr(),
-                stream.cuda_stream, self._decoupled, flag)
-
+        for u in batch:
+            u.grad.record_stream(stream)  # kept until the kernel has read it
         if self._guard is None:
-            launch(0)
+            for u in batch:
+                self._kernel(u, 0)
         else:
-            # In this order on the engine's stream: the check, the kernel (skipped when the
-            # step's flag is set by then), the flag as the kernel read it.
+            # In this order on the engine's stream: the batch's check, its kernels (skipped
+            # when the step's flag is set by then), the flag as they read it.
             with torch.cuda.stream(stream):
-                self._guard.check([grad])
-                launch(self._guard.found.data_ptr())
+                self._guard.check([u.grad for u in batch])
+                flag = self._guard.found.data_ptr()
+                for u in batch:
+                    self._kernel(u, flag)
                 self._flags[k].copy_(self._guard.found)
-            self._launched.append(index)
-        self._steps[index] = step
-        self.chunks += 1
-        self.bytes_each_way += numel * (2 * exp_avg.element_size()
-                                        + (4 if master is not None else 0))
+            self._launched.extend((u.index, k) for u in batch)
+            self._flag_count = k + 1
+        self.chunks += len(batch)
+
+    def _kernel(self, u: "_Update", flag: int) -> None:
+        lr, beta1, beta2, eps, weight_decay = u.hyper
+        kernels.adamw(
+            True, u.master.data_ptr() if u.master is not None else 0, u.exp_avg.data_ptr(),
+            u.exp_avg_sq.data_ptr(), _TYPE_NAMES[u.exp_avg.dtype], u.grad.data_ptr(),
+            _TYPE_NAMES[u.grad.dtype], u.weight.data_ptr(), _TYPE_NAMES[u.weight.dtype],
+            u.weight.numel(), lr, beta1, beta2, eps, weight_decay, u.step, u.grad_scale,
+            kernels.adamw_rounding_seed(u.index, u.step), self._nonfinite.data_ptr(),
+            self._stream.cuda_stream, self._decoupled, flag)
 
     def flush(self, producer: torch.cuda.Stream) -> None:
-        """Nothing waits to start: each update is queued by :meth:`add` itself."""
-        del producer
+        """Launches the updates still waiting for a batch (at backward's end, and at step())."""
+        self._launch(producer)
 
     def join(self, consumer: torch.cuda.Stream) -> None:
         """``consumer``'s later work (the next forward, the guard's reset) waits for every
         queued update; the step's record of skipped launches starts on its way to the host."""
+        self._launch(consumer)
         if self._launched:
-            n = len(self._launched)
+            n = self._flag_count
             with torch.cuda.stream(self._stream):
                 self._host_flags[:n].copy_(self._flags[:n], non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
-            self._pending, self._launched = (self._launched, copied), []
+            self._pending, self._launched, self._flag_count = (self._launched, copied), [], 0
         consumer.wait_stream(self._stream)
 
     def synchronize(self) -> None:
         """Blocks until every queued update has finished (the daemon's state is current)."""
+        self._launch(torch.cuda.current_stream(self._device))
         self._stream.synchronize()
         self._settle()
 
@@ -148,7 +198,7 @@ class MappedAdamW:
         launched, copied = self._pending
         self._pending = None
         copied.synchronize()
-        for k, index in enumerate(launched):
+        for index, k in launched:
             if self._host_flags[k] > 0 and index in self._steps:
                 self._steps[index] -= 1
 
