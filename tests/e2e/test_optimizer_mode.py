@@ -157,6 +157,73 @@ def test_gpu_mode_matches_the_daemons_pass_bit_for_bit(daemon_socket, dtype, mom
 
 
 @on_gpu
+def test_batches_of_every_size_match_the_daemons_pass(daemon_socket, monkeypatch):
+    """Small gradients wait for a batch: with the limits lowered (batches of up to 3, and
+    gradients over 16 KiB at once), a step launches some at once, several batches during
+    backward and the rest at its end, with the guard's flag recorded launch by launch; three
+    steps still leave every bit as the daemon's pass does."""
+    from trainstream.optim import mapped_adamw
+
+    monkeypatch.setattr(mapped_adamw, "_BATCH_GRADIENTS", 3)
+    monkeypatch.setattr(mapped_adamw, "_BATCH_EACH_BYTES", 16 << 10)
+    host, gpu, host_opt, gpu_opt = _pair(torch.float32, "float32", "adamw")
+    sizes = [4 * p.numel() for p in gpu.parameters()]
+    assert any(n > 16 << 10 for n in sizes) and sum(n <= 16 << 10 for n in sizes) > 3
+    train_steps(host, host_opt, 3, device="cuda")
+    train_steps(gpu, gpu_opt, 3, device="cuda")
+    host_opt.synchronize()
+    gpu_opt.synchronize()
+    assert _same(host, gpu) == []
+    ours, theirs = gpu_opt.state_dict(), host_opt.state_dict()
+    for k in theirs["state"]:
+        assert int(ours["state"][k]["step"]) == int(theirs["state"][k]["step"]) == 3
+        assert torch.equal(_bits(ours["state"][k]["exp_avg_sq"]),
+                           _bits(theirs["state"][k]["exp_avg_sq"])), k
+    assert gpu_opt.stats()["staged_state"]["chunks"] == 3 * len(sizes)
+    host_opt.detach()
+    gpu_opt.detach()
+
+
+@on_gpu
+def test_a_non_finite_gradient_midway_stops_the_updates_from_there_on(daemon_socket,
+                                                                      monkeypatch):
+    """nonfinite="guard" with one parameter's gradient NaN: the parameters whose gradients
+    came before it (backward's order) are updated and take their step, it and those after
+    are left as they were with their step taken back, also inside one batch."""
+    from trainstream.optim import mapped_adamw
+
+    monkeypatch.setattr(mapped_adamw, "_BATCH_GRADIENTS", 4)
+    torch.manual_seed(5)
+    model = TinyGPT().to("cuda")
+    opt = trainstream.OffloadAdamW(model.parameters(), lr=1e-2, mode="gpu")
+    params = list(model.parameters())
+    order = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: order.append(id(p)))
+    poisoned = params[len(params) // 2]
+    poisoned.register_hook(lambda g: torch.full_like(g, float("nan")))
+    before = [p.detach().clone() for p in params]
+    x, y = batch(0, device="cuda")
+    loss_fn(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()  # the launches' flags are back: skipped steps taken back
+    after = [p.detach().clone() for p in params]
+    steps = {k: int(v["step"]) for k, v in opt.state_dict()["state"].items()}
+    with pytest.warns(UserWarning, match="non-finite"):
+        train_steps(model, opt, 1, device="cuda", start=1)  # said a step late, as the daemon
+    first_bad = order.index(id(poisoned))
+    assert 0 < first_bad < len(params) - 1
+    position = {id(p): n for n, p in enumerate(params)}
+    for n, pid in enumerate(order[:len(params)]):
+        i = position[pid]
+        changed = not torch.equal(before[i], after[i])
+        assert changed == (n < first_bad), (n, first_bad)
+        assert steps.get(i, 0) == (1 if n < first_bad else 0), (n, first_bad, steps.get(i))
+    opt.detach()
+
+
+@on_gpu
 def test_gpu_mode_checkpoints_and_moves_back_to_the_host_losslessly(daemon_socket, tmp_path):
     """A bf16 model's checkpoint from mode="gpu" carries the kernel's fp32 masters (not the
     bf16 weights); loading it and leaving the GPU mode (detach) keep every bit, so the run

@@ -25,9 +25,9 @@ from .nonfinite_guard import DeviceGuard
 _TYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 # Gradients up to this size wait to be launched in a batch (as the host path sends them), of at
-# most this many gradients or bytes: the Python around each launch (stream switch, guard check,
-# flag copy) is paid once a batch. A larger gradient goes at once: its kernel outweighs that,
-# and VRAM is freed as backward goes.
+# most this many gradients or bytes: the Python around each launch (the stream switch, the
+# event the engine's stream waits on) is paid once a batch. A larger gradient goes at once:
+# its kernel outweighs that, and VRAM is freed as backward goes.
 _BATCH_EACH_BYTES = 1 << 20
 _BATCH_GRADIENTS = 32
 _BATCH_BYTES = 8 << 20
@@ -69,8 +69,8 @@ class MappedAdamW:
         # nonfinite="guard": each launch of the step records the flag as its kernel read it;
         # the host learns a step late (from a pinned copy, as DeviceGuard does) which launches
         # were skipped, and takes their steps back.
-        self._launched: list[tuple[int, int]] = []  # (parameter, its batch's flag)
-        self._flag_count = 0  # batches launched this step (one flag each)
+        self._launched: list[tuple[int, int]] = []  # (parameter, its flag's index)
+        self._flag_count = 0  # launches this step (one flag each)
         self._batch: list[_Update] = []
         self._batch_bytes = 0
         self._batch_producer: torch.cuda.Stream | None = None
@@ -106,7 +106,7 @@ class MappedAdamW:
         for a parameter that is not fp32 (an fp32 parameter is its own). ``grad_scale``
         multiplies the gradient first (the step's clip coefficient), as the host path's does.
         A small gradient waits for a batch (launched together, by :meth:`flush` at the latest:
-        one stream switch and one check of the batch instead of one each); a large one goes
+        one stream switch and one event for the batch instead of one each); a large one goes
         at once with whatever waits."""
         self._settle()
         if not grad.is_contiguous():  # the kernel reads it flat (made on the producer)
@@ -126,35 +126,47 @@ class MappedAdamW:
         self.bytes_each_way += weight.numel() * (2 * exp_avg.element_size()
                                                  + (4 if master is not None else 0))
 
-    def _launch(self, producer: torch.cuda.Stream) -> None:
-        """Queues the waiting updates on the engine's stream, after ``producer``'s work."""
+    def _launch(self, stream_now: torch.cuda.Stream) -> None:
+        """Queues the waiting updates on the engine's stream, after the work of the stream that
+        made their gradients and of ``stream_now`` (the caller's)."""
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         if not batch:
             return
+        # A forward under inference_mode may complete the iteration (flush, join): the flags
+        # made here must still be ordinary tensors.
+        with torch.inference_mode(False):
+            self._launch_now(batch, stream_now)
+
+    def _launch_now(self, batch: list, stream_now: torch.cuda.Stream) -> None:
         stream = self._stream
         k = self._flag_count
-        if self._guard is not None and (self._flags is None or k >= self._flags.numel()):
-            self._grow_flags(max(2 * k, len(self._steps), 16))
+        if self._guard is not None and (self._flags is None
+                                        or k + len(batch) > self._flags.numel()):
+            self._grow_flags(max(2 * (k + len(batch)), len(self._steps), 16))
         # One event, re-recorded for each batch (a wait takes its state when queued): torch's
         # wait_stream makes an event each time.
-        self._produced.record(producer)
-        stream.wait_event(self._produced)
+        for made in {self._batch_producer, stream_now}:
+            if made is not None:
+                self._produced.record(made)
+                stream.wait_event(self._produced)
         for u in batch:
             u.grad.record_stream(stream)  # kept until the kernel has read it
         if self._guard is None:
             for u in batch:
                 self._kernel(u, 0)
         else:
-            # In this order on the engine's stream: the batch's check, its kernels (skipped
-            # when the step's flag is set by then), the flag as they read it.
+            # Gradient by gradient, in the order backward made them, as one at a time did:
+            # its check, its kernel (skipped once the step's flag is set), the flag as it read
+            # it. The daemon's pass too applies what came before the first non-finite value.
+            flag = self._guard.found.data_ptr()
             with torch.cuda.stream(stream):
-                self._guard.check([u.grad for u in batch])
-                flag = self._guard.found.data_ptr()
                 for u in batch:
+                    self._guard.check([u.grad])
                     self._kernel(u, flag)
-                self._flags[k].copy_(self._guard.found)
-            self._launched.extend((u.index, k) for u in batch)
-            self._flag_count = k + 1
+                    self._flags[k].copy_(self._guard.found)
+                    self._launched.append((u.index, k))
+                    k += 1
+            self._flag_count = k
         self.chunks += len(batch)
 
     def _kernel(self, u: "_Update", flag: int) -> None:
