@@ -124,6 +124,22 @@ def _pair(dtype: torch.dtype, moment_dtype: str, kind: str, **options):
     return host, gpu, made[0], made[1]
 
 
+def _train_both_to_the_same_bits(host, gpu, host_opt, gpu_opt, steps: int) -> None:
+    """Trains both ``steps`` steps; the weights, moments, steps and fp32 masters of the GPU
+    mode's run must be the daemon's pass's, bit for bit."""
+    train_steps(host, host_opt, steps, device="cuda")
+    train_steps(gpu, gpu_opt, steps, device="cuda")
+    host_opt.synchronize()
+    gpu_opt.synchronize()
+    assert _same(host, gpu) == []
+    ours, theirs = gpu_opt.state_dict(), host_opt.state_dict()
+    for k in theirs["state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(ours["state"][k][key]), _bits(theirs["state"][k][key])), k
+        assert int(ours["state"][k]["step"]) == int(theirs["state"][k]["step"]) == steps
+        assert torch.equal(_bits(ours["master"][k]), _bits(theirs["master"][k])), k
+
+
 @pytest.mark.parametrize("dtype,moment_dtype,kind", [
     (torch.float32, "float32", "adamw"), (torch.bfloat16, "float32", "adamw"),
     (torch.bfloat16, "bfloat16", "adamw"), (torch.float32, "float32", "adam")])
@@ -136,17 +152,7 @@ def test_gpu_mode_matches_the_daemons_pass_bit_for_bit(daemon_socket, dtype, mom
     host, gpu, host_opt, gpu_opt = _pair(dtype, moment_dtype, kind)
     assert gpu_opt.updates_on_gpu and gpu_opt.staged_state_elements == sum(
         p.numel() for p in gpu.parameters())
-    train_steps(host, host_opt, 3, device="cuda")
-    train_steps(gpu, gpu_opt, 3, device="cuda")
-    host_opt.synchronize()
-    gpu_opt.synchronize()
-    assert _same(host, gpu) == []
-    ours, theirs = gpu_opt.state_dict(), host_opt.state_dict()
-    for k in theirs["state"]:
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(_bits(ours["state"][k][key]), _bits(theirs["state"][k][key])), k
-        assert int(ours["state"][k]["step"]) == int(theirs["state"][k]["step"]) == 3
-        assert torch.equal(_bits(ours["master"][k]), _bits(theirs["master"][k])), k
+    _train_both_to_the_same_bits(host, gpu, host_opt, gpu_opt, 3)
     stats = gpu_opt.stats()
     assert stats["staged_state"]["engine"] == "mapped"
     assert stats["staged_state"]["nonfinite_values"] == 0
@@ -169,16 +175,7 @@ def test_batches_of_every_size_match_the_daemons_pass(daemon_socket, monkeypatch
     host, gpu, host_opt, gpu_opt = _pair(torch.float32, "float32", "adamw")
     sizes = [4 * p.numel() for p in gpu.parameters()]
     assert any(n > 16 << 10 for n in sizes) and sum(n <= 16 << 10 for n in sizes) > 3
-    train_steps(host, host_opt, 3, device="cuda")
-    train_steps(gpu, gpu_opt, 3, device="cuda")
-    host_opt.synchronize()
-    gpu_opt.synchronize()
-    assert _same(host, gpu) == []
-    ours, theirs = gpu_opt.state_dict(), host_opt.state_dict()
-    for k in theirs["state"]:
-        assert int(ours["state"][k]["step"]) == int(theirs["state"][k]["step"]) == 3
-        assert torch.equal(_bits(ours["state"][k]["exp_avg_sq"]),
-                           _bits(theirs["state"][k]["exp_avg_sq"])), k
+    _train_both_to_the_same_bits(host, gpu, host_opt, gpu_opt, 3)
     assert gpu_opt.stats()["staged_state"]["chunks"] == 3 * len(sizes)
     host_opt.detach()
     gpu_opt.detach()

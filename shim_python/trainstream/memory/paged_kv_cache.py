@@ -371,9 +371,8 @@ class PagedKVCache:
 
     def _to_host_pieces(self, layer: int, start: int, count: int, slot: tuple) -> list:
         """(host, device, bytes) copies of the slot's rows ``start`` onward into the layer's
-        extents (the D2H half of :meth:`_to_host`, as pointers for one native call)."""
-        if self._capacity(layer) < start + count:
-            self._add_extent(layer, start + count)
+        extents (the D2H half of :meth:`_to_host`, as pointers for one native call; the
+        caller has made the room)."""
         row = self._row_bytes
         keys, values = slot[0].data_ptr(), slot[1].data_ptr()
         pieces = []
