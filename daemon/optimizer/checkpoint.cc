@@ -19,6 +19,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "ipc/checkpoint_temporaries.h"
+#include "optimizer/checkpoint_file_writer.h"
 #include "ipc/unique_fd.h"
 #include "safetensors/safetensors_file.h"
 #include "trainstream/status_macros.h"
@@ -80,54 +81,6 @@ std::string MetadataJson(const CheckpointContents& c) {
       params);
 }
 
-// Written back as it goes, this much at a time: the final fsync then has little left, and the
-// dirty pages of a many-gigabyte checkpoint never pile up in the page cache at once. Small
-// pieces keep each burst of disk work short for the jobs beside it (dev VM, 1.2 GB beside
-// another job's steps: its worst step 14-18 ms over its median with 8 MiB, 16-21 ms with 64).
-constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
-
-// Appends to a file, starting the writeback of each kWritebackBytes written and waiting for the
-// one before it, so at most two pieces are dirty.
-class StreamingWriter {
- public:
-  StreamingWriter(int fd, const std::string& path) : fd_(fd), path_(path) {}
-
-  absl::Status Write(const void* data, uint64_t bytes) {
-    const uint8_t* p = static_cast<const uint8_t*>(data);
-    while (bytes > 0) {
-      const uint64_t room = kWritebackBytes - (written_ - piece_start_);
-      ssize_t n = ::write(fd_, p, std::min(bytes, room));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return ErrnoStatus(errno, absl::StrCat("writing checkpoint ", path_));
-      }
-      p += n;
-      bytes -= static_cast<uint64_t>(n);
-      written_ += static_cast<uint64_t>(n);
-      if (written_ - piece_start_ == kWritebackBytes) EndPiece();
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  void EndPiece() {
-    // Only a hint to the kernel: fsync still makes the file durable, so errors are its to say.
-    ::sync_file_range(fd_, static_cast<off_t>(piece_start_), kWritebackBytes,
-                      SYNC_FILE_RANGE_WRITE);
-    if (piece_start_ >= kWritebackBytes) {
-      ::sync_file_range(fd_, static_cast<off_t>(piece_start_ - kWritebackBytes), kWritebackBytes,
-                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                            SYNC_FILE_RANGE_WAIT_AFTER);
-    }
-    piece_start_ = written_;
-  }
-
-  const int fd_;
-  const std::string& path_;
-  uint64_t written_ = 0;
-  uint64_t piece_start_ = 0;
-};
-
 // The calling thread yields the CPU and the disk to everything else (a nice of 19, the lowest
 // best-effort I/O priority). Preferences only: a failure changes nothing but the timing.
 void LowerThisThreadsPriority() {
@@ -148,7 +101,7 @@ const google::protobuf::Value* Field(const google::protobuf::Struct& s, const st
 namespace {
 
 // Runs `write` on a thread of its own at background priority: a save of gigabytes copies them
-// through the kernel on one core, and the other jobs' steps, on the daemon's other threads,
+// into its staging buffer on one core, and the other jobs' steps, on the daemon's other threads,
 // come first (the thread is new each time, since a thread cannot raise its priority back).
 absl::StatusOr<uint64_t> InBackground(const std::function<absl::StatusOr<uint64_t>()>& write) {
   absl::StatusOr<uint64_t> written = absl::InternalError("the checkpoint writer did not run");
@@ -179,13 +132,13 @@ absl::StatusOr<uint64_t> WriteContents(int fd, const std::string& name,
   const uint64_t header_size = header.size();
   uint8_t size_bytes[8];
   for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<uint8_t>(header_size >> (8 * i));
-  StreamingWriter out(fd, name);
+  CheckpointFileWriter out(fd, name);
   RETURN_IF_ERROR(out.Write(size_bytes, 8));
   RETURN_IF_ERROR(out.Write(header.data(), header.size()));
   for (const CheckpointArray& a : contents.arrays) {
     RETURN_IF_ERROR(out.Write(a.data, a.numel * kernels::ElementSize(a.type)));
   }
-  if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrCat("fsync ", name));
+  RETURN_IF_ERROR(out.Finish());
   return 8 + header_size + offset;
 }
 

@@ -3,7 +3,8 @@
 write and fsync; the housekeeping thread once waited on that lock while holding the registry's,
 which the doorbell thread needs for every job's gradients: another user's steps stalled for the
 whole save (1.7-3.5 s during a 1.13 GiB save, against 0.06 ms round trips). Sized here for CI (a
-576 MB checkpoint); `TS_LONG=1` saves 1.2 GB and prints the figures."""
+576 MB checkpoint); `TS_LONG=1` saves 1.2 GB, prints the figures and holds them to the target: no
+step more than 10 ms over its median alone."""
 
 from __future__ import annotations
 
@@ -58,12 +59,16 @@ def test_a_checkpoint_stalls_no_other_jobs_steps(start_daemon, tmp_path, request
         step(i)
         alone.append(time.perf_counter() - start)
     baseline = sorted(alone)[len(alone) // 2]
-    saved = {}
+    saves = []
 
+    # Saved again until a second has gone: a fast disk writes the CI size in well under the
+    # 200 ms between housekeeping passes, which the stall needed to meet.
     def save():
-        start = time.perf_counter()
-        big_opt.save(str(tmp_path / "big.safetensors"))
-        saved["s"] = time.perf_counter() - start
+        began = time.perf_counter()
+        while not saves or time.perf_counter() - began < 1.0:
+            start = time.perf_counter()
+            big_opt.save(str(tmp_path / "big.safetensors"))
+            saves.append(time.perf_counter() - start)
 
     saver = threading.Thread(target=save)
     saver.start()
@@ -78,18 +83,21 @@ def test_a_checkpoint_stalls_no_other_jobs_steps(start_daemon, tmp_path, request
         i += 1
     saver.join()
     assert times, "the save ended before a step could run beside it"
-    # Housekeeping looks at every job each 200 ms: a save this long met it several times.
-    assert saved["s"] > 0.4, f"the save took {saved['s']:.2f} s: too short to show a stall"
+    saving = sum(saves)
+    assert saving > 0.9, f"the saves took {saving:.2f} s: too short to meet housekeeping"
     worst = max(times)
     if long_run or os.environ.get("TS_SHOW"):
-        print(f"\ncheckpoint {saved['s']:.2f} s; the other job's steps alone: median "
+        print(f"\n{len(saves)} checkpoints of {side * side * 12 / 1e9:.2f} GB, "
+              f"{', '.join(f'{s:.2f}' for s in saves)} s; the other job's steps alone: median "
               f"{baseline * 1e3:.1f} ms, worst {max(alone) * 1e3:.1f} ms; {len(times)} steps "
               f"beside the save: median {sorted(times)[len(times) // 2] * 1e3:.1f} ms, worst "
               f"{worst * 1e3:.1f} ms (the worst {1e3 * (worst - baseline):.1f} ms over the "
               f"median alone); steps over 4x that median (seconds into the save, ms): {slow}")
     # Stalled, the worst step lasted the whole save (2.27 s of a 2.46 s save, 8 steps beside
     # it); now it is CPU noise on a small CI machine (a 2-core run: median 58 ms, worst 0.44 s
-    # beside a 5.1 s save, with a build running). The long version's target is 10 ms.
-    assert worst < 0.5 * saved["s"], (worst, saved["s"], len(times))
+    # beside a 5.1 s save, with a build running).
+    assert worst < 0.5 * max(saves), (worst, saves, len(times))
+    if long_run:  # the figure the README gives, and its target
+        assert worst - baseline < 0.010, (worst, baseline, saves)
     trainstream.unwrap(small)
     trainstream.unwrap(big_model)
