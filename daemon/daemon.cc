@@ -3,6 +3,7 @@
 
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "arena/arena.h"
 #include "bases/base_gpu_pools.h"
@@ -14,6 +15,7 @@
 #include "gpu/driver_vram_api.h"
 #include "gpu/gpu_pools.h"
 #include "gpu/gpu_probe.h"
+#include "metrics/metrics_endpoint.h"
 #include "optimizer/optimizer_registry.h"
 #include "rpc/connection_credentials.h"
 #include "rpc/control_listener.h"
@@ -137,6 +139,11 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
       optimizers_.get(), bases_.get(), granted_files_.get(),
       GpuPoolAccess{gpu_pools_.get(), base_pools_.get(), no_pools_note}});
+  // Before the sockets: a daemon asked for an endpoint it cannot bind serves no one.
+  if (options_.metrics_listen) {
+    ASSIGN_OR_RETURN(metrics_,
+                     MetricsEndpoint::Start(*options_.metrics_listen, servers_->DaemonChannel()));
+  }
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
@@ -152,6 +159,11 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
                  {"uid_quota_bytes", static_cast<double>(options_.uid_quota_bytes)},
                  {"threads", options_.threads},
                  {"lease_ms", static_cast<double>(absl::ToInt64Milliseconds(options_.lease))}});
+  if (metrics_) {
+    events_->Emit("daemon.metrics",
+                  absl::StrCat("serving Prometheus metrics at http://", metrics_->address(),
+                               "/metrics"));
+  }
   return absl::OkStatus();
 }
 
@@ -180,6 +192,7 @@ void Daemon::Shutdown() {
     stopping_.Notify();
     housekeeping_.join();
     listener_->Stop();
+    metrics_.reset();  // a scrape under way finishes first
     servers_->Shutdown();
     data_server_->Stop();
     doorbells_->Stop();

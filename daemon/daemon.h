@@ -23,6 +23,7 @@ class DoorbellDispatcher;
 class EventLog;
 class GrantedFiles;
 class GpuPools;
+class MetricsEndpoint;
 class OptimizerRegistry;
 class SessionRegistry;
 class UserServers;
@@ -65,6 +66,7 @@ class Daemon {
   std::unique_ptr<BaseGpuPools> base_pools_;
   std::unique_ptr<DataChannelServer> data_server_;
   std::unique_ptr<UserServers> servers_;
+  std::unique_ptr<MetricsEndpoint> metrics_;  // after servers_: it reads through one of them
   std::unique_ptr<ControlListener> listener_;
   absl::Notification stopping_;
   absl::Notification stopped_;

@@ -36,6 +36,9 @@ ABSL_FLAG(std::optional<uint32_t>, base_keep_warm_s, std::nullopt,
 ABSL_FLAG(std::optional<std::string>, gpu_pool_export, std::nullopt,
           "how GPU pools are shared: auto (VMM descriptors, legacy IPC where unavailable) or "
           "legacy_ipc");
+ABSL_FLAG(std::optional<std::string>, metrics_listen, std::nullopt,
+          "serve Prometheus metrics at GET /metrics on HOST:PORT (127.0.0.1:9478, [::1]:9478, "
+          ":9478 for every interface; port 0: any free one); off by default");
 ABSL_FLAG(int, parent_pid, 0,
           "embedded mode: shut down when this process (the one that started us) is gone");
 
@@ -68,6 +71,7 @@ int main(int argc, char** argv) {
   flags.lease_ms = absl::GetFlag(FLAGS_lease_ms);
   flags.base_keep_warm_s = absl::GetFlag(FLAGS_base_keep_warm_s);
   flags.gpu_pool_export = absl::GetFlag(FLAGS_gpu_pool_export);
+  flags.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   auto options = trainstream::daemon::LoadDaemonOptions(flags);
   if (!options.ok()) {
     std::fprintf(stderr, "trainstreamd: %s\n", std::string(options.status().message()).c_str());

@@ -10,7 +10,7 @@ TORCH_SPEC=${TRAINSTREAM_TORCH:-torch}
 apt_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libgtest-dev libgmock-dev
+  libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev
   clang libclang-rt-14-dev
   python3 python3-dev python3-venv
   systemd passwd util-linux

@@ -3,7 +3,6 @@
 // textfile collector (atomically: a scrape never reads half a file), once or every interval.
 #include <cstdio>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <string>
 
@@ -13,27 +12,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "commands.h"
-#include "metrics_format.h"
+#include "metric_families.h"
 
 namespace trainstream::tsctl {
 namespace {
-
-absl::Status ScrapeDaemon(client::ControlChannel& channel, Scrape* s) {
-  auto& stub = channel.stub();
-  // Each call in turn; the first that fails ends the scrape with its status.
-  using Rpc = std::function<grpc::Status(grpc::ClientContext*)>;
-  const Rpc calls[] = {
-      [&](grpc::ClientContext* c) { return stub.GetStatus(c, {}, &s->status); },
-      [&](grpc::ClientContext* c) { return stub.GetMemory(c, {}, &s->memory); },
-      [&](grpc::ClientContext* c) { return stub.ListOptimizers(c, {}, &s->optimizers); },
-      [&](grpc::ClientContext* c) { return stub.ListBases(c, {}, &s->bases); },
-      [&](grpc::ClientContext* c) { return stub.ListGpuPools(c, {}, &s->pools); },
-  };
-  for (const Rpc& call : calls) {
-    if (absl::Status status = channel.Call(call); !status.ok()) return status;
-  }
-  return absl::OkStatus();
-}
 
 absl::Status WriteAtomically(const std::string& path, const std::string& text) {
   const std::string temporary = absl::StrCat(path, ".tmp");
@@ -82,11 +64,13 @@ absl::Status RunMetrics(const Invocation& invocation) {
     return UsageError("metrics: node_exporter's textfile collector reads only *.prom files");
   }
   while (true) {
-    Scrape scrape;
-    const absl::Status scraped = ScrapeDaemon(*invocation.channel, &scrape);
+    metrics::Scrape scrape;
+    client::ControlChannel& channel = *invocation.channel;
+    const absl::Status scraped = metrics::ReadScrape(
+        channel.stub(), [&](const auto& rpc) { return channel.Call(rpc); }, &scrape);
     if (!scraped.ok() && !NoDaemon(scraped)) return scraped;  // refused, not missing
     const std::string text =
-        scraped.ok() ? RenderMetrics(scrape) : RenderDown(std::string(scraped.message()));
+        scraped.ok() ? metrics::RenderMetrics(scrape) : metrics::RenderDown(std::string(scraped.message()));
     if (textfile.empty()) {
       std::cout << text << std::flush;
     } else if (absl::Status written = WriteAtomically(textfile, text); !written.ok()) {

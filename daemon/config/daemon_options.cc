@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/daemon_options.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -168,7 +171,42 @@ absl::StatusOr<DaemonOptions> LoadDaemonOptions(const DaemonFlags& flags) {
   if (config.optimizer_retention_s() != 0) {
     options.optimizer_retention = absl::Seconds(config.optimizer_retention_s());
   }
+  const std::string metrics_listen = flags.metrics_listen.value_or(config.metrics_listen());
+  if (!metrics_listen.empty()) {
+    ASSIGN_OR_RETURN(options.metrics_listen, ParseListenAddress(metrics_listen));
+  }
   return options;
+}
+
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& text) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics_listen '", text, "': ", why,
+        " (write HOST:PORT, such as 127.0.0.1:9478, [::1]:9478 or :9478 for every interface)"));
+  };
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos) return bad("no port");
+  ListenAddress address;
+  uint32_t port = 0;
+  if (!absl::SimpleAtoi(text.substr(colon + 1), &port) || port > 65535) {
+    return bad("the port is not a number from 0 to 65535");
+  }
+  address.port = static_cast<uint16_t>(port);
+  std::string host = text.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+    in6_addr v6{};
+    if (::inet_pton(AF_INET6, host.c_str(), &v6) != 1) return bad("not an IPv6 address");
+  } else if (host == "localhost") {
+    host = "127.0.0.1";
+  } else if (!host.empty()) {
+    in_addr v4{};
+    if (::inet_pton(AF_INET, host.c_str(), &v4) != 1) {
+      return bad("the host is not a numeric IPv4 address or a bracketed IPv6 one");
+    }
+  }
+  address.host = host;
+  return address;
 }
 
 }  // namespace trainstream::daemon

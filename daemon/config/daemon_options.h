@@ -17,6 +17,16 @@ namespace trainstream::daemon {
 inline constexpr char kDefaultUidQuota[] = "90%";
 
 // Everything trainstreamd is told, after the config file and the flags are merged.
+// A TCP address to listen on: a numeric IPv4 or IPv6 host (empty: every interface) and a port
+// (0: any free one).
+struct ListenAddress {
+  std::string host;  // "127.0.0.1", "::1" (no brackets) or ""
+  uint16_t port = 0;
+};
+
+// "HOST:PORT", "[IPV6]:PORT" or ":PORT"; "localhost" reads as 127.0.0.1.
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& text);
+
 struct DaemonOptions {
   std::string socket_path;
   std::string data_socket_path;
@@ -36,6 +46,7 @@ struct DaemonOptions {
   absl::Duration base_keep_warm = absl::Minutes(5);
   std::string gpu_pool_export = "auto";  // or "legacy_ipc"
   uint32_t max_connections_per_uid = 256;  // each socket; root and the admin group uncapped
+  std::optional<ListenAddress> metrics_listen;  // none: no metrics endpoint
 };
 
 // Command-line values; unset ones fall back to the config file, then to defaults.
@@ -49,6 +60,7 @@ struct DaemonFlags {
   std::optional<uint32_t> lease_ms;
   std::optional<uint32_t> base_keep_warm_s;
   std::optional<std::string> gpu_pool_export;
+  std::optional<std::string> metrics_listen;
 };
 
 // Reads the config file (protobuf text format of trainstream.daemon.DaemonConfig) if one is

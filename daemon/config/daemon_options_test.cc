@@ -91,6 +91,30 @@ TEST(LoadDaemonOptionsTest, GpuPoolExportIsAutoOrLegacyIpc) {
   EXPECT_EQ(LoadDaemonOptions(DaemonFlags{})->gpu_pool_export, "auto");
 }
 
+TEST(LoadDaemonOptionsTest, MetricsListenIsOffByDefaultAndAHostAndPort) {
+  EXPECT_FALSE(LoadDaemonOptions(DaemonFlags{})->metrics_listen.has_value());
+  DaemonFlags flags;
+  flags.config_path = WriteFile("metrics_listen: \"127.0.0.1:9478\"\n");
+  absl::StatusOr<DaemonOptions> options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  ASSERT_TRUE(options->metrics_listen.has_value());
+  EXPECT_EQ(options->metrics_listen->host, "127.0.0.1");
+  EXPECT_EQ(options->metrics_listen->port, 9478);
+  flags.metrics_listen = "[::1]:0";  // the flag wins over the file
+  options = LoadDaemonOptions(flags);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->metrics_listen->host, "::1");
+  EXPECT_EQ(options->metrics_listen->port, 0);
+  EXPECT_EQ(ParseListenAddress(":9478")->host, "");
+  EXPECT_EQ(ParseListenAddress("localhost:80")->host, "127.0.0.1");
+  for (const char* bad : {"9478", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:-1", "host.example:80",
+                          "::1:80", "[::1:80", "[not-v6]:80", "127.0.0.1:http"}) {
+    absl::Status refused = ParseListenAddress(bad).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(refused.message().find("HOST:PORT"), std::string::npos) << refused;
+  }
+}
+
 TEST(LoadDaemonOptionsTest, SegmentSizesAreReadAndChecked) {
   DaemonFlags flags;
   absl::StatusOr<DaemonOptions> defaults = LoadDaemonOptions(flags);

@@ -38,15 +38,30 @@ uint64_t EventLog::Emit(std::string kind, std::string message,
                     whole ? absl::StrCat(static_cast<int64_t>(value)) : absl::StrCat(value));
   }
   const LogLevel level = LogLevelOfEvent(event.kind);
+  uint64_t seq = 0;
   {
     absl::MutexLock lock(&mu_);
-    event.seq = next_seq_++;
+    seq = event.seq = next_seq_++;
+    ++counts_[{CountedKind(event.kind), event.uid}];
     ring_.push_back(std::move(event));
     while (ring_.size() > capacity_) ring_.pop_front();
   }
   Log(level, line);
+  return seq;
+}
+
+std::string EventLog::CountedKind(const std::string& kind) {
+  return kind.starts_with("client.") ? "client.*" : kind;
+}
+
+std::map<std::string, uint64_t> EventLog::CountsByKind(
+    const std::function<bool(std::optional<uid_t>)>& visible) const {
+  std::map<std::string, uint64_t> out;
   absl::MutexLock lock(&mu_);
-  return next_seq_ - 1;
+  for (const auto& [key, count] : counts_) {
+    if (visible(key.second)) out[key.first] += count;
+  }
+  return out;
 }
 
 std::vector<Event> EventLog::Since(uint64_t after,

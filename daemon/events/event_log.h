@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -54,11 +55,20 @@ class EventLog {
 
   uint64_t last_seq() const;
 
+  // Events emitted since the start (not only those still in the ring), by kind, counting those
+  // whose owner `visible` accepts (unset: machine-wide). Clients' own kinds count together as
+  // "client.*": they are theirs to name, and a metric's label must not grow without bound.
+  std::map<std::string, uint64_t> CountsByKind(
+      const std::function<bool(std::optional<uid_t>)>& visible) const;
+
  private:
+  static std::string CountedKind(const std::string& kind);
+
   const size_t capacity_;
   mutable absl::Mutex mu_;
   std::deque<Event> ring_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<std::pair<std::string, std::optional<uid_t>>, uint64_t> counts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace trainstream::daemon

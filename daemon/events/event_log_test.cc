@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "events/event_log.h"
 
+#include <map>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -31,6 +34,21 @@ TEST(EventLogTest, FilterHidesOtherUsersEvents) {
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].message, "mine");
   EXPECT_EQ(events[1].message, "machine-wide");
+}
+
+TEST(EventLogTest, CountsEveryEventByKindPastTheRingAndAsTheViewerMaySee) {
+  EventLog log(2);
+  for (int i = 0; i < 5; ++i) log.Emit("session.closed", "x", {}, "s", uid_t{1000});
+  log.Emit("session.closed", "x", {}, "t", uid_t{1001});
+  log.Emit("gpu.none", "machine-wide");
+  log.Emit("client.step_time", "a client's own kind", {}, "s", uid_t{1000});
+  log.Emit("client.loss", "another", {}, "s", uid_t{1000});
+  const auto everyone = log.CountsByKind([](std::optional<uid_t>) { return true; });
+  EXPECT_EQ(everyone, (std::map<std::string, uint64_t>{
+                          {"session.closed", 6}, {"gpu.none", 1}, {"client.*", 2}}));
+  const auto user_1001 = log.CountsByKind(
+      [](std::optional<uid_t> owner) { return !owner || *owner == 1001; });
+  EXPECT_EQ(user_1001, (std::map<std::string, uint64_t>{{"session.closed", 1}, {"gpu.none", 1}}));
 }
 
 TEST(EventLogTest, WaiterWakesOnNewEvent) {

@@ -256,6 +256,14 @@ absl::Status TrainStreamService::ServeGetStatus(grpc::ServerContext* context,
     info->set_total_bytes(gpu.total_bytes);
   }
   reply->set_gpu_note(facts_.gpus.note);
+  const PeerCredentials viewer = *caller;
+  for (const auto& [kind, count] : events_->CountsByKind([&](std::optional<uid_t> owner) {
+         return viewer.admin || !owner.has_value() || *owner == viewer.uid;
+       })) {
+    v1::EventCount* row = reply->add_events();
+    row->set_kind(kind);
+    row->set_count(count);
+  }
   return absl::OkStatus();
 }
 

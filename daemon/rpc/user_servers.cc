@@ -19,6 +19,26 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   if (auto it = servers_.find(peer.uid); it != servers_.end()) return it->second.server.get();
   PeerCredentials identity = peer;
   identity.pid = 0;  // the pid is per connection; the service looks it up per request
+  Entry entry = Build(identity);
+  if (!entry.server) return nullptr;
+  grpc::Server* server = entry.server.get();
+  servers_[peer.uid] = std::move(entry);
+  return server;
+}
+
+std::shared_ptr<grpc::Channel> UserServers::DaemonChannel() {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return nullptr;
+  if (!daemon_itself_.server) {
+    PeerCredentials identity = OwnCredentials();
+    identity.admin = true;
+    daemon_itself_ = Build(identity);
+    if (!daemon_itself_.server) return nullptr;
+  }
+  return daemon_itself_.server->InProcessChannel(grpc::ChannelArguments());
+}
+
+UserServers::Entry UserServers::Build(const PeerCredentials& identity) {
   Entry entry;
   entry.service = std::make_unique<TrainStreamService>(shared_.facts, identity, shared_.sessions,
                                                        shared_.arena, shared_.events,
@@ -33,15 +53,13 @@ grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   builder.RegisterService(entry.service.get());
   entry.server = builder.BuildAndStart();
   if (!entry.server) {
-    shared_.events->Emit("rpc.refused",
-                         absl::StrFormat("could not start a gRPC server for uid %d", peer.uid), {},
-                         "", peer.uid);
-    return nullptr;
+    shared_.events->Emit(
+        "rpc.refused", absl::StrFormat("could not start a gRPC server for uid %d", identity.uid),
+        {}, "", identity.uid);
+    return {};
   }
   entry.server->GetHealthCheckService()->SetServingStatus(kHealthServiceName, serving_);
-  grpc::Server* server = entry.server.get();
-  servers_[peer.uid] = std::move(entry);
-  return server;
+  return entry;
 }
 
 void UserServers::SetServing(bool serving) {
@@ -59,6 +77,8 @@ void UserServers::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
     servers.swap(servers_);
+    // Under a uid no connection can have (servers are keyed by uid): shut down with the rest.
+    if (daemon_itself_.server) servers.emplace(static_cast<uid_t>(-1), std::move(daemon_itself_));
   }
   for (auto& [uid, entry] : servers) entry.service->Shutdown();
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);

@@ -37,6 +37,10 @@ class UserServers {
 
   // The server for `peer`'s uid, started on first use; null once shut down or if gRPC failed.
   grpc::Server* ServerFor(const PeerCredentials& peer);
+  // A channel, in this process only, to a server bound to the daemon itself as an administrator:
+  // the daemon's own readers of the control plane (the metrics endpoint) see what an admin's
+  // tsctl sees, through the same handlers. No socket leads to it. Null once shut down.
+  std::shared_ptr<grpc::Channel> DaemonChannel();
   // Health status of every server, now and for those started later.
   void SetServing(bool serving);
   // Ends open streams and shuts every server down.
@@ -49,7 +53,10 @@ class UserServers {
   };
   const Shared shared_;
   absl::Mutex mu_;
+  Entry Build(const PeerCredentials& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   std::map<uid_t, Entry> servers_ ABSL_GUARDED_BY(mu_);
+  Entry daemon_itself_ ABSL_GUARDED_BY(mu_);
   bool serving_ ABSL_GUARDED_BY(mu_) = true;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };

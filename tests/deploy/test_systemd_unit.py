@@ -148,3 +148,38 @@ def test_socket_unit_listens_where_the_config_says_and_outlives_the_daemon() -> 
     assert _unit_value(service, "Also") == SOCKET_UNIT.name
     assert _unit_value(socket_unit, "WantedBy") == "sockets.target"
 
+
+
+METRICS_DROP_IN = REPO / "deploy" / "trainstreamd-metrics-endpoint.conf"
+
+
+def test_the_metrics_drop_in_opens_the_loopback_alone(tmp_path: Path) -> None:
+    """The unit gives the daemon no network; the drop-in that lets metrics_listen serve gives it
+    the loopback and nothing else, and the unit stays well protected with it."""
+    text = METRICS_DROP_IN.read_text()
+    assert _unit_value(text, "IPAddressDeny") == "any"
+    assert _unit_value(text, "IPAddressAllow") == "localhost"
+    assert _unit_value(text, "PrivateNetwork") == "no"
+    # The shipped config leaves the endpoint off: the unit alone would refuse its socket.
+    assert not re.search(r"^metrics_listen:", CONFIG.read_text(), flags=re.MULTILINE)
+    suggested = re.search(r'^# metrics_listen: "(.*)"$', CONFIG.read_text(), flags=re.MULTILINE)
+    assert suggested and suggested.group(1).startswith("127.0.0.1:"), "suggest the loopback"
+    if SYSTEMD_ANALYZE is None:
+        pytest.skip("systemd-analyze not found (Debian package `systemd`); cannot verify the unit")
+    (tmp_path / UNIT.name).write_text(_unit_to_verify(UNIT))
+    drop_ins = tmp_path / f"{UNIT.name}.d"
+    drop_ins.mkdir()
+    (drop_ins / "metrics-endpoint.conf").write_text(text)
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--recursive-errors=one", "--man=no",
+                             str(tmp_path / UNIT.name)], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    security = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",
+                               str(tmp_path / UNIT.name)], capture_output=True, text=True,
+                              timeout=120, check=False)
+    # The drop-in is read: the host's network shows, allowed to the loopback only.
+    assert "only localhost entries" in security.stdout, security.stdout
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", security.stdout)
+    assert found, security.stdout + security.stderr
+    # 1.2 without the drop-in; 1.9 with it (the host's network namespace, loopback only).
+    assert float(found.group(1)) <= 2.0, security.stdout

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "metrics_format.h"
+#include "metric_families.h"
 
 #include <set>
 #include <string>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
-namespace trainstream::tsctl {
+namespace trainstream::metrics {
 namespace {
 
 Scrape Example() {
@@ -18,6 +18,9 @@ Scrape Example() {
   s.status.set_uptime_s(12.5);
   s.status.set_sessions(3);
   s.status.set_threads(16);
+  v1::EventCount* closed = s.status.add_events();
+  closed->set_kind("session.closed");
+  closed->set_count(4);
   s.memory.set_budget_bytes(1000);
   s.memory.set_reserved_bytes(600);
   s.memory.set_committed_bytes(700);
@@ -39,7 +42,7 @@ Scrape Example() {
   return s;
 }
 
-TEST(MetricsFormatTest, EveryFamilyHasHelpAndTypeOnceAndSamplesParse) {
+TEST(MetricFamiliesTest, EveryFamilyHasHelpAndTypeOnceAndSamplesParse) {
   const std::string text = RenderMetrics(Example());
   std::set<std::string> typed;
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
@@ -63,7 +66,7 @@ TEST(MetricsFormatTest, EveryFamilyHasHelpAndTypeOnceAndSamplesParse) {
   EXPECT_TRUE(absl::StrContains(text, "\ntrainstream_up 1\n"));
 }
 
-TEST(MetricsFormatTest, ValuesAndLabelsSayWhatTheDaemonSaid) {
+TEST(MetricFamiliesTest, ValuesAndLabelsSayWhatTheDaemonSaid) {
   const std::string text = RenderMetrics(Example());
   EXPECT_TRUE(absl::StrContains(text, "\ntrainstream_sessions 3\n"));
   EXPECT_TRUE(absl::StrContains(text, "\ntrainstream_memory_committed_bytes 700\n"));
@@ -79,9 +82,10 @@ TEST(MetricsFormatTest, ValuesAndLabelsSayWhatTheDaemonSaid) {
   // A job that never stepped has no last step to report.
   EXPECT_FALSE(absl::StrContains(text, "last_step_seconds{job=\"new\"}"));
   EXPECT_TRUE(absl::StrContains(text, "trainstream_info{version=\"0.1.0\"} 1"));
+  EXPECT_TRUE(absl::StrContains(text, "\ntrainstream_events_total{kind=\"session.closed\"} 4\n"));
 }
 
-TEST(MetricsFormatTest, ADaemonThatDidNotAnswerIsUpZeroWithWhy) {
+TEST(MetricFamiliesTest, ADaemonThatDidNotAnswerIsUpZeroWithWhy) {
   const std::string text = RenderDown("connect: No such file\nor directory");
   EXPECT_TRUE(absl::StrContains(text, "# trainstreamd did not answer: connect: No such file or "
                                       "directory\n"));
@@ -89,4 +93,4 @@ TEST(MetricsFormatTest, ADaemonThatDidNotAnswerIsUpZeroWithWhy) {
 }
 
 }  // namespace
-}  // namespace trainstream::tsctl
+}  // namespace trainstream::metrics

@@ -1,8 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "metrics_format.h"
+#include "metric_families.h"
 
 #include <cstdint>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -10,57 +9,92 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 
-namespace trainstream::tsctl {
+namespace trainstream::metrics {
 namespace {
 
 using Labels = std::vector<std::pair<std::string, std::string>>;
 
-// A label value as the format escapes it: backslash, double quote and newline.
+// A label value as the text format escapes it: backslash, double quote and newline.
 std::string Escape(const std::string& value) {
   return absl::StrReplaceAll(value, {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
 }
 
 std::string Number(double value) { return absl::StrFormat("%.17g", value); }
 
-// One metric family: HELP and TYPE once, then its samples.
+// One metric family being filled: its name, type and help once, then its samples.
 class Family {
  public:
-  Family(std::string* out, const std::string& name, const std::string& type,
+  Family(std::vector<MetricFamily>* out, const std::string& name, const std::string& type,
          const std::string& help)
-      : out_(out), name_(name) {
-    absl::StrAppend(out_, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+      : out_(out), index_(out->size()) {
+    out->push_back(MetricFamily{name, type, help, {}});
   }
   void Add(double value, const Labels& labels = {}) {
-    std::string sample = name_;
-    if (!labels.empty()) {
-      sample += "{";
-      for (size_t i = 0; i < labels.size(); ++i) {
-        absl::StrAppend(&sample, i ? "," : "", labels[i].first, "=\"", Escape(labels[i].second),
-                        "\"");
-      }
-      sample += "}";
-    }
-    absl::StrAppend(out_, sample, " ", Number(value), "\n");
+    (*out_)[index_].samples.push_back(MetricSample{labels, value});
   }
 
  private:
-  std::string* out_;
-  std::string name_;
+  std::vector<MetricFamily>* out_;
+  size_t index_;
 };
+
+void AddUp(std::vector<MetricFamily>* out, double up) {
+  Family(out, "trainstream_up", "gauge", "1 when trainstreamd answered this scrape.").Add(up);
+}
 
 }  // namespace
 
-std::string RenderDown(const std::string& why) {
+absl::Status ReadScrape(v1::TrainStream::StubInterface& stub, const UnaryCall& call, Scrape* s) {
+  using Rpc = std::function<grpc::Status(grpc::ClientContext*)>;
+  const Rpc reads[] = {
+      [&](grpc::ClientContext* c) { return stub.GetStatus(c, {}, &s->status); },
+      [&](grpc::ClientContext* c) { return stub.GetMemory(c, {}, &s->memory); },
+      [&](grpc::ClientContext* c) { return stub.ListOptimizers(c, {}, &s->optimizers); },
+      [&](grpc::ClientContext* c) { return stub.ListBases(c, {}, &s->bases); },
+      [&](grpc::ClientContext* c) { return stub.ListGpuPools(c, {}, &s->pools); },
+  };
+  for (const Rpc& read : reads) {
+    if (absl::Status status = call(read); !status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+std::string RenderText(const std::vector<MetricFamily>& families) {
   std::string out;
-  absl::StrAppend(&out, "# trainstreamd did not answer: ",
-                  absl::StrReplaceAll(why, {{"\n", " "}}), "\n");
-  Family(&out, "trainstream_up", "gauge", "1 when trainstreamd answered this scrape.").Add(0);
+  for (const MetricFamily& f : families) {
+    absl::StrAppend(&out, "# HELP ", f.name, " ", f.help, "\n# TYPE ", f.name, " ", f.type, "\n");
+    for (const MetricSample& sample : f.samples) {
+      out += f.name;
+      if (!sample.labels.empty()) {
+        out += "{";
+        for (size_t i = 0; i < sample.labels.size(); ++i) {
+          absl::StrAppend(&out, i ? "," : "", sample.labels[i].first, "=\"",
+                          Escape(sample.labels[i].second), "\"");
+        }
+        out += "}";
+      }
+      absl::StrAppend(&out, " ", Number(sample.value), "\n");
+    }
+  }
   return out;
 }
 
-std::string RenderMetrics(const Scrape& s) {
-  std::string out;
-  Family(&out, "trainstream_up", "gauge", "1 when trainstreamd answered this scrape.").Add(1);
+std::vector<MetricFamily> DownFamilies() {
+  std::vector<MetricFamily> out;
+  AddUp(&out, 0);
+  return out;
+}
+
+std::string RenderDown(const std::string& why) {
+  return absl::StrCat("# trainstreamd did not answer: ", absl::StrReplaceAll(why, {{"\n", " "}}),
+                      "\n", RenderText(DownFamilies()));
+}
+
+std::string RenderMetrics(const Scrape& scrape) { return RenderText(FamiliesOf(scrape)); }
+
+std::vector<MetricFamily> FamiliesOf(const Scrape& s) {
+  std::vector<MetricFamily> out;
+  AddUp(&out, 1);
   Family(&out, "trainstream_info", "gauge", "The daemon's release, as a label.")
       .Add(1, {{"version", s.status.version()}});
   Family(&out, "trainstream_uptime_seconds", "gauge", "Seconds since the daemon started.")
@@ -72,6 +106,13 @@ std::string RenderMetrics(const Scrape& s) {
       .Add(s.status.sessions());
   Family(&out, "trainstream_optimizer_threads", "gauge", "The host optimizer's worker threads.")
       .Add(s.status.threads());
+  {
+    Family f(&out, "trainstream_events_total", "counter",
+             "Events the daemon emitted since it started, by kind (clients' own as client.*).");
+    for (const v1::EventCount& row : s.status.events()) {
+      f.Add(static_cast<double>(row.count()), {{"kind", row.kind()}});
+    }
+  }
   Family(&out, "trainstream_memory_budget_bytes", "gauge",
          "Host memory all of the daemon's segments together may reserve.")
       .Add(static_cast<double>(s.memory.budget_bytes()));
@@ -171,4 +212,4 @@ std::string RenderMetrics(const Scrape& s) {
   return out;
 }
 
-}  // namespace trainstream::tsctl
+}  // namespace trainstream::metrics

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""trainstreamd's Prometheus endpoint (--metrics_listen): off unless asked, the same families
+`tsctl metrics` prints, read at each scrape, and a daemon that cannot listen where it was told
+stops at once with why."""
+
+import os
+import re
+import socket
+import subprocess
+import urllib.request
+
+import pytest
+
+import trainstream
+
+
+def _samples(text):
+    """{name{labels}: value} of Prometheus text (HELP/TYPE and comments left out)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _families(text):
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def _endpoint(daemon):
+    found = re.search(r"serving Prometheus metrics at (http://\S+/metrics)", daemon.log())
+    assert found, daemon.log()
+    return found.group(1)
+
+
+def _scrape(url):
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        return reply.read().decode()
+
+
+def _listening_tcp_inodes():
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as f:
+                for row in f.read().splitlines()[1:]:
+                    fields = row.split()
+                    if fields[3] == "0A":  # TCP_LISTEN
+                        inodes.add(fields[9])
+    return inodes
+
+
+def _process_socket_inodes(pid):
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def test_the_endpoint_serves_the_daemons_state_at_each_scrape(start_daemon, tsctl_binary):
+    import torch
+
+    from trainstream import HostOptimizer, ParameterSpec
+
+    daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
+                          "--metrics_listen=127.0.0.1:0")
+    url = _endpoint(daemon)
+    before = _samples(_scrape(url))
+    assert before["trainstream_up"] == 1 and before["trainstream_sessions"] == 0
+    assert before['trainstream_events_total{kind="daemon.start"}'] == 1
+    with trainstream.connect(daemon.socket, job_id="scraped") as client:
+        client.allocate("g", 5000, tag="grad")
+        opt = HostOptimizer(client, [ParameterSpec("w", (1000,))])
+        opt.load_weights([torch.zeros(1000)])
+        opt.step([torch.ones(1000)])
+        opt.step([torch.ones(1000)])
+        text = _scrape(url)
+        samples = _samples(text)
+        # Read now, not at start: the session, its buffer and its job's steps are there.
+        assert samples["trainstream_sessions"] == 1
+        assert samples["trainstream_memory_budget_bytes"] == 256 << 20
+        assert samples['trainstream_memory_tag_bytes{tag="grad"}'] == 5000
+        assert samples['trainstream_optimizer_steps_total{job="scraped"}'] == 2
+        assert samples['trainstream_events_total{kind="session.open"}'] == 1
+        assert samples["trainstream_uptime_seconds"] > before["trainstream_uptime_seconds"]
+        # The families tsctl metrics prints (as root, an administrator), and prometheus-cpp's
+        # own about the exposer.
+        printed = subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "metrics"],
+                                 capture_output=True, text=True, timeout=30)
+        assert printed.returncode == 0, printed.stderr
+        served = _families(text)
+        assert _families(printed.stdout) <= served
+        assert {f for f in served if not f.startswith("trainstream_")} <= {
+            "exposer_transferred_bytes_total", "exposer_scrapes_total",
+            "exposer_request_latencies"}
+        # The same label sets, whichever way they were read.
+        assert {k for k in _samples(printed.stdout) if "optimizer" in k} == \
+            {k for k in samples if "optimizer" in k}
+    after = _samples(_scrape(url))
+    assert after["trainstream_sessions"] == 0
+    assert after['trainstream_events_total{kind="session.closed"}'] == 1
+
+
+def test_a_drain_shows_on_the_endpoint_until_the_daemon_stops(start_daemon, tsctl_binary):
+    daemon = start_daemon("--memory_budget=64M", "--metrics_listen=127.0.0.1:0")
+    url = _endpoint(daemon)
+    with trainstream.connect(daemon.socket, job_id="draining"):
+        drained = subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "drain"],
+                                 capture_output=True, text=True, timeout=30)
+        assert drained.returncode == 0, drained.stderr
+        samples = _samples(_scrape(url))
+        assert samples["trainstream_draining"] == 1 and samples["trainstream_sessions"] == 1
+    assert daemon.process.wait(timeout=15) == 0
+    with pytest.raises(OSError):  # the endpoint went with the daemon
+        _scrape(url)
+
+
+def test_no_endpoint_unless_asked(daemon):
+    assert "Prometheus" not in daemon.log()
+    listening = _listening_tcp_inodes() & _process_socket_inodes(daemon.process.pid)
+    assert not listening, "the daemon listens on TCP though no --metrics_listen was given"
+
+
+def test_an_address_it_cannot_use_stops_the_daemon_with_why(trainstreamd_binary, tmp_path):
+    os.chmod(tmp_path, 0o700)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        for flag, code, why in [
+            ("--metrics_listen=9478", 2, "HOST:PORT"),
+            ("--metrics_listen=example.org:80", 2, "numeric IPv4"),
+            ("--metrics_listen=127.0.0.1:70000", 2, "0 to 65535"),
+            (f"--metrics_listen=127.0.0.1:{port}", 1, "cannot listen there"),
+        ]:
+            sock = tmp_path / "d.sock"
+            run = subprocess.run([trainstreamd_binary, f"--socket={sock}", "--memory_budget=64M",
+                                  flag], capture_output=True, text=True, timeout=30)
+            assert run.returncode == code, (flag, run.stdout, run.stderr)
+            assert why in run.stderr, (flag, run.stderr)
+            # Refused before it served anyone: no socket left behind.
+            assert not any(tmp_path.iterdir()), (flag, list(tmp_path.iterdir()))
+    finally:
+        taken.close()
