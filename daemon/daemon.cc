@@ -23,6 +23,7 @@
 #include "rpc/user_servers.h"
 #include "sessions/granted_files.h"
 #include "sessions/session_registry.h"
+#include "sessions/transfer_totals.h"
 #include "trainstream/status_macros.h"
 #include "trainstream/version.h"
 
@@ -49,6 +50,7 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
   ASSIGN_OR_RETURN(arena_, Arena::Create(arena_options));
   credentials_ = std::make_unique<ConnectionCredentials>();
   granted_files_ = std::make_unique<GrantedFiles>();
+  transfers_ = std::make_unique<TransferTotals>();
 
   // Everything a session held goes when it ends, whatever ended it.
   sessions_ = std::make_unique<SessionRegistry>(
@@ -58,6 +60,7 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
         if (optimizers_) optimizers_->OnSessionEnded(s, why == SessionEnd::kClosed);
         if (bases_) bases_->OnSessionEnded(s);
         if (granted_files_) granted_files_->SessionEnded(s.id);
+        if (transfers_) transfers_->SessionEnded(s);
         if (gpu_pools_) gpu_pools_->SessionEnded(s.id);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
@@ -137,7 +140,7 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
   const std::string no_pools_note = facts.gpus.gpus.empty() ? facts.gpus.note : "";
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
-      optimizers_.get(), bases_.get(), granted_files_.get(),
+      optimizers_.get(), bases_.get(), granted_files_.get(), transfers_.get(),
       GpuPoolAccess{gpu_pools_.get(), base_pools_.get(), no_pools_note}});
   // Before the sockets: a daemon asked for an endpoint it cannot bind serves no one.
   if (options_.metrics_listen) {

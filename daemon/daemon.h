@@ -26,6 +26,7 @@ class GpuPools;
 class MetricsEndpoint;
 class OptimizerRegistry;
 class SessionRegistry;
+class TransferTotals;
 class UserServers;
 class VramApi;
 
@@ -56,6 +57,7 @@ class Daemon {
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<ConnectionCredentials> credentials_;
+  std::unique_ptr<TransferTotals> transfers_;
   std::unique_ptr<GrantedFiles> granted_files_;  // before sessions_: ended sessions close theirs
   std::unique_ptr<SessionRegistry> sessions_;
   std::unique_ptr<DoorbellDispatcher> doorbells_;

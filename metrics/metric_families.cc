@@ -148,6 +148,24 @@ std::vector<MetricFamily> FamiliesOf(const Scrape& s) {
     }
   }
   {
+    Family to_device(&out, "trainstream_job_h2d_bytes_total", "counter",
+                     "Bytes a job's processes copied from host memory to their GPUs, as they "
+                     "report them.");
+    for (const v1::JobTransfers& job : s.status.transfers()) {
+      to_device.Add(static_cast<double>(job.h2d_bytes()),
+                    {{"job", job.job_id()}, {"uid", absl::StrCat(job.uid())}});
+    }
+  }
+  {
+    Family to_host(&out, "trainstream_job_d2h_bytes_total", "counter",
+                   "Bytes a job's processes copied from their GPUs to host memory, as they "
+                   "report them.");
+    for (const v1::JobTransfers& job : s.status.transfers()) {
+      to_host.Add(static_cast<double>(job.d2h_bytes()),
+                  {{"job", job.job_id()}, {"uid", absl::StrCat(job.uid())}});
+    }
+  }
+  {
     Family step(&out, "trainstream_optimizer_steps_total", "counter",
                 "Steps a job's optimizer took.");
     for (const v1::OptimizerInfo& o : s.optimizers.optimizers()) {

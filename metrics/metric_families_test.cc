@@ -21,6 +21,11 @@ Scrape Example() {
   v1::EventCount* closed = s.status.add_events();
   closed->set_kind("session.closed");
   closed->set_count(4);
+  v1::JobTransfers* moved = s.status.add_transfers();
+  moved->set_job_id("torchrun-a");
+  moved->set_uid(1000);
+  moved->set_h2d_bytes(3000000000);
+  moved->set_d2h_bytes(7);
   s.memory.set_budget_bytes(1000);
   s.memory.set_reserved_bytes(600);
   s.memory.set_committed_bytes(700);
@@ -83,6 +88,10 @@ TEST(MetricFamiliesTest, ValuesAndLabelsSayWhatTheDaemonSaid) {
   EXPECT_FALSE(absl::StrContains(text, "last_step_seconds{job=\"new\"}"));
   EXPECT_TRUE(absl::StrContains(text, "trainstream_info{version=\"0.1.0\"} 1"));
   EXPECT_TRUE(absl::StrContains(text, "\ntrainstream_events_total{kind=\"session.closed\"} 4\n"));
+  EXPECT_TRUE(absl::StrContains(
+      text, "\ntrainstream_job_h2d_bytes_total{job=\"torchrun-a\",uid=\"1000\"} 3000000000\n"));
+  EXPECT_TRUE(absl::StrContains(
+      text, "\ntrainstream_job_d2h_bytes_total{job=\"torchrun-a\",uid=\"1000\"} 7\n"));
 }
 
 TEST(MetricFamiliesTest, ADaemonThatDidNotAnswerIsUpZeroWithWhy) {

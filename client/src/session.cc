@@ -53,6 +53,9 @@ absl::StatusOr<std::shared_ptr<HostBuffer>> Session::Seal(const BufferInfo& buff
   return impl_->Seal(buffer);
 }
 absl::Status Session::Heartbeat() { return impl_->Heartbeat(); }
+void Session::SetTransferTotals(uint64_t h2d_bytes, uint64_t d2h_bytes) {
+  impl_->SetTransferTotals(h2d_bytes, d2h_bytes);
+}
 absl::Status Session::Ring(const Notice& notice) { return impl_->Ring(notice); }
 absl::StatusOr<Notice> Session::Wait(int timeout_ms) { return impl_->Wait(timeout_ms); }
 absl::StatusOr<absl::Duration> Session::Ping() { return impl_->Ping(); }

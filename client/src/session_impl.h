@@ -11,7 +11,9 @@
 #include <atomic>
 #include <deque>
 #include <map>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -168,6 +170,11 @@ class Session::Impl {
     v1::HeartbeatReply reply;
     return channel_.Call(
         [&](grpc::ClientContext* c) { return channel_.stub().Heartbeat(c, request, &reply); });
+  }
+
+  void SetTransferTotals(uint64_t h2d_bytes, uint64_t d2h_bytes) {
+    absl::MutexLock lock(&transfers_mu_);
+    transfers_ = {h2d_bytes, d2h_bytes};
   }
 
   absl::Status Ring(const Notice& notice) {
@@ -492,6 +499,13 @@ public:
     while (!stop_heartbeat_.WaitForNotificationWithTimeout(period)) {
       v1::HeartbeatRequest request;
       request.set_session_id(id_);
+      {
+        absl::MutexLock lock(&transfers_mu_);
+        if (transfers_) {
+          request.mutable_transfers()->set_h2d_bytes(transfers_->first);
+          request.mutable_transfers()->set_d2h_bytes(transfers_->second);
+        }
+      }
       v1::HeartbeatReply reply;
       absl::Status status = channel_.Call(
           [&](grpc::ClientContext* c) { return channel_.stub().Heartbeat(c, request, &reply); });
@@ -522,6 +536,8 @@ public:
   std::thread heartbeat_;
   absl::Notification stop_heartbeat_;
   std::atomic<uint64_t> ping_counter_{0};
+  absl::Mutex transfers_mu_;
+  std::optional<std::pair<uint64_t, uint64_t>> transfers_ ABSL_GUARDED_BY(transfers_mu_);
 
   absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

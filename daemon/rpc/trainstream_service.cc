@@ -28,7 +28,8 @@ TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identi
                                        SessionRegistry* sessions, Arena* arena, EventLog* events,
                                        const ConnectionCredentials* credentials,
                                        OptimizerRegistry* optimizers, BaseStore* bases,
-                                       GrantedFiles* granted_files, GpuPoolAccess gpu_pools)
+                                       GrantedFiles* granted_files, TransferTotals* transfers,
+                                       GpuPoolAccess gpu_pools)
     : facts_(std::move(facts)),
       identity_(identity),
       sessions_(sessions),
@@ -38,6 +39,7 @@ TrainStreamService::TrainStreamService(DaemonFacts facts, PeerCredentials identi
       optimizers_(optimizers),
       bases_(bases),
       granted_files_(granted_files),
+      transfers_(transfers),
       gpu_pools_(std::move(gpu_pools)) {}
 
 absl::StatusOr<PeerCredentials> TrainStreamService::Caller(grpc::ServerContext* context) const {
@@ -107,6 +109,12 @@ absl::Status TrainStreamService::ServeHeartbeat(grpc::ServerContext* context,
   if (!caller.ok()) return caller.status();
   absl::StatusOr<absl::Duration> lease = sessions_->Heartbeat(*caller, request->session_id());
   if (!lease.ok()) return lease.status();
+  if (request->has_transfers()) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const Session> session,
+                     sessions_->Get(*caller, request->session_id()));
+    RETURN_IF_ERROR(transfers_->Report(*session, request->transfers().h2d_bytes(),
+                                       request->transfers().d2h_bytes()));
+  }
   reply->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*lease)));
   return absl::OkStatus();
 }
@@ -263,6 +271,13 @@ absl::Status TrainStreamService::ServeGetStatus(grpc::ServerContext* context,
     v1::EventCount* row = reply->add_events();
     row->set_kind(kind);
     row->set_count(count);
+  }
+  for (const TransferTotals::JobRow& job : transfers_->List(viewer)) {
+    v1::JobTransfers* row = reply->add_transfers();
+    row->set_job_id(job.job.job_id);
+    row->set_uid(job.job.uid);
+    row->set_h2d_bytes(job.h2d_bytes);
+    row->set_d2h_bytes(job.d2h_bytes);
   }
   return absl::OkStatus();
 }

@@ -17,6 +17,7 @@
 #include "rpc/reported_event_limiter.h"
 #include "sessions/granted_files.h"
 #include "sessions/session_registry.h"
+#include "sessions/transfer_totals.h"
 #include "status_conversion.h"
 #include "trainstream/v1/trainstream.grpc.pb.h"
 
@@ -60,7 +61,8 @@ class TrainStreamService final : public v1::TrainStream::Service {
   TrainStreamService(DaemonFacts facts, PeerCredentials identity, SessionRegistry* sessions,
                      Arena* arena, EventLog* events, const ConnectionCredentials* credentials,
                      OptimizerRegistry* optimizers, BaseStore* bases,
-                     GrantedFiles* granted_files, GpuPoolAccess gpu_pools = {});
+                     GrantedFiles* granted_files, TransferTotals* transfers,
+                     GpuPoolAccess gpu_pools = {});
 
   // Ends open event streams promptly at shutdown.
   void Shutdown() { shutting_down_ = true; }
@@ -140,6 +142,7 @@ class TrainStreamService final : public v1::TrainStream::Service {
   OptimizerRegistry* const optimizers_;
   BaseStore* const bases_;
   GrantedFiles* const granted_files_;  // files clients handed over on the data socket
+  TransferTotals* const transfers_;
   const GpuPoolAccess gpu_pools_;
   ReportedEventLimiter reported_events_{kReportedEventsPerMinute};
   std::atomic<bool> shutting_down_{false};

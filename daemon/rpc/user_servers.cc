@@ -44,7 +44,7 @@ UserServers::Entry UserServers::Build(const PeerCredentials& identity) {
                                                        shared_.arena, shared_.events,
                                                        shared_.credentials, shared_.optimizers,
                                                        shared_.bases, shared_.granted_files,
-                                                       shared_.gpu_pools);
+                                                       shared_.transfers, shared_.gpu_pools);
   grpc::EnableDefaultHealthCheckService(true);
   // Reflection: generic clients (grpcurl, grpcio-reflection) learn the API from the server.
   // It describes the schema alone, the same for every uid.

@@ -30,6 +30,7 @@ class UserServers {
     OptimizerRegistry* optimizers = nullptr;
     BaseStore* bases = nullptr;
     GrantedFiles* granted_files = nullptr;
+    TransferTotals* transfers = nullptr;
     GpuPoolAccess gpu_pools;
   };
   explicit UserServers(Shared shared) : shared_(std::move(shared)) {}

@@ -417,6 +417,7 @@ PYBIND11_MODULE(_trainstream, m) {
            [](Session& s, uint64_t bytes, double wait_s) {
              return Released([&] { return s.PlanHostMemory(bytes, absl::Seconds(wait_s)); });
            })
+      .def("set_transfer_totals", &Session::SetTransferTotals)
       .def("report_event", [](Session& s, const std::string& kind, const std::string& message,
                               const std::vector<std::pair<std::string, double>>& numbers) {
         return Released([&] { return s.ReportEvent(kind, message, numbers); });

@@ -27,6 +27,7 @@ class TrainStreamSession:
     cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
     loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
     attention: Any = None     # integrations.attention_backend.AttentionBackend (attention=)
+    transfer_report: Any = None  # the optimizer's step hook that hands the daemon PCIe totals
 
     @property
     def adapting(self) -> bool:

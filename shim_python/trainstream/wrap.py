@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,7 +25,7 @@ from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
 from .options import check_options
-from .inspection import session_transfers
+from .inspection import pcie_bytes, session_transfers
 from .integrations.attention_backend import AttentionBackend, attention_modules
 from .report import memory_report  # noqa: F401  (trainstream.wrap.memory_report, as before)
 from .session import TrainStreamSession, attach, session_of
@@ -454,8 +455,22 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     # offload="auto" measures over the first steps, then decides (an event says which way).
     offload.configure(on_decision=session.note, vram_headroom=float(config["vram_headroom"]),
                       switch_when_fits=config["offload"] == "auto" or None)
+    session.transfer_report = offload.register_step_post_hook(_transfer_reporter(session))
     attach(model, session)
     return model, offload
+
+
+def _transfer_reporter(session: TrainStreamSession) -> Any:
+    """A step hook that hands this process's PCIe totals to the session's heartbeats, which
+    carry them to the daemon's metrics (a native call, no round trip). It holds the session
+    weakly: the optimizer must not keep it alive."""
+    ref = weakref.ref(session)
+
+    def report(optimizer: Any, args: Any, kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            live.client.set_transfer_totals(*pcie_bytes(live))
+    return report
 
 
 def _block_stack(model: torch.nn.Module, config: dict, paging: Any) -> list:
@@ -530,6 +545,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.loss_switch.restore()
     if getattr(session, "plan", None) is not None:
         session.plan.large_blocks.restore()
+    if session.transfer_report is not None:
+        session.transfer_report.remove()
     attach(model, None, retire=session_transfers)
     return model
 

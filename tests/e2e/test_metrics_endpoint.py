@@ -151,3 +151,74 @@ def test_an_address_it_cannot_use_stops_the_daemon_with_why(trainstreamd_binary,
             assert not any(tmp_path.iterdir()), (flag, list(tmp_path.iterdir()))
     finally:
         taken.close()
+
+
+def _wait_for(predicate, what, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_jobs_pcie_totals_come_with_their_sessions_heartbeats(start_daemon):
+    # A lease of 1.5 s: heartbeats every 375 ms carry the totals.
+    daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
+                          "--metrics_listen=127.0.0.1:0")
+    url = _endpoint(daemon)
+    h2d = 'trainstream_job_h2d_bytes_total{job="moved",uid="%d"}' % os.getuid()
+    d2h = 'trainstream_job_d2h_bytes_total{job="moved",uid="%d"}' % os.getuid()
+    with trainstream.connect(daemon.socket, job_id="moved") as rank0, \
+            trainstream.connect(daemon.socket, job_id="moved") as rank1:
+        assert h2d not in _samples(_scrape(url)), "a job that reported nothing has no row"
+        rank0.set_transfer_totals(3_000_000_000, 1000)
+        _wait_for(lambda: _samples(_scrape(url)).get(h2d) == 3_000_000_000, "rank 0's report")
+        # Running totals: the next adds its difference; another rank adds its own.
+        rank0.set_transfer_totals(3_000_000_500, 1500)
+        rank1.set_transfer_totals(7, 0)
+        _wait_for(lambda: _samples(_scrape(url)).get(h2d) == 3_000_000_507, "both reports")
+        assert _samples(_scrape(url))[d2h] == 1500
+        # Totals that go down are refused (the heartbeat says so; the lease still renews):
+        # the job's total does not move, and the session lives on.
+        rank1.set_transfer_totals(1, 0)
+        import time
+
+        time.sleep(1.0)
+        assert _samples(_scrape(url))[h2d] == 3_000_000_507
+        rank1.allocate("still-alive", 4096)
+    # The job's last session ended: forgotten.
+    _wait_for(lambda: h2d not in _samples(_scrape(url)), "the job to be forgotten")
+
+
+def test_wrap_hands_its_pcie_totals_to_the_daemon(start_daemon):
+    import torch
+
+    daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
+                          "--metrics_listen=127.0.0.1:0")
+    url = _endpoint(daemon)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(device)
+    model, opt = trainstream.wrap(model, lr=1e-3, device=device, socket=daemon.socket,
+                                  job_id="wrapped", offload=True)
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 64, device=device)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        mine = trainstream.memory_report(model)["transfers"]  # this model's, by the process
+        key = 'trainstream_job_h2d_bytes_total{job="wrapped",uid="%d"}' % os.getuid()
+        # After the steps the hook set the totals; the next heartbeat carries them.
+        got = _wait_for(lambda: _samples(_scrape(url)).get(key) is not None and
+                        _samples(_scrape(url)), "wrap's report")
+        assert got[key] == mine["h2d_bytes"]
+        assert got[key.replace("h2d", "d2h")] == mine["d2h_bytes"]
+        if device == "cuda":  # gradients out, weights back: something crossed
+            assert mine["h2d_bytes"] > 0 and mine["d2h_bytes"] > 0
+    finally:
+        trainstream.unwrap(model)

@@ -137,6 +137,10 @@ class Session {
 
   // Renews the lease now (the background thread also does). One control-plane round trip.
   absl::Status Heartbeat();
+  // What this process moved between host memory and its GPU for this session so far, by its own
+  // count: the background heartbeats carry the latest totals to the daemon (for its metrics).
+  // No round trip; totals only grow.
+  void SetTransferTotals(uint64_t h2d_bytes, uint64_t d2h_bytes);
 
   // Doorbell: Ring() posts to the daemon; Wait() takes the next message from it (a background
   // thread drains the ring into a queue, so messages wait here however long the caller is busy).

@@ -238,6 +238,11 @@ class Client:
         """The daemon's GPU pools of this user: {"pools": [...], "note": ...}."""
         return decode_json(self._native.gpu_pools_json())
 
+    def set_transfer_totals(self, h2d_bytes: int, d2h_bytes: int) -> None:
+        """What this session moved to and from its GPU so far, by this process's count: the
+        session's heartbeats carry it to the daemon, for its metrics. No round trip."""
+        self._native.set_transfer_totals(int(h2d_bytes), int(d2h_bytes))
+
     def report_event(self, kind: str, message: str, **numbers: float) -> int:
         """Records a decision in the daemon's event log under this session (as
         ``client.<kind>``), where ``tsctl events`` shows it; returns its sequence number."""
