@@ -114,6 +114,9 @@ absl::Status TrainStreamService::ServeHeartbeat(grpc::ServerContext* context,
                      sessions_->Get(*caller, request->session_id()));
     RETURN_IF_ERROR(transfers_->Report(*session, request->transfers().h2d_bytes(),
                                        request->transfers().d2h_bytes()));
+    // A session that ended while it reported has had its end handled already: its job's row
+    // would stay for good.
+    if (!sessions_->Get(*caller, request->session_id()).ok()) transfers_->SessionEnded(*session);
   }
   reply->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(*lease)));
   return absl::OkStatus();
