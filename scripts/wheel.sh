@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # A portable wheel in dist/: built in Release without the test suites (build/wheel), stripped,
 # then repaired by auditwheel, which copies every shared library the extension and the two
-# binaries link (gRPC, protobuf, Abseil, re2, c-ares, OpenSSL) into the wheel under hashed names
+# binaries link (gRPC, protobuf, Abseil, re2, c-ares, OpenSSL, prometheus-cpp and civetweb) into
+# the wheel under hashed names
 # and points them there, and tags it with the oldest manylinux policy its symbols allow. It then
 # installs on any x86-64 Linux with that glibc or newer, with no Debian package beside it.
 # Prints the wheel's tag and size. Usage: scripts/wheel.sh [--check]
@@ -40,7 +41,7 @@ if [[ "${1:-}" == "--check" ]]; then
   # auditwheel keeps the binaries in trainstream.scripts/ (bin/ has launchers that exec them):
   # every library they and the extension load must be the wheel's own.
   for elf in "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so; do
-    if ldd "$elf" | grep -E "libgrpc|libprotobuf|libabsl|libre2|libcares|libssl" \
+    if ldd "$elf" | grep -E "libgrpc|libprotobuf|libabsl|libre2|libcares|libssl|libprometheus|libcivetweb" \
         | grep -v "/trainstream.libs/"; then
       echo "wheel.sh: $elf loads the libraries above from outside the wheel" >&2
       exit 1
@@ -51,10 +52,16 @@ if [[ "${1:-}" == "--check" ]]; then
   # The daemon serving, tsctl and the extension (loaded alone: torch is not in this venv)
   # talking to it.
   "$fresh/venv/bin/trainstreamd" --socket="$fresh/d.sock" --memory_budget=64M \
-    --log_level=warning &
+    --metrics_listen=127.0.0.1:0 > "$fresh/d.log" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 100); do [[ -S "$fresh/d.sock.data" ]] && break; sleep 0.1; done
   "$fresh/venv/bin/tsctl" --socket="$fresh/d.sock" status
+  # Its Prometheus endpoint, from the wheel's own prometheus-cpp.
+  url=$(grep -o 'http://[0-9.:]*/metrics' "$fresh/d.log")
+  "$fresh/venv/bin/python" -c "import sys, urllib.request as u
+text = u.urlopen(sys.argv[1], timeout=10).read().decode()
+assert '\ntrainstream_up 1\n' in text, text
+print(f'{sys.argv[1]}: {len(text.splitlines())} lines, trainstream_up 1')" "$url"
   "$fresh/venv/bin/python" - "$platlib" "$fresh/d.sock" <<'PY'
 import glob, importlib.util, sys
 path = glob.glob(f"{sys.argv[1]}/trainstream/_trainstream*.so")[0]
