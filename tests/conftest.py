@@ -196,6 +196,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.02):
     return value
 
 
+def prometheus_samples(text: str) -> dict:
+    """{name{labels}: value} of Prometheus' text format (HELP, TYPE and comments left out)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 # The daemon's config schema (daemon/config/daemon_config.proto) for the checks of deploy/.
 @pytest.fixture(scope="session")
 def daemon_config_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:

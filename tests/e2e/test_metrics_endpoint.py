@@ -1,27 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """trainstreamd's Prometheus endpoint (--metrics_listen): off unless asked, the same families
 `tsctl metrics` prints, read at each scrape, and a daemon that cannot listen where it was told
-stops at once with why."""
+stops at once with why; each job's PCIe totals, as its sessions' heartbeats carry them."""
 
 import os
 import re
 import socket
 import subprocess
+import time
 import urllib.request
 
 import pytest
 
 import trainstream
-
-
-def _samples(text):
-    """{name{labels}: value} of Prometheus text (HELP/TYPE and comments left out)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+from conftest import prometheus_samples, wait_until
 
 
 def _families(text):
@@ -73,7 +65,7 @@ def test_the_endpoint_serves_the_daemons_state_at_each_scrape(start_daemon, tsct
     daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
                           "--metrics_listen=127.0.0.1:0")
     url = _endpoint(daemon)
-    before = _samples(_scrape(url))
+    before = prometheus_samples(_scrape(url))
     assert before["trainstream_up"] == 1 and before["trainstream_sessions"] == 0
     assert before['trainstream_events_total{kind="daemon.start"}'] == 1
     with trainstream.connect(daemon.socket, job_id="scraped") as client:
@@ -83,7 +75,7 @@ def test_the_endpoint_serves_the_daemons_state_at_each_scrape(start_daemon, tsct
         opt.step([torch.ones(1000)])
         opt.step([torch.ones(1000)])
         text = _scrape(url)
-        samples = _samples(text)
+        samples = prometheus_samples(text)
         # Read now, not at start: the session, its buffer and its job's steps are there.
         assert samples["trainstream_sessions"] == 1
         assert samples["trainstream_memory_budget_bytes"] == 256 << 20
@@ -102,9 +94,9 @@ def test_the_endpoint_serves_the_daemons_state_at_each_scrape(start_daemon, tsct
             "exposer_transferred_bytes_total", "exposer_scrapes_total",
             "exposer_request_latencies"}
         # The same label sets, whichever way they were read.
-        assert {k for k in _samples(printed.stdout) if "optimizer" in k} == \
+        assert {k for k in prometheus_samples(printed.stdout) if "optimizer" in k} == \
             {k for k in samples if "optimizer" in k}
-    after = _samples(_scrape(url))
+    after = prometheus_samples(_scrape(url))
     assert after["trainstream_sessions"] == 0
     assert after['trainstream_events_total{kind="session.closed"}'] == 1
 
@@ -116,7 +108,7 @@ def test_a_drain_shows_on_the_endpoint_until_the_daemon_stops(start_daemon, tsct
         drained = subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "drain"],
                                  capture_output=True, text=True, timeout=30)
         assert drained.returncode == 0, drained.stderr
-        samples = _samples(_scrape(url))
+        samples = prometheus_samples(_scrape(url))
         assert samples["trainstream_draining"] == 1 and samples["trainstream_sessions"] == 1
     assert daemon.process.wait(timeout=15) == 0
     with pytest.raises(OSError):  # the endpoint went with the daemon
@@ -153,46 +145,35 @@ def test_an_address_it_cannot_use_stops_the_daemon_with_why(trainstreamd_binary,
         taken.close()
 
 
-def _wait_for(predicate, what, timeout=10.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_jobs_pcie_totals_come_with_their_sessions_heartbeats(start_daemon):
     # A lease of 1.5 s: heartbeats every 375 ms carry the totals.
     daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
                           "--metrics_listen=127.0.0.1:0")
     url = _endpoint(daemon)
+
+    def scraped():
+        return prometheus_samples(_scrape(url))
+
     h2d = 'trainstream_job_h2d_bytes_total{job="moved",uid="%d"}' % os.getuid()
     d2h = 'trainstream_job_d2h_bytes_total{job="moved",uid="%d"}' % os.getuid()
     with trainstream.connect(daemon.socket, job_id="moved") as rank0, \
             trainstream.connect(daemon.socket, job_id="moved") as rank1:
-        assert h2d not in _samples(_scrape(url)), "a job that reported nothing has no row"
+        assert h2d not in scraped(), "a job that reported nothing has no row"
         rank0.set_transfer_totals(3_000_000_000, 1000)
-        _wait_for(lambda: _samples(_scrape(url)).get(h2d) == 3_000_000_000, "rank 0's report")
+        assert wait_until(lambda: scraped().get(h2d) == 3_000_000_000, 10), "rank 0's report"
         # Running totals: the next adds its difference; another rank adds its own.
         rank0.set_transfer_totals(3_000_000_500, 1500)
         rank1.set_transfer_totals(7, 0)
-        _wait_for(lambda: _samples(_scrape(url)).get(h2d) == 3_000_000_507, "both reports")
-        assert _samples(_scrape(url))[d2h] == 1500
+        assert wait_until(lambda: scraped().get(h2d) == 3_000_000_507, 10), "both reports"
+        assert scraped()[d2h] == 1500
         # Totals that go down are refused (the heartbeat says so; the lease still renews):
         # the job's total does not move, and the session lives on.
         rank1.set_transfer_totals(1, 0)
-        import time
-
         time.sleep(1.0)
-        assert _samples(_scrape(url))[h2d] == 3_000_000_507
+        assert scraped()[h2d] == 3_000_000_507
         rank1.allocate("still-alive", 4096)
     # The job's last session ended: forgotten.
-    _wait_for(lambda: h2d not in _samples(_scrape(url)), "the job to be forgotten")
+    assert wait_until(lambda: h2d not in scraped(), 10), "the job to be forgotten"
 
 
 def test_wrap_hands_its_pcie_totals_to_the_daemon(start_daemon):
@@ -214,8 +195,12 @@ def test_wrap_hands_its_pcie_totals_to_the_daemon(start_daemon):
         mine = trainstream.memory_report(model)["transfers"]  # this model's, by the process
         key = 'trainstream_job_h2d_bytes_total{job="wrapped",uid="%d"}' % os.getuid()
         # After the steps the hook set the totals; the next heartbeat carries them.
-        got = _wait_for(lambda: _samples(_scrape(url)).get(key) is not None and
-                        _samples(_scrape(url)), "wrap's report")
+        def reported():
+            samples = prometheus_samples(_scrape(url))
+            return samples if key in samples else None
+
+        got = wait_until(reported, 10)
+        assert got, "wrap's totals never reached the daemon"
         assert got[key] == mine["h2d_bytes"]
         assert got[key.replace("h2d", "d2h")] == mine["d2h_bytes"]
         if device == "cuda":  # gradients out, weights back: something crossed

@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import trainstream
+from conftest import prometheus_samples
 
 
 def tsctl(binary, *args):
@@ -89,16 +90,6 @@ def test_following_events_fails_when_the_daemon_goes_away(daemon, tsctl_binary):
     assert said.startswith("tsctl: "), said
 
 
-def _samples(text):
-    """{name{labels}: value} of Prometheus text (HELP/TYPE and comments left out)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_metrics_say_what_the_daemon_holds_and_when_it_is_gone(start_daemon, tsctl_binary,
                                                                 tmp_path):
     import time
@@ -116,7 +107,7 @@ def test_metrics_say_what_the_daemon_holds_and_when_it_is_gone(start_daemon, tsc
         opt.step([torch.ones(1000)])
         once = tsctl(tsctl_binary, sock, "metrics")
         assert once.returncode == 0, once.stderr
-        samples = _samples(once.stdout)
+        samples = prometheus_samples(once.stdout)
         assert samples["trainstream_up"] == 1 and samples["trainstream_sessions"] >= 1
         assert samples["trainstream_memory_budget_bytes"] == 256 << 20
         assert samples['trainstream_memory_tag_bytes{tag="grad"}'] == 5000
@@ -130,24 +121,24 @@ def test_metrics_say_what_the_daemon_holds_and_when_it_is_gone(start_daemon, tsc
         deadline = time.time() + 20
         while not textfile.exists() and time.time() < deadline:
             time.sleep(0.1)
-        first = _samples(textfile.read_text())["trainstream_uptime_seconds"]
-        while (_samples(textfile.read_text())["trainstream_uptime_seconds"] == first
+        first = prometheus_samples(textfile.read_text())["trainstream_uptime_seconds"]
+        while (prometheus_samples(textfile.read_text())["trainstream_uptime_seconds"] == first
                and time.time() < deadline):
             time.sleep(0.2)
-        assert _samples(textfile.read_text())["trainstream_uptime_seconds"] > first
+        assert prometheus_samples(textfile.read_text())["trainstream_uptime_seconds"] > first
         # The daemon stops: the next write says so, and the writer keeps going.
         daemon.stop()
-        while _samples(textfile.read_text()).get("trainstream_up") != 0 and \
+        while prometheus_samples(textfile.read_text()).get("trainstream_up") != 0 and \
                 time.time() < deadline:
             time.sleep(0.2)
         text = textfile.read_text()
-        assert _samples(text)["trainstream_up"] == 0 and "did not answer" in text
+        assert prometheus_samples(text)["trainstream_up"] == 0 and "did not answer" in text
         assert writer.poll() is None
     finally:
         writer.kill()
         writer.wait()
     gone = tsctl(tsctl_binary, sock, "metrics")
-    assert gone.returncode == 3 and _samples(gone.stdout) == {"trainstream_up": 0}
+    assert gone.returncode == 3 and prometheus_samples(gone.stdout) == {"trainstream_up": 0}
     bad = tsctl(tsctl_binary, sock, "metrics", "--interval=5")
     assert bad.returncode == 2 and "name one" in bad.stderr
     assert tsctl(tsctl_binary, sock, "metrics", "--textfile=/tmp/x.txt").returncode == 2
