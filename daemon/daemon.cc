@@ -137,16 +137,18 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
                     {{"index", gpu.index}, {"total_bytes", static_cast<double>(gpu.total_bytes)}});
     }
   }
+  // Bound before the service is built, which reports its address, and before the sockets: a
+  // daemon asked for an endpoint it cannot bind serves no one.
+  if (options_.metrics_listen) {
+    ASSIGN_OR_RETURN(metrics_, MetricsEndpoint::Listen(*options_.metrics_listen));
+    facts.metrics_url = metrics_->url();
+  }
   const std::string no_pools_note = facts.gpus.gpus.empty() ? facts.gpus.note : "";
   servers_ = std::make_unique<UserServers>(UserServers::Shared{
       std::move(facts), sessions_.get(), arena_.get(), events_.get(), credentials_.get(),
       optimizers_.get(), bases_.get(), granted_files_.get(), transfers_.get(),
       GpuPoolAccess{gpu_pools_.get(), base_pools_.get(), no_pools_note}});
-  // Before the sockets: a daemon asked for an endpoint it cannot bind serves no one.
-  if (options_.metrics_listen) {
-    ASSIGN_OR_RETURN(metrics_,
-                     MetricsEndpoint::Start(*options_.metrics_listen, servers_->DaemonChannel()));
-  }
+  if (metrics_) RETURN_IF_ERROR(metrics_->Serve(servers_->DaemonChannel()));
   ASSIGN_OR_RETURN(listener_,
                    ControlListener::Create(
                        options_.socket_path, options_.socket_mode, options_.admin_group,
@@ -164,8 +166,7 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
                  {"lease_ms", static_cast<double>(absl::ToInt64Milliseconds(options_.lease))}});
   if (metrics_) {
     events_->Emit("daemon.metrics",
-                  absl::StrCat("serving Prometheus metrics at http://", metrics_->address(),
-                               "/metrics"));
+                  absl::StrCat("serving Prometheus metrics at ", metrics_->url()));
   }
   return absl::OkStatus();
 }

@@ -34,6 +34,7 @@ absl::Status RunStatus(const Invocation& invocation) {
                               HumanBytes(reply.budget_bytes()), " budget")},
       {"threads", absl::StrCat(reply.threads())},
   };
+  if (!reply.metrics_url().empty()) fields.emplace_back("metrics", reply.metrics_url());
   if (reply.gpus().empty()) {
     fields.emplace_back(
         "gpus", reply.gpu_note().empty() ? "none" : absl::StrCat("none (", reply.gpu_note(), ")"));

@@ -71,22 +71,23 @@ class DaemonCollectable final : public prometheus::Collectable {
 
 class PrometheusEndpoint final : public MetricsEndpoint {
  public:
-  PrometheusEndpoint(std::unique_ptr<prometheus::Exposer> exposer,
-                     std::shared_ptr<DaemonCollectable> collectable, std::string address)
-      : exposer_(std::move(exposer)),
-        collectable_(std::move(collectable)),
-        address_(std::move(address)) {
-    exposer_->RegisterCollectable(collectable_);
-  }
+  PrometheusEndpoint(std::unique_ptr<prometheus::Exposer> exposer, std::string url)
+      : exposer_(std::move(exposer)), url_(std::move(url)) {}
   ~PrometheusEndpoint() override {
     exposer_.reset();  // its threads stop before the collectable they call goes
   }
-  std::string address() const override { return address_; }
+  absl::Status Serve(std::shared_ptr<grpc::Channel> daemon_channel) override {
+    if (!daemon_channel) return absl::UnavailableError("the daemon is shutting down");
+    collectable_ = std::make_shared<DaemonCollectable>(std::move(daemon_channel));
+    exposer_->RegisterCollectable(collectable_);
+    return absl::OkStatus();
+  }
+  std::string url() const override { return url_; }
 
  private:
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::shared_ptr<DaemonCollectable> collectable_;
-  std::string address_;
+  std::string url_;
 };
 
 // The host in URLs and in civetweb's listening_ports: IPv6 in brackets.
@@ -96,9 +97,8 @@ std::string HostPart(const std::string& host) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
-    const ListenAddress& address, std::shared_ptr<grpc::Channel> daemon_channel) {
-  if (!daemon_channel) return absl::UnavailableError("the daemon is shutting down");
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Listen(
+    const ListenAddress& address) {
   // civetweb's form: "PORT" for every interface, "HOST:PORT", "[V6]:PORT".
   const std::string spec = address.host.empty()
                                ? absl::StrCat(address.port)
@@ -114,10 +114,9 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   }
   const std::vector<int> ports = exposer->GetListeningPorts();
   const int port = ports.empty() ? address.port : ports.front();
-  const std::string bound =
-      absl::StrCat(address.host.empty() ? "0.0.0.0" : HostPart(address.host), ":", port);
-  return std::make_unique<PrometheusEndpoint>(
-      std::move(exposer), std::make_shared<DaemonCollectable>(std::move(daemon_channel)), bound);
+  const std::string url = absl::StrCat(
+      "http://", address.host.empty() ? "0.0.0.0" : HostPart(address.host), ":", port, "/metrics");
+  return std::make_unique<PrometheusEndpoint>(std::move(exposer), url);
 }
 
 }  // namespace trainstream::daemon

@@ -4,8 +4,7 @@
 
 namespace trainstream::daemon {
 
-absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
-    const ListenAddress&, std::shared_ptr<grpc::Channel>) {
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Listen(const ListenAddress&) {
   return absl::FailedPreconditionError(
       "metrics_listen: this trainstreamd was built without prometheus-cpp (Debian: "
       "prometheus-cpp-dev; then rebuild); `tsctl metrics --textfile=PATH.prom --interval=15` "

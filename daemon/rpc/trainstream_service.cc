@@ -267,6 +267,7 @@ absl::Status TrainStreamService::ServeGetStatus(grpc::ServerContext* context,
     info->set_total_bytes(gpu.total_bytes);
   }
   reply->set_gpu_note(facts_.gpus.note);
+  reply->set_metrics_url(facts_.metrics_url);
   const PeerCredentials viewer = *caller;
   for (const auto& [kind, count] : events_->CountsByKind([&](std::optional<uid_t> owner) {
          return viewer.admin || !owner.has_value() || *owner == viewer.uid;

@@ -31,6 +31,7 @@ struct DaemonFacts {
   std::string version;
   std::string socket_path;
   std::string data_socket_path;
+  std::string metrics_url;  // the Prometheus endpoint's, when one listens
   uint32_t threads = 0;
   absl::Time started;
   GpuInventory gpus;

@@ -65,6 +65,10 @@ def test_the_endpoint_serves_the_daemons_state_at_each_scrape(start_daemon, tsct
     daemon = start_daemon("--memory_budget=256M", "--lease_ms=1500",
                           "--metrics_listen=127.0.0.1:0")
     url = _endpoint(daemon)
+    # Where it listens, with the port it got, as tsctl status says it.
+    status = subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "status"],
+                            capture_output=True, text=True, timeout=30)
+    assert re.search(rf"^metrics:\s+{re.escape(url)}$", status.stdout, re.MULTILINE), status.stdout
     before = prometheus_samples(_scrape(url))
     assert before["trainstream_up"] == 1 and before["trainstream_sessions"] == 0
     assert before['trainstream_events_total{kind="daemon.start"}'] == 1
@@ -115,8 +119,11 @@ def test_a_drain_shows_on_the_endpoint_until_the_daemon_stops(start_daemon, tsct
         _scrape(url)
 
 
-def test_no_endpoint_unless_asked(daemon):
+def test_no_endpoint_unless_asked(daemon, tsctl_binary):
     assert "Prometheus" not in daemon.log()
+    status = subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "status"],
+                            capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0 and "metrics" not in status.stdout, status.stdout
     listening = _listening_tcp_inodes() & _process_socket_inodes(daemon.process.pid)
     assert not listening, "the daemon listens on TCP though no --metrics_listen was given"
 
