@@ -196,7 +196,9 @@ void Daemon::Shutdown() {
     stopping_.Notify();
     housekeeping_.join();
     listener_->Stop();
-    metrics_.reset();  // a scrape under way finishes first
+    // A scrape under way finishes first. civetweb's listener sees the stop at its next poll:
+    // with an endpoint, the way out takes about a second more.
+    metrics_.reset();
     servers_->Shutdown();
     data_server_->Stop();
     doorbells_->Stop();
