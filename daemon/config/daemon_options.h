@@ -16,7 +16,6 @@ namespace trainstream::daemon {
 // One uid's share of the memory budget unless configured: room is left for another user.
 inline constexpr char kDefaultUidQuota[] = "90%";
 
-// Everything trainstreamd is told, after the config file and the flags are merged.
 // A TCP address to listen on: a numeric IPv4 or IPv6 host (empty: every interface) and a port
 // (0: any free one).
 struct ListenAddress {
@@ -27,6 +26,7 @@ struct ListenAddress {
 // "HOST:PORT", "[IPV6]:PORT" or ":PORT"; "localhost" reads as 127.0.0.1.
 absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& text);
 
+// Everything trainstreamd is told, after the config file and the flags are merged.
 struct DaemonOptions {
   std::string socket_path;
   std::string data_socket_path;

@@ -107,8 +107,9 @@ TEST(LoadDaemonOptionsTest, MetricsListenIsOffByDefaultAndAHostAndPort) {
   EXPECT_EQ(options->metrics_listen->port, 0);
   EXPECT_EQ(ParseListenAddress(":9478")->host, "");
   EXPECT_EQ(ParseListenAddress("localhost:80")->host, "127.0.0.1");
-  for (const char* bad : {"9478", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:-1", "host.example:80",
-                          "::1:80", "[::1:80", "[not-v6]:80", "127.0.0.1:http"}) {
+  for (const char* bad : {"9478", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:-1",
+                          "host.example:80", "::1:80", "[::1:80", "[not-v6]:80",
+                          "127.0.0.1:http"}) {
     absl::Status refused = ParseListenAddress(bad).status();
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(refused.message().find("HOST:PORT"), std::string::npos) << refused;
