@@ -137,8 +137,16 @@ class Daemon:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test item, for fixtures to see how the test went."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def start_daemon(trainstreamd_binary):
+def start_daemon(trainstreamd_binary, request):
     started: list[Daemon] = []
 
     def start(*args: str, socket_mode: str = "0600", config: str = "",
@@ -153,7 +161,14 @@ def start_daemon(trainstreamd_binary):
     # A test's optimizers are often cyclic garbage by now; collected here, they leave the set
     # whose VRAM-held state goes back to the daemon at exit (after this daemon is gone).
     gc.collect()
+    failed = getattr(request.node, "report_call", None)
     for d in started:
+        d.stop()
+        if failed is not None and failed.failed:
+            # What the daemon said is half of why a test failed (a session it ended, and why):
+            # shown in the test's report, since the folder goes next.
+            tail = "\n".join(d.log().splitlines()[-60:])
+            print(f"\n--- {d.log_path} (last 60 lines) ---\n{tail}")
         d.cleanup()
 
 

@@ -87,6 +87,13 @@ absl::StatusOr<SessionRegistry::Entry*> SessionRegistry::FindOwnedLocked(
     const PeerCredentials& caller, const std::string& session_id) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
+    if (auto ended = ended_.find(session_id);
+        ended != ended_.end() && ended->second.owner == caller.uid) {
+      return absl::NotFoundError(absl::StrFormat(
+          "session '%s' ended %.1f s ago (%s)", session_id,
+          absl::ToDoubleSeconds(absl::Now() - ended->second.when),
+          SessionEndName(ended->second.reason)));
+    }
     return absl::NotFoundError(
         absl::StrFormat("no session '%s' (it ended, or never existed)", session_id));
   }
@@ -139,6 +146,12 @@ absl::Status SessionRegistry::End(const std::string& session_id, SessionEnd reas
     }
     session = it->second.session;
     sessions_.erase(it);
+    ended_[session_id] = Ended{session->owner.uid, reason, absl::Now()};
+    ended_order_.push_back(session_id);
+    if (ended_order_.size() > kEndedKept) {
+      ended_.erase(ended_order_.front());
+      ended_order_.pop_front();
+    }
   }
   on_end_(*session, reason);
   return absl::OkStatus();

@@ -2,6 +2,7 @@
 #ifndef TRAINSTREAM_DAEMON_SESSIONS_SESSION_REGISTRY_H_
 #define TRAINSTREAM_DAEMON_SESSIONS_SESSION_REGISTRY_H_
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -83,11 +84,22 @@ class SessionRegistry {
                                          const std::string& session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Why a session ended, kept a while: a client that finds its session gone is told why, not
+  // only that it is (its owner alone: another user learns nothing of it).
+  struct Ended {
+    uid_t owner = 0;
+    SessionEnd reason = SessionEnd::kClosed;
+    absl::Time when;
+  };
+  static constexpr size_t kEndedKept = 1024;
+
   const Options options_;
   const EndCallback on_end_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, Ended> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };
 
 }  // namespace trainstream::daemon

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "sessions/session_registry.h"
 
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -87,6 +88,28 @@ TEST_F(SessionRegistryTest, LeasesExpireUnlessRenewed) {
   EXPECT_EQ(ended_[0].id, lost->id);
   EXPECT_EQ(ended_[0].reason, SessionEnd::kLeaseExpired);
   EXPECT_TRUE(registry_.Get(alice_, kept->id).ok());
+}
+
+TEST_F(SessionRegistryTest, AnEndedSessionSaysWhyToItsOwnerAlone) {
+  auto lost = *registry_.Open(alice_, {"job", 0, 1, 0});
+  absl::SleepFor(absl::Milliseconds(250));
+  ASSERT_EQ(registry_.ExpireLeases(absl::Now()), 1);
+  const absl::Status gone = registry_.Heartbeat(alice_, lost->id).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.message().find("ended"), std::string::npos) << gone;
+  EXPECT_NE(gone.message().find("(lease expired)"), std::string::npos) << gone;
+  // Another user learns nothing of it: the same answer as for an id that never existed.
+  const absl::Status theirs = registry_.Get(bob_, lost->id).status();
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(theirs.message().find("never existed"), std::string::npos) << theirs;
+  EXPECT_EQ(theirs.message().find("lease"), std::string::npos) << theirs;
+  // Kept for the last 1,024 ends, not for ever.
+  for (int i = 0; i < 1024; ++i) {
+    auto s = *registry_.Open(root_, {"churn", 0, 1, 0});
+    ASSERT_TRUE(registry_.Close(root_, s->id).ok());
+  }
+  EXPECT_NE(registry_.Get(alice_, lost->id).status().message().find("never existed"),
+            std::string::npos);
 }
 
 TEST_F(SessionRegistryTest, PerUidLimitAndDraining) {
