@@ -35,7 +35,7 @@ py="$VENV/bin/python"
 need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
 for mod in pytest grpc_tools grpc_health grpc_reflection scikit_build_core pybind11 numpy \
-           safetensors transformers peft accelerate; do
+           safetensors transformers peft accelerate kubernetes_validate; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then
@@ -47,6 +47,8 @@ if ((${#need_pip[@]})); then
       grpc_health) pkgs+=(grpcio-health-checking) ;;
       grpc_reflection) pkgs+=(grpcio-reflection) ;;
       scikit_build_core) pkgs+=(scikit-build-core) ;;
+      # The Kubernetes API's schemas, offline: the DaemonSet's check (tests/deploy).
+      kubernetes_validate) pkgs+=(kubernetes-validate) ;;
       *) pkgs+=("$m") ;;
     esac
   done

@@ -2,7 +2,8 @@
 """Checks deploy/container/ and deploy/kubernetes/ without a container engine or a cluster (this
 machine has neither): the image's run-time stage installs the package of every library the two
 binaries link; the DaemonSet mounts the socket folder its config names, probes that socket,
-gives a drain the time the config allows, and holds the memory budget it pins."""
+gives a drain the time the config allows, and holds the memory budget it pins; and each of its
+documents is what the API server accepts, field by field (the API's own schemas, offline)."""
 
 import re
 import subprocess
@@ -103,3 +104,25 @@ def test_the_daemonset_serves_its_configs_socket_to_the_node(daemon_config_pb2: 
     group = container["securityContext"]["runAsGroup"]
     assert f"supplementalGroups: [{group}]" in MANIFEST.read_text()
     assert config.socket_mode == "0660"
+
+
+# The oldest Kubernetes release still maintained upstream when this was written, and the newest
+# whose schemas kubernetes-validate carries.
+@pytest.mark.parametrize("release", ["1.32", "latest"])
+def test_each_document_is_valid_for_the_api_server_with_no_unknown_field(release):
+    # The API's own OpenAPI schemas, bundled (no cluster, no network). Strict: an unknown or
+    # misspelt field fails here, where `kubectl apply` would reject it or drop it without a word.
+    validator = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not "
+                                    "installed (scripts/bootstrap.sh installs it)")
+    version = validator.latest_version() if release == "latest" else release
+    for document in yaml.safe_load_all(MANIFEST.read_text()):
+        validator.validate(document, version, strict=True)
+
+
+def test_the_validation_catches_a_misspelt_field():
+    validator = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not "
+                                    "installed (scripts/bootstrap.sh installs it)")
+    daemonset = _documents()["DaemonSet"]
+    daemonset["spec"]["template"]["spec"]["containers"][0]["imagePulPolicy"] = "Always"
+    with pytest.raises(validator.ValidationError, match="imagePulPolicy"):
+        validator.validate(daemonset, validator.latest_version(), strict=True)
