@@ -44,6 +44,9 @@
 #   scripts/gpu_check.sh wheel               issue 27: the cp312 wheel (carried in dist/, or built
 #                                            there: carry .devdeps and .whl), installed fresh,
 #                                            its GPU tests run from it
+#   scripts/gpu_check.sh wheel_gpu           the carried cp312 wheel (dist/) checked, then from
+#                                            it the GPU tests of what changed and the HF model
+#                                            matrix: no build there
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -115,6 +118,54 @@ if [[ $what == wheel ]]; then
     "$repo"/tests/e2e/test_wrap.py "$repo"/tests/e2e/test_paged_kv_cache.py) \
     > "$OUT/pytest_wheel.log" 2>&1 || status=1
   grep -E "^(wheel|tag|size):" "$OUT/wheel.txt"; tail -3 "$OUT/pytest_wheel.log"
+  exit $status
+fi
+if [[ $what == wheel_gpu ]]; then
+  # One call for three owed things, with no build there: the cp312 wheel made elsewhere (dist/,
+  # named in carry; issue 27) installed fresh and checked with ldd, then from it the GPU tests
+  # of what changed since the last GPU run (the mapped kernel's grid and batches, the leaner
+  # KV cache update, optimizer_mode, the Trainer) and the Hugging Face model matrix (issue 23).
+  # If the wheel will not load, the same tests run from a build of the tree, and say so.
+  status=0
+  abi=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl 2>/dev/null | head -1)
+  repo=$(pwd)
+  py=python3
+  if [[ -n $wheel ]]; then
+    echo "wheel: $wheel (carried)" > "$OUT/wheel.txt"
+    python3 -m venv --system-site-packages /tmp/wheelenv
+    /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$wheel" >> "$OUT/wheel.txt" 2>&1
+    without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
+    export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
+    export PATH=$(without_carried "$PATH")
+    unset LIBRARY_PATH PYTHONPATH
+    platlib=$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+    ldd "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so \
+      > "$OUT/wheel_ldd.txt" 2>&1
+    if grep -E "not found|/opt/tsdeps" "$OUT/wheel_ldd.txt"; then status=1; fi
+    if (cd /tmp && /tmp/wheelenv/bin/python -c "import torch, trainstream
+assert trainstream.__file__.startswith('$platlib'), trainstream.__file__
+print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))") \
+        >> "$OUT/wheel.txt" 2>&1; then
+      py=/tmp/wheelenv/bin/python
+      export PATH=/tmp/wheelenv/bin:$PATH
+    else
+      status=1
+      echo "the wheel did not load: the tests run from a build of the tree" >> "$OUT/wheel.txt"
+    fi
+  fi
+  if [[ $py == python3 ]]; then
+    python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" \
+      2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  fi
+  (cd /tmp && timeout 170 $py -m pytest -ra -p no:cacheprovider -m gpu "$repo"/tests/gpu \
+    "$repo"/tests/e2e/test_optimizer_mode.py "$repo"/tests/e2e/test_paged_kv_cache.py \
+    "$repo"/tests/e2e/test_hf_trainer.py "$repo"/tests/e2e/test_wrap.py) \
+    > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  (cd /tmp && timeout 400 $py -m pytest -s -ra -p no:cacheprovider -m gpu \
+    "$repo"/tests/e2e/test_hf_models.py) > "$OUT/pytest_hf.log" 2>&1 || status=1
+  cat "$OUT/wheel.txt"; grep -E "^(FAILED|ERROR)" "$OUT"/pytest_*.log | cut -c1-300
+  tail -2 "$OUT/pytest_gpu.log" "$OUT/pytest_hf.log"
   exit $status
 fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
