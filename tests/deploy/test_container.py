@@ -49,6 +49,12 @@ def _package_of(library: str) -> str:
 def test_the_image_holds_every_library_the_binaries_link(name, trainstreamd_binary,
                                                           tsctl_binary):
     binary = trainstreamd_binary if name == "trainstreamd" else tsctl_binary
+    with open(binary, "rb") as f:
+        if f.read(4) != b"\x7fELF":
+            # A repaired wheel's bin/ holds launchers, and its libraries are its own copies: the
+            # image is built from the tree, whose binaries are what this compares.
+            pytest.skip(f"{binary} is a wheel's launcher, not the tree's binary; set "
+                        f"{name.upper()} to the build's {name}")
     linked = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
     libraries = re.findall(r"=> (/\S+)", linked)
     assert libraries, linked
