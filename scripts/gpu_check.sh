@@ -154,11 +154,12 @@ print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get
     python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" \
       2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   fi
-  (cd /tmp && timeout 170 $py -m pytest -ra -p no:cacheprovider -m gpu "$repo"/tests/gpu \
+  (cd /tmp && timeout "${TS_GPU_TESTS_S:-170}" $py -m pytest -ra -p no:cacheprovider -m gpu \
+    "$repo"/tests/gpu \
     "$repo"/tests/e2e/test_optimizer_mode.py "$repo"/tests/e2e/test_paged_kv_cache.py \
     "$repo"/tests/e2e/test_hf_trainer.py "$repo"/tests/e2e/test_wrap.py) \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
-  (cd /tmp && timeout 400 $py -m pytest -s -ra -p no:cacheprovider -m gpu \
+  (cd /tmp && timeout "${TS_HF_MATRIX_S:-400}" $py -m pytest -s -ra -p no:cacheprovider -m gpu \
     "$repo"/tests/e2e/test_hf_models.py) > "$OUT/pytest_hf.log" 2>&1 || status=1
   cat "$OUT/wheel.txt"; grep -E "^(FAILED|ERROR)" "$OUT"/pytest_*.log | cut -c1-300
   tail -2 "$OUT/pytest_gpu.log" "$OUT/pytest_hf.log"
