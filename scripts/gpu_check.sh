@@ -159,10 +159,12 @@ print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get
     "$repo"/tests/e2e/test_optimizer_mode.py "$repo"/tests/e2e/test_paged_kv_cache.py \
     "$repo"/tests/e2e/test_hf_trainer.py "$repo"/tests/e2e/test_wrap.py) \
     > "$OUT/pytest_gpu.log" 2>&1 || status=1
-  (cd /tmp && timeout "${TS_HF_MATRIX_S:-400}" $py -m pytest -s -ra -p no:cacheprovider -m gpu \
-    "$repo"/tests/e2e/test_hf_models.py) > "$OUT/pytest_hf.log" 2>&1 || status=1
+  if [[ ${TS_HF_MATRIX_S:-400} != 0 ]]; then  # 0: the matrix left out (too little device time)
+    (cd /tmp && timeout "${TS_HF_MATRIX_S:-400}" $py -m pytest -s -ra -p no:cacheprovider -m gpu \
+      "$repo"/tests/e2e/test_hf_models.py) > "$OUT/pytest_hf.log" 2>&1 || status=1
+  fi
   cat "$OUT/wheel.txt"; grep -E "^(FAILED|ERROR)" "$OUT"/pytest_*.log | cut -c1-300
-  tail -2 "$OUT/pytest_gpu.log" "$OUT/pytest_hf.log"
+  tail -2 "$OUT"/pytest_*.log
   exit $status
 fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
