@@ -86,7 +86,13 @@ fi
 # in $OUT/wheel_ldd.txt: fails if any library is missing or still comes from the carried ones.
 install_fresh() {
   python3 -m venv --system-site-packages /tmp/wheelenv
-  /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps "$1" >> "$OUT/wheel.txt" 2>&1
+  # The machine's python3 is itself a venv (/opt/torch/.venv), and --system-site-packages
+  # reaches only its base interpreter's packages: torch and the rest come in through a .pth.
+  python3 -c 'import sysconfig; print(sysconfig.get_path("purelib")); print(sysconfig.get_path("platlib"))' \
+    | sort -u > "$(/tmp/wheelenv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/machine_packages.pth"
+  # Forced: a trainstream among the machine's packages must not stand in for the wheel.
+  /tmp/wheelenv/bin/python -m pip install -q --no-index --no-deps --force-reinstall "$1" \
+    >> "$OUT/wheel.txt" 2>&1
   without_carried() { tr ':' '\n' <<< "$1" | grep -v '^/opt/tsdeps' | paste -sd: -; }
   export LD_LIBRARY_PATH=$(without_carried "${LD_LIBRARY_PATH:-}")
   export PATH=$(without_carried "$PATH")
@@ -138,6 +144,7 @@ if [[ $what == wheel_gpu ]]; then
   py=python3
   if [[ -n $wheel ]]; then
     echo "wheel: $wheel (carried)" > "$OUT/wheel.txt"
+    carried_env=("$PATH" "${LD_LIBRARY_PATH:-}" "${LIBRARY_PATH:-}" "${PYTHONPATH:-}")
     install_fresh "$wheel" || status=1
     if (cd /tmp && /tmp/wheelenv/bin/python -c "import torch, trainstream
 assert trainstream.__file__.startswith('$platlib'), trainstream.__file__
@@ -148,6 +155,9 @@ print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get
     else
       status=1
       echo "the wheel did not load: the tests run from a build of the tree" >> "$OUT/wheel.txt"
+      # The build needs the carried packages back on its paths.
+      export PATH=${carried_env[0]} LD_LIBRARY_PATH=${carried_env[1]} \
+        LIBRARY_PATH=${carried_env[2]} PYTHONPATH=${carried_env[3]}
     fi
   fi
   if [[ $py == python3 ]]; then
