@@ -38,6 +38,25 @@ MODES = ("dynamic", "offloaded", "trainstream", "trainstream_resident")
 PROFILE = os.environ.get("TS_BENCH_PROFILE") == "1"
 
 
+def host_syncs(run) -> list:
+    """The calls that made the CPU wait for the GPU while ``run()`` decoded (torch's sync debug
+    mode, one warning each, counted by where they came from): a wait per token or layer takes
+    away the CPU's run-ahead, which a decoding loop bound by its operator calls lives on."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno} {str(w.message)[:80]}"
+                                for w in caught)
+    return [f"{count} x {site}" for site, count in where.most_common(8)]
+
+
 def worker(mode: str, case: dict) -> dict:
     import hf_models
     import transformers
@@ -105,6 +124,8 @@ def worker(mode: str, case: dict) -> dict:
 
         with torch.no_grad():
             row["profile_python"] = python_profile(lambda: timed(16))
+        if cuda:
+            row["host_syncs"] = host_syncs(lambda: timed(4))
     if mode.startswith("trainstream"):
         row["memory"] = ours.kv.memory()
         row["stats"] = dict(ours.kv.stats)
@@ -153,6 +174,9 @@ def main() -> None:
             if row.get("profile"):
                 print(row["profile"] + "\n" + row["profile_cpu"] + "\n"
                       + row.get("profile_python", ""))
+            if row.get("host_syncs") is not None:
+                print(f"  {mode} waited for the GPU {len(row['host_syncs'])} ways in 4 tokens: "
+                      + ("; ".join(row["host_syncs"]) or "none"))
             print(f"  {mode:12s} {row['decode_tokens_per_s']:9.2f} new tokens/s, prefill "
                   f"{row['prefill_s']:.3f} s, VRAM over the weights "
                   f"{row['peak_over_weights_gib']:.2f} GiB{same}")
