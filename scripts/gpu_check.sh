@@ -47,6 +47,10 @@
 #   scripts/gpu_check.sh wheel_gpu           the carried cp312 wheel (dist/) checked, then from
 #                                            it the GPU tests of what changed and the HF model
 #                                            matrix: no build there
+#   scripts/gpu_check.sh wheel_steps 'CMD' ...  the carried cp312 wheel (dist/) installed into the
+#                                            machine's python3, then each CMD as in steps: no
+#                                            build there, so no .devdeps (0.4.1's build cache
+#                                            from .peers/cache when carried)
 #   scripts/gpu_check.sh attention           bench/attention.py: attention="auto" against
 #                                            PyTorch's pick on the Qwen2.5 shapes
 #   scripts/gpu_check.sh hf_layer            the HF layer's GPU tests (Trainer, paged KV cache,
@@ -56,7 +60,7 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/ts-gpu-out}
 mkdir -p "$OUT"
-source .devdeps/prelude.sh
+[[ -f .devdeps/prelude.sh ]] && source .devdeps/prelude.sh  # for the modes that build here
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90"
 export CMAKE_BUILD_PARALLEL_LEVEL=16
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
@@ -177,6 +181,38 @@ print('loaded', trainstream.__file__, 'torch', torch.__version__, torch.cuda.get
   tail -2 "$OUT"/pytest_*.log
   exit $status
 fi
+# run_steps CMD...: each command in turn, its output in $OUT/step_N.log; status 1 if any fails.
+run_steps() {
+  local n=0 step rc
+  for step in "$@"; do
+    n=$((n + 1))
+    echo "== step $n: $step" > "$OUT/step_$n.log"
+    bash -c "$step" >> "$OUT/step_$n.log" 2>&1
+    rc=$?
+    (( rc == 0 )) || { status=1; echo "(exit $rc)" >> "$OUT/step_$n.log"; }
+  done
+}
+if [[ $what == wheel_steps ]]; then
+  # No build there: device time goes to the measurements. The wheel goes into the machine's
+  # python3 itself (forced, so that no other trainstream stands in for it); the benchmarks run
+  # from the tree's bench/, whose folder comes first on their path, not the tree's package.
+  shift
+  status=0
+  abi=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls -t dist/trainstream-*-"$abi"-"$abi"-manylinux*.whl 2>/dev/null | head -1)
+  [[ -n $wheel ]] || { echo "no $abi wheel in dist/: carry dist (scripts/wheel.sh makes it)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --force-reinstall "$wheel" > "$OUT/wheel.txt" \
+    2>&1 || { cat "$OUT/wheel.txt"; exit 1; }
+  echo "wheel: $wheel" >> "$OUT/wheel.txt"
+  [[ -d .peers/cache ]] && export TRAINSTREAM_CACHE_DIR=${TRAINSTREAM_CACHE_DIR:-$PWD/.peers/cache}
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+  run_steps "$@"
+  head -1 "$OUT/gpu.txt"; cat "$OUT/wheel.txt"
+  for f in "$OUT"/step_*.log; do
+    [[ -f $f ]] && { head -1 "$f" | cut -c1-200; tail -n +2 "$f" | grep -v '^{' | tail -n 25; }
+  done
+  exit $status
+fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }
 BIN=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
@@ -218,14 +254,7 @@ if [[ $what == hf ]]; then
 fi
 if [[ $what == steps ]]; then
   shift
-  n=0
-  for step in "$@"; do
-    n=$((n + 1))
-    echo "== step $n: $step" > "$OUT/step_$n.log"
-    bash -c "$step" >> "$OUT/step_$n.log" 2>&1
-    rc=$?
-    (( rc == 0 )) || { status=1; echo "(exit $rc)" >> "$OUT/step_$n.log"; }
-  done
+  run_steps "$@"
 fi
 if [[ $what == hf_matrix ]]; then
   timeout 120 python3 bench/chunked_loss.py --json "$OUT/chunked_loss.json" \
