@@ -23,7 +23,7 @@ from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_los
 from .memory.activation_offloader import ActivationOffloader
 from .memory.blocks import find_blocks
 from .memory.paged_kv_cache import PagedKVCache
-from .transport.hardware import profile_hardware
+from .transport.hardware import HardwareProfile, profile_hardware
 from .optim.offload_adamw import OffloadAdamW
 from .memory.planner import BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs, plan_memory
 from .report import memory_report
@@ -55,7 +55,8 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "TrainStreamError", "connect",
     "cuda_available", "find_blocks", "BlockFacts", "MemoryPlan", "MemoryPlanError",
-    "PlanInputs", "plan_memory", "profile_hardware", "SharedBase", "bases", "load_base",
+    "PlanInputs", "plan_memory", "HardwareProfile", "profile_hardware", "SharedBase", "bases",
+    "load_base",
     "BaseLinear", "attach_base", "quantize_model", "load_model", "wrap_hf", "PagedKVCache",
     "GpuBase", "gpu_pools", "pinned_stats", "reserve_pinned", "transfer_stats",
     "ActivationOffloader",

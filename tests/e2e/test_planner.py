@@ -293,6 +293,8 @@ def test_profile_hardware_takes_trainstream_06s_signature(tmp_path, monkeypatch)
     monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
     profile = trainstream.profile_hardware(quick=True, repeats=2, nbytes=8 << 20)
     assert profile["cached"] is False
+    # The seed exports the class its profile_hardware() returns (type hints, isinstance).
+    assert isinstance(profile, trainstream.HardwareProfile)
     text = profile.summary()
     assert f"host memory copy: {profile['host_copy_gbps']} GB/s" in text
     assert ("no CUDA GPU" in text) == (not torch.cuda.is_available())
