@@ -64,8 +64,8 @@ absl::Status Daemon::Start(ipc::UniqueFd control_listener, ipc::UniqueFd data_li
         if (gpu_pools_) gpu_pools_->SessionEnded(s.id);
         uint64_t released = arena_->ReleaseSession(s.job, s.id);
         events_->Emit(why == SessionEnd::kClosed ? "session.closed" : "session.reclaimed",
-                      absl::StrFormat("session of pid %d ended (%s); released %d buffer bytes",
-                                      s.owner.pid, SessionEndName(why), released),
+                      absl::StrFormat("session of %s ended (%s); released %d buffer bytes",
+                                      OwnerName(s), SessionEndName(why), released),
                       {{"released_bytes", static_cast<double>(released)},
                        {"age_s", absl::ToDoubleSeconds(absl::Now() - s.opened)}},
                       s.id, s.owner.uid);

@@ -78,7 +78,7 @@ class Daemon:
     """A trainstreamd process on a private socket."""
 
     def __init__(self, binary: str, args: list[str], socket_mode: str = "0600",
-                 config: str = "", user: str | None = None):
+                 config: str = "", user: str | None = None, prefix: tuple = ()):
         self.directory = tempfile.mkdtemp(prefix="tsd-")
         os.chmod(self.directory, 0o755)
         identity = {}
@@ -95,7 +95,7 @@ class Daemon:
         self.log_path = os.path.join(self.directory, "d.log")
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [binary, f"--socket={self.socket}", f"--config={self.config}", *args],
+            [*prefix, binary, f"--socket={self.socket}", f"--config={self.config}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, **identity)
         deadline = time.monotonic() + 15
         while not os.path.exists(self.socket + ".data") or not os.path.exists(self.socket):
@@ -150,10 +150,11 @@ def start_daemon(trainstreamd_binary, request):
     started: list[Daemon] = []
 
     def start(*args: str, socket_mode: str = "0600", config: str = "",
-              user: str | None = None) -> Daemon:
+              user: str | None = None, prefix: tuple = ()) -> Daemon:
         """A daemon with these flags; ``config``: more lines of its config file; ``user``: the
-        account it runs as (root's test process starts it)."""
-        d = Daemon(trainstreamd_binary, list(args), socket_mode, config, user)
+        account it runs as (root's test process starts it); ``prefix``: a command it runs
+        under (such as ``unshare``), which passes the stop signal on."""
+        d = Daemon(trainstreamd_binary, list(args), socket_mode, config, user, prefix)
         started.append(d)
         return d
 

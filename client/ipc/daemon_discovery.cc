@@ -54,6 +54,13 @@ std::string RefusalReason(const std::string& path) {
 
 }  // namespace
 
+std::string DataSocketSeenFrom(const std::string& control_socket, const std::string& reported) {
+  const size_t name = reported.rfind('/');
+  const size_t folder = control_socket.rfind('/');
+  if (name == std::string::npos || folder == std::string::npos) return reported;
+  return control_socket.substr(0, folder) + reported.substr(name);
+}
+
 std::string SystemSocketPath() {
   if (const char* env = std::getenv("TRAINSTREAM_SYSTEM_SOCKET"); env != nullptr && *env != '\0') {
     return env;

@@ -26,6 +26,13 @@ std::vector<std::string> ClientSocketCandidates();
 // message names the socket's group and how to join it.
 absl::StatusOr<std::string> FindDaemonSocket(const std::vector<std::string>& candidates);
 
+// The daemon's data socket as this client reaches it: the file the daemon named (`reported`, a
+// path in the daemon's own mount namespace), in the folder of the control socket this client
+// connected through. They differ where the daemon's socket folder is mounted at another path
+// here (the daemon in a container, its folder a hostPath that clients mount elsewhere); the
+// daemon keeps both sockets in one folder.
+std::string DataSocketSeenFrom(const std::string& control_socket, const std::string& reported);
+
 }  // namespace trainstream::ipc
 
 #endif  // TRAINSTREAM_IPC_DAEMON_DISCOVERY_H_

@@ -27,6 +27,19 @@ class DaemonDiscoveryTest : public ::testing::Test {
   std::string directory_;
 };
 
+TEST(DataSocketSeenFrom, TheDaemonsDataSocketInTheFolderTheClientReachedItThrough) {
+  // The same view of the folder: the path the daemon said.
+  EXPECT_EQ(DataSocketSeenFrom("/run/trainstream/trainstreamd.sock",
+                               "/run/trainstream/trainstreamd.sock.data"),
+            "/run/trainstream/trainstreamd.sock.data");
+  // The daemon in a container, its socket folder mounted here at another path.
+  EXPECT_EQ(DataSocketSeenFrom("/var/run/ts/trainstreamd.sock",
+                               "/run/trainstream/trainstreamd.sock.data"),
+            "/var/run/ts/trainstreamd.sock.data");
+  EXPECT_EQ(DataSocketSeenFrom("d.sock", "/run/trainstream/d.sock.data"),
+            "/run/trainstream/d.sock.data");  // a relative control path: nothing to map by
+}
+
 TEST_F(DaemonDiscoveryTest, TheFirstSocketWithAListenerIsChosen) {
   absl::StatusOr<UniqueFd> second = ListenUnix(Path("second.sock"), SOCK_STREAM, 0600);
   ASSERT_TRUE(second.ok()) << second.status();

@@ -22,6 +22,7 @@
 #include "caller_files.h"
 #include "control_channel.h"
 #include "gpu_pool_mapping.h"
+#include "ipc/daemon_discovery.h"
 #include "ipc/doorbell_ring.h"
 #include "ipc/fd_passing.h"
 #include "ipc/socket_trust.h"
@@ -57,9 +58,12 @@ class Session::Impl {
         [&](grpc::ClientContext* c) { return channel_.stub().OpenSession(c, request, &reply); }));
     id_ = reply.session_id();
     lease_ = absl::Milliseconds(reply.lease_ms());
-    RETURN_IF_ERROR(ipc::CheckSocketDirectory(reply.data_socket_path(), trusted));
-    ASSIGN_OR_RETURN(data_, ipc::ConnectUnix(reply.data_socket_path(), SOCK_SEQPACKET));
-    RETURN_IF_ERROR(ipc::CheckPeerIsTrusted(data_.get(), reply.data_socket_path(), trusted));
+    // The same checks hold for the data socket wherever this client sees it.
+    const std::string data_socket =
+        ipc::DataSocketSeenFrom(channel_.socket_path(), reply.data_socket_path());
+    RETURN_IF_ERROR(ipc::CheckSocketDirectory(data_socket, trusted));
+    ASSIGN_OR_RETURN(data_, ipc::ConnectUnix(data_socket, SOCK_SEQPACKET));
+    RETURN_IF_ERROR(ipc::CheckPeerIsTrusted(data_.get(), data_socket, trusted));
     v1::DataRequest attach;
     attach.mutable_attach()->set_session_id(id_);
     attach.mutable_attach()->set_attach_token(reply.attach_token());

@@ -144,6 +144,15 @@ absl::StatusOr<PoolImport> GpuPools::Import(uint64_t id, const std::string& sess
     // while it is imported: it lives until the last leaves.
     return absl::NotFoundError(absl::StrFormat("no GPU pool %d", id));
   }
+  if (it->second.summary.kind == PoolKind::kLegacyIpc && pid <= 0) {
+    // A legacy-IPC pool outlives an ended importer only while its process lives, which the
+    // daemon checks by pid: one it cannot see could be left holding freed memory.
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "GPU pool %d is shared through legacy CUDA IPC, which this daemon can only do with "
+        "processes in its PID namespace; this one is outside it (run the daemon with the "
+        "host's PID namespace, e.g. hostPID in Kubernetes, or where the driver exports "
+        "pools as descriptors)", id));
+  }
   ASSIGN_OR_RETURN(PoolImport out, HandleLocked(it->second));
   ++it->second.importers[session];
   if (pid > 0) it->second.importer_pids[session] = pid;

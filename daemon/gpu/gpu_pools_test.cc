@@ -84,7 +84,7 @@ TEST_F(GpuPoolsTest, WithoutFdHandlesItFallsBackToLegacyIpcAndSaysWhy) {
   absl::StatusOr<PoolSummary> made = pools.Create("s1", 1000, "GPU-a", 5 << 20, "base 1");
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(made->kind, PoolKind::kLegacyIpc);
-  absl::StatusOr<PoolImport> imported = pools.Import(made->id, "s2", 1000);
+  absl::StatusOr<PoolImport> imported = pools.Import(made->id, "s2", 1000, ::getpid());
   ASSERT_TRUE(imported.ok());
   EXPECT_FALSE(imported->fd.valid());
   EXPECT_EQ(imported->legacy_handle[0], 0xab);
@@ -117,6 +117,27 @@ TEST_F(GpuPoolsTest, AnotherUsersPoolIsNotThereForThem) {
   EXPECT_TRUE(pools.List(2000).empty());
   EXPECT_EQ(pools.List(1000).size(), 1u);
   EXPECT_EQ(pools.Free(made->id, "x1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(GpuPoolsTest, ALegacyPoolIsRefusedToAProcessOutsideTheDaemonsPidNamespace) {
+  // The kernel gives pid 0 for a client the daemon cannot see (the daemon in a container of
+  // its own): the daemon could not keep the pool alive while that process still maps it.
+  vram.fd_handles = false;
+  absl::StatusOr<PoolSummary> made = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 1");
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->kind, PoolKind::kLegacyIpc);
+  absl::StatusOr<PoolImport> unseen = pools.Import(made->id, "outside", 1000, /*pid=*/0);
+  EXPECT_EQ(unseen.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(unseen.status().message(), HasSubstr("outside it"));
+  EXPECT_THAT(unseen.status().message(), HasSubstr("hostPID"));
+  // It counted no import: the owner's free takes the pool at once.
+  ASSERT_TRUE(pools.Free(made->id, "owner").ok());
+  EXPECT_EQ(vram.live, 0);
+  // A pool shared as a descriptor needs no pid: every process may import it.
+  vram.fd_handles = true;
+  absl::StatusOr<PoolSummary> vmm = pools.Create("owner", 1000, "GPU-a", 1 << 20, "base 2");
+  ASSERT_TRUE(vmm.ok()) << vmm.status();
+  EXPECT_TRUE(pools.Import(vmm->id, "outside", 1000, /*pid=*/0).ok());
 }
 
 TEST_F(GpuPoolsTest, ADaemonSetToLegacyIpcNeverExportsDescriptors) {

@@ -71,7 +71,11 @@ absl::Status TrainStreamService::ServeOpenSession(grpc::ServerContext* context,
   params.rank = request->rank();
   params.world_size = request->world_size();
   params.claimed_pid = static_cast<pid_t>(request->pid());
-  if (caller->pid == 0) {
+  // Only connections the daemon accepted itself carry the kernel's credentials. Among those,
+  // pid 0 is the kernel's word for a peer outside this daemon's PID namespace (the daemon in a
+  // container of its own, a DaemonSet's pod, and its clients in theirs): served, known by the
+  // uid and the connection as every client is.
+  if (!credentials_->Find(context->peer())) {
     return absl::UnavailableError(
         "the connection's credentials are not known yet; retry the call");
   }
@@ -82,13 +86,9 @@ absl::Status TrainStreamService::ServeOpenSession(grpc::ServerContext* context,
     return session.status();
   }
   const Session& s = **session;
-  const std::string in_namespace =
-      s.pid_in_namespace == 0 ? ""
-                              : absl::StrFormat(" (pid %d in its own PID namespace)",
-                                                s.pid_in_namespace);
   events_->Emit("session.open",
-                absl::StrFormat("pid %d%s opened rank %d/%d of job '%s'", s.owner.pid,
-                                in_namespace, s.rank, s.world_size, s.job.job_id),
+                absl::StrFormat("%s opened rank %d/%d of job '%s'", OwnerName(s), s.rank,
+                                s.world_size, s.job.job_id),
                 {{"pid", s.owner.pid}, {"rank", s.rank}, {"world_size", s.world_size}}, s.id,
                 s.owner.uid);
   reply->set_session_id(s.id);

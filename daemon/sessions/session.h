@@ -28,6 +28,12 @@ struct Session {
   absl::Time opened;
 };
 
+// Who owns a session, for events: "pid 4242", "pid 4242 (pid 1 in its own PID namespace)", or,
+// where the kernel gave pid 0 (the client's process is outside this daemon's PID namespace, as
+// when the daemon runs in a container of its own), "a process outside the daemon's PID
+// namespace (pid 1 in its own)".
+std::string OwnerName(const Session& session);
+
 // Why a session ended, for events and for tests.
 enum class SessionEnd { kClosed, kDisconnected, kLeaseExpired, kProtocolError, kShutdown };
 const char* SessionEndName(SessionEnd reason);

@@ -47,6 +47,17 @@ const char* SessionEndName(SessionEnd reason) {
   return "unknown";
 }
 
+std::string OwnerName(const Session& session) {
+  const std::string own = session.pid_in_namespace == 0
+                              ? ""
+                              : absl::StrFormat("pid %d in its own", session.pid_in_namespace);
+  if (session.owner.pid == 0) {
+    return "a process outside the daemon's PID namespace" + (own.empty() ? "" : " (" + own + ")");
+  }
+  return absl::StrFormat("pid %d", session.owner.pid) +
+         (own.empty() ? "" : " (" + own + " PID namespace)");
+}
+
 SessionRegistry::SessionRegistry(const Options& options, EndCallback on_end)
     : options_(options), on_end_(std::move(on_end)) {}
 

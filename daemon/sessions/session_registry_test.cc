@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 
 namespace trainstream::daemon {
@@ -50,6 +51,27 @@ TEST_F(SessionRegistryTest, TheKernelsPidIsTheOwnersWhateverTheClientSays) {
   EXPECT_EQ((*contained)->pid_in_namespace, 1);
   auto plain = *registry_.Open(alice_, {"job", 0, 1, alice_.pid});
   EXPECT_EQ(plain->pid_in_namespace, 0);
+}
+
+TEST_F(SessionRegistryTest, EventsNameTheOwnerAsTheKernelAndTheClientSawIt) {
+  // SO_PEERCRED's pid is 0 for a process outside the daemon's PID namespace (the daemon in a
+  // container of its own): served, with the pid the client gave kept to be said.
+  PeerCredentials unseen = alice_;
+  unseen.pid = 0;
+  auto outside = registry_.Open(unseen, {"job", 0, 1, 4242});
+  ASSERT_TRUE(outside.ok()) << outside.status();
+  EXPECT_EQ((*outside)->owner.pid, 0);
+  EXPECT_EQ((*outside)->pid_in_namespace, 4242);
+  EXPECT_EQ(OwnerName(**outside),
+            "a process outside the daemon's PID namespace (pid 4242 in its own)");
+  Session session;
+  session.owner = unseen;
+  EXPECT_EQ(OwnerName(session), "a process outside the daemon's PID namespace");
+  session.owner = alice_;
+  EXPECT_EQ(OwnerName(session), absl::StrFormat("pid %d", alice_.pid));
+  session.pid_in_namespace = 1;
+  EXPECT_EQ(OwnerName(session),
+            absl::StrFormat("pid %d (pid 1 in its own PID namespace)", alice_.pid));
 }
 
 TEST_F(SessionRegistryTest, AnotherUidCanNeitherTouchNorSee) {

@@ -7,6 +7,7 @@ where it was refused before ("pid 1 in the request is not the caller's pid")."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,69 @@ def test_a_client_in_its_own_pid_namespace_trains_as_one_outside_does(daemon):
     assert float(losses[-1]) < 0.5 * float(losses[0]), losses  # it learned
     # The daemon's optimizer ran its steps exactly as for a process in the host's namespace.
     assert losses == outside.stdout.split()[1:]
+
+
+def test_clients_outside_a_daemon_in_its_own_pid_namespace_train_as_beside_one(start_daemon):
+    """The DaemonSet's case: trainstreamd in a PID namespace of its own (its pod's), its clients
+    outside it (the host, other pods). The kernel gives the daemon pid 0 for each of them
+    (SO_PEERCRED of a process it cannot see); they are served, known by uid and connection, and
+    train exactly as clients of a daemon in their own namespace do. Refused before: "the
+    connection's credentials are not known yet"."""
+    why = _unshare_works()
+    if why:
+        pytest.skip(why)
+    contained = start_daemon("--memory_budget=256M", "--lease_ms=1500",
+                             prefix=("unshare", "--pid", "--fork", "--mount-proc",
+                                     "--kill-child=SIGTERM"))
+    beside = start_daemon("--memory_budget=256M", "--lease_ms=1500")
+    host = subprocess.run([sys.executable, "-c", TRAINER, contained.socket, "from-the-host"],
+                          capture_output=True, text=True, timeout=120)
+    assert host.returncode == 0, host.stderr
+    pod = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                          TRAINER, contained.socket, "from-another-pod"],
+                         capture_output=True, text=True, timeout=120)
+    assert pod.returncode == 0, pod.stderr
+    reference = subprocess.run([sys.executable, "-c", TRAINER, beside.socket, "reference"],
+                               capture_output=True, text=True, timeout=120)
+    assert reference.returncode == 0, reference.stderr
+    losses = reference.stdout.split()[1:]
+    assert float(losses[-1]) < 0.5 * float(losses[0]), losses  # it learned
+    assert host.stdout.split()[1:] == losses
+    assert pod.stdout.split()[1:] == losses
+    with trainstream.connect(contained.socket, embedded=False) as watcher:
+        status = watcher.status()
+        opened = {e["message"] for e in watcher.events() if e["kind"] == "session.open"}
+    assert status["pid"] == 1  # the daemon is its namespace's first process, as in a pod
+    # Each said as the kernel could not, with the pid the client gave in its own namespace.
+    outside = "a process outside the daemon's PID namespace"
+    host_pid = host.stdout.split()[0]
+    assert (f"{outside} (pid {host_pid} in its own) opened rank 0/1 of job 'from-the-host'"
+            in opened), opened
+    assert f"{outside} (pid 1 in its own) opened rank 0/1 of job 'from-another-pod'" in opened
+
+
+def test_a_client_that_mounts_the_daemons_socket_folder_elsewhere_trains(daemon, tmp_path):
+    """A pod that mounts the daemon's hostPath socket folder at another path: the daemon names
+    its data socket as it sees it, a path that does not exist in the client's mount namespace;
+    the client finds the data socket beside the control socket it connected through (it failed
+    before: "its directory ... does not exist")."""
+    why = _unshare_works()
+    if why:
+        pytest.skip(why)
+    folder = os.path.dirname(daemon.socket)
+    elsewhere = tmp_path / "mounted-here"
+    elsewhere.mkdir()
+    # In a mount namespace of its own: the folder bound at another path, the daemon's own path
+    # hidden under an empty tmpfs (as in a container that never had it).
+    script = (f"mount --bind {folder} {elsewhere} && mount -t tmpfs none {folder} && "
+              f"exec {sys.executable} -c \"$0\" {elsewhere}/{os.path.basename(daemon.socket)} "
+              "mounted-elsewhere")
+    moved = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                            TRAINER], capture_output=True, text=True, timeout=120)
+    if "mount" in moved.stderr and "permission denied" in moved.stderr.lower():
+        pytest.skip(f"mounts in a mount namespace of its own are not permitted here: {moved.stderr}")
+    assert moved.returncode == 0, moved.stderr
+    beside = subprocess.run([sys.executable, "-c", TRAINER, daemon.socket, "beside"],
+                            capture_output=True, text=True, timeout=120)
+    assert beside.returncode == 0, beside.stderr
+    assert moved.stdout.split()[1:] == beside.stdout.split()[1:]
