@@ -94,6 +94,7 @@ class Daemon:
             f.write(f'socket_mode: "{socket_mode}"\ndrain_timeout_s: 5\n{config}')
         self.log_path = os.path.join(self.directory, "d.log")
         self._log = open(self.log_path, "wb")
+        self.prefix = tuple(prefix)
         self.process = subprocess.Popen(
             [*prefix, binary, f"--socket={self.socket}", f"--config={self.config}", *args],
             stdout=self._log, stderr=subprocess.STDOUT, **identity)
@@ -121,9 +122,24 @@ class Daemon:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
+    def pid(self) -> int:
+        """The daemon's pid: under a prefix, the prefix's child (``unshare`` ignores SIGTERM)."""
+        if self.prefix:
+            try:
+                with open(f"/proc/{self.process.pid}/task/{self.process.pid}/children") as f:
+                    children = f.read().split()
+                if children:
+                    return int(children[0])
+            except OSError:
+                pass
+        return self.process.pid
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            try:
+                os.kill(self.pid(), sig)
+            except ProcessLookupError:
+                pass
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

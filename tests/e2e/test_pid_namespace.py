@@ -125,6 +125,9 @@ def test_clients_outside_a_daemon_in_its_own_pid_namespace_train_as_beside_one(s
     assert (f"{outside} (pid {host_pid} in its own) opened rank 0/1 of job 'from-the-host'"
             in opened), opened
     assert f"{outside} (pid 1 in its own) opened rank 0/1 of job 'from-another-pod'" in opened
+    # Stopped as kubelet stops a pod (SIGTERM to its pid 1): it drains and exits cleanly.
+    assert contained.stop() == 0
+    assert "daemon.stop" in contained.log()
 
 
 def test_a_client_that_mounts_the_daemons_socket_folder_elsewhere_trains(daemon, tmp_path):
