@@ -74,8 +74,9 @@ absl::Status TrainStreamService::ServeOpenSession(grpc::ServerContext* context,
   // Only connections the daemon accepted itself carry the kernel's credentials. Among those,
   // pid 0 is the kernel's word for a peer outside this daemon's PID namespace (the daemon in a
   // container of its own, a DaemonSet's pod, and its clients in theirs): served, known by the
-  // uid and the connection as every client is.
-  if (!credentials_->Find(context->peer())) {
+  // uid and the connection as every client is. The record must agree on the uid, as in Caller().
+  const std::optional<PeerCredentials> recorded = credentials_->Find(context->peer());
+  if (!recorded || recorded->uid != identity_.uid) {
     return absl::UnavailableError(
         "the connection's credentials are not known yet; retry the call");
   }
