@@ -57,6 +57,31 @@ def host_syncs(run) -> list:
     return [f"{count} x {site}" for site, count in where.most_common(8)]
 
 
+class TokenClock:
+    """A stopping criterion that never stops: it notes when ``generate`` finished each token.
+    transformers' own criteria already wait for the GPU there, so the marks are the tokens'."""
+
+    def __init__(self):
+        self.marks = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.marks.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def token_spread(gaps: list) -> dict:
+    """How a decode's time is spread over its tokens: the median and the slowest, and the mean
+    of the first and the last quarter (a decode that slows as it goes shows there)."""
+    if not gaps:
+        return {}
+    ordered = sorted(gaps)
+    quarter = max(1, len(gaps) // 4)
+    ms = lambda v: round(v * 1e3, 2)  # noqa: E731
+    return {"median": ms(ordered[len(ordered) // 2]), "p90": ms(ordered[int(len(ordered) * 0.9)]),
+            "max": ms(ordered[-1]), "first_quarter": ms(sum(gaps[:quarter]) / quarter),
+            "last_quarter": ms(sum(gaps[-quarter:]) / quarter), "count": len(gaps)}
+
+
 def worker(mode: str, case: dict) -> dict:
     import hf_models
     import transformers
@@ -89,13 +114,17 @@ def worker(mode: str, case: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     weights = torch.cuda.memory_allocated() if cuda else 0
+    clock = TokenClock()
+
     def timed(new_tokens: int) -> tuple:
         cache = fresh_cache()
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
+        clock.marks = [began]
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0, past_key_values=cache)
+                             do_sample=False, pad_token_id=0, past_key_values=cache,
+                             stopping_criteria=transformers.StoppingCriteriaList([clock]))
         if cuda:
             torch.cuda.synchronize()
         return out, time.perf_counter() - began
@@ -104,12 +133,14 @@ def worker(mode: str, case: dict) -> dict:
         timed(1)  # warm: kernels chosen, the cache's memory taken
         first, prefill = timed(1)
         out, whole = timed(case["new"])
+        gaps = [b - a for a, b in zip(clock.marks[1:], clock.marks[2:])]
     row = {"mode": mode, **case, "tokens": out[0, -case["new"]:].tolist()[:32],
            "first_token": int(first[0, -1]), "prefill_s": round(prefill, 4),
            "decode_tokens_per_s": round(case["batch"] * (case["new"] - 1)
                                         / max(1e-9, whole - prefill), 2),
            "peak_over_weights_gib": round((torch.cuda.max_memory_allocated() - weights) / 2**30, 3)
-           if cuda else 0.0}
+           if cuda else 0.0,
+           "token_ms": token_spread(gaps)}
     if PROFILE:
         from torch.profiler import ProfilerActivity, profile
 
@@ -180,6 +211,11 @@ def main() -> None:
             print(f"  {mode:12s} {row['decode_tokens_per_s']:9.2f} new tokens/s, prefill "
                   f"{row['prefill_s']:.3f} s, VRAM over the weights "
                   f"{row['peak_over_weights_gib']:.2f} GiB{same}")
+            if row.get("token_ms"):
+                spread = row["token_ms"]
+                print(f"  {'':12s} ms a decoded token: median {spread['median']}, p90 "
+                      f"{spread['p90']}, max {spread['max']}; first quarter "
+                      f"{spread['first_quarter']}, last {spread['last_quarter']}")
         ours = by_mode.get("trainstream", {})
         if bandwidth and "memory" in ours:
             # Each new token reads every offloaded layer's keys and values back once: the
