@@ -32,7 +32,10 @@ CASES = {
     "llama8b_16k": dict(preset="llama-3.1-8b", prompt=16384, new=128, batch=1),
     "tiny": dict(preset="tiny-llama", prompt=96, new=16, batch=2),
 }
-MODES = ("dynamic", "offloaded", "trainstream", "trainstream_resident")
+# "_auto": transformers' DynamicCache with the decoding kernel TrainStreamCache's
+# attention="auto" picks (DecodeAttention); "trainstream_pytorch": ours with PyTorch's pick.
+MODES = ("dynamic", "dynamic_auto", "offloaded", "trainstream", "trainstream_pytorch",
+         "trainstream_resident")
 # TS_BENCH_PROFILE=1: each engine's decoding also runs under torch.profiler and cProfile (the
 # ops and the Python functions that took the most time, in the row and printed).
 PROFILE = os.environ.get("TS_BENCH_PROFILE") == "1"
@@ -94,17 +97,26 @@ def worker(mode: str, case: dict) -> dict:
     prompt = hf_models.batch(case["preset"], case["batch"], case["prompt"], 0, device)
     total = case["prompt"] + case["new"]
     layers = model.config.num_hidden_layers
+    chooser = None
+    if mode == "dynamic_auto":
+        from trainstream.integrations.decode_attention import DecodeAttention
+
+        chooser = DecodeAttention("auto")
+        chooser.install(model)
     if mode.startswith("trainstream"):
         from trainstream.integrations.huggingface import TrainStreamCache
 
         # "trainstream_resident": every layer in VRAM, what the cache costs without paging.
         ours = TrainStreamCache(model, max_tokens=total,
                                 resident_layers=layers if mode.endswith("resident")
-                                else layers // 2)
+                                else layers // 2,
+                                attention=None if mode.endswith("pytorch") else "auto")
+        chooser = ours._decode_attention
+
     def fresh_cache():
         # transformers' caches are made anew for each prompt (reset() keeps their length on
         # some versions); ours keeps its pages and slots across reset().
-        if mode == "dynamic":
+        if mode.startswith("dynamic"):
             return transformers.DynamicCache(config=model.config)
         if mode == "offloaded":
             return transformers.DynamicCache(config=model.config, offloading=True)
@@ -134,13 +146,19 @@ def worker(mode: str, case: dict) -> dict:
         first, prefill = timed(1)
         out, whole = timed(case["new"])
         gaps = [b - a for a, b in zip(clock.marks[1:], clock.marks[2:])]
+        # The same lengths again: what each new length cost the first time (cuDNN's plan for
+        # it, built once and cached) is gone from this one.
+        _, again = timed(case["new"])
     row = {"mode": mode, **case, "tokens": out[0, -case["new"]:].tolist()[:32],
            "first_token": int(first[0, -1]), "prefill_s": round(prefill, 4),
            "decode_tokens_per_s": round(case["batch"] * (case["new"] - 1)
                                         / max(1e-9, whole - prefill), 2),
            "peak_over_weights_gib": round((torch.cuda.max_memory_allocated() - weights) / 2**30, 3)
            if cuda else 0.0,
-           "token_ms": token_spread(gaps)}
+           "decode_again_tokens_per_s": round(case["batch"] * (case["new"] - 1)
+                                              / max(1e-9, again - prefill), 2),
+           "token_ms": token_spread(gaps),
+           "attention": chooser.report() if chooser is not None else None}
     if PROFILE:
         from torch.profiler import ProfilerActivity, profile
 
@@ -211,6 +229,11 @@ def main() -> None:
             print(f"  {mode:12s} {row['decode_tokens_per_s']:9.2f} new tokens/s, prefill "
                   f"{row['prefill_s']:.3f} s, VRAM over the weights "
                   f"{row['peak_over_weights_gib']:.2f} GiB{same}")
+            print(f"  {'':12s} the same lengths again: {row['decode_again_tokens_per_s']:.2f} new "
+                  "tokens/s")
+            if row.get("attention"):
+                print(f"  {'':12s} decoding attention: {row['attention']['backend']} "
+                      f"({row['attention']['note'] or row['attention']['mode']})")
             if row.get("token_ms"):
                 spread = row["token_ms"]
                 print(f"  {'':12s} ms a decoded token: median {spread['median']}, p90 "

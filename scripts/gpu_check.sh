@@ -39,6 +39,11 @@
 #                                            with both caches (the leaner offloaded update), all
 #                                            profiled (torch.profiler and cProfile)
 #   scripts/gpu_check.sh generation_profile  issue 25: bench/generation.py's two caches profiled
+#   scripts/gpu_check.sh decode_attention    issue 25's generation gap: TrainStreamCache's decoding
+#                                            kernel (attention="auto") and its GPU tests, then
+#                                            bench/generation.py with each cache under PyTorch's
+#                                            pick and under "auto", each token's time, and the
+#                                            same lengths again (cuDNN's plans cached)
 #   scripts/gpu_check.sh outliers            issue 26: bench/quant_quality.py's FP8 path with
 #                                            and without outliers= (perplexity, on CUDA)
 #   scripts/gpu_check.sh wheel               issue 27: the cp312 wheel (carried in dist/, or built
@@ -323,6 +328,13 @@ if [[ $what == generation_profile ]]; then
   # and CPU time, in the rows and printed).
   PYTHONUNBUFFERED=1 TS_BENCH_PROFILE=1 timeout 400 python3 bench/generation.py --modes dynamic \
     trainstream --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 || status=1
+fi
+if [[ $what == decode_attention ]]; then
+  timeout 120 python3 -m pytest -ra -p no:cacheprovider -m gpu tests/e2e/test_decode_attention.py \
+    tests/e2e/test_paged_kv_cache.py > "$OUT/pytest_gpu.log" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 400 python3 bench/generation.py --modes dynamic dynamic_auto \
+    trainstream trainstream_pytorch --json "$OUT/generation.json" > "$OUT/generation.txt" 2>&1 \
+    || status=1
 fi
 if [[ $what == outliers ]]; then
   # Issue 26: the FP8 tensor-core path with and without outliers= on the H200 (perplexity).

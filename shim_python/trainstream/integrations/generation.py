@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``TrainStreamCache``: a transformers ``Cache`` for ``model.generate(past_key_values=...)``
 whose layers keep their keys and values in a ``PagedKVCache`` (resident layers in VRAM, the
-others in the daemon's pinned pages, read back through a device slot ahead of use)."""
+others in the daemon's pinned pages, read back through a device slot ahead of use), and whose
+decoding calls run the attention kernel ``attention=`` picks (``DecodeAttention``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..memory.paged_kv_cache import PagedKVCache
+from .decode_attention import DecodeAttention
 
 __all__ = ["TrainStreamCache"]
 
@@ -21,9 +23,9 @@ class PagedLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, kv: PagedKVCache, index: int):
+    def __init__(self, kv: PagedKVCache, index: int, attention: DecodeAttention):
         super().__init__()
-        self.kv, self.index = kv, index
+        self.kv, self.index, self.attention = kv, index, attention
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -33,6 +35,8 @@ class PagedLayer(DynamicLayer):
                **kwargs: Any) -> tuple:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # The attention that follows reads this cache: decoding when one position came.
+        self.attention.armed = key_states.shape[-2]
         return self.kv.update(self.index, key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -90,17 +94,35 @@ def _full_attention_layers(model: torch.nn.Module) -> int:
 
 class TrainStreamCache(Cache):
     """``TrainStreamCache(model, max_tokens, *, resident_layers="auto", page_tokens=256,
-    vram_fraction=0.5)`` for ``model.generate(..., past_key_values=cache)``. ``max_tokens``:
-    the longest sequence expected (prompt and new tokens). ``.kv`` is the PagedKVCache;
-    ``reset()`` before the next prompts. Greedy decoding and sampling; no beam search."""
+    vram_fraction=0.5, attention="auto")`` for ``model.generate(..., past_key_values=cache)``.
+    ``max_tokens``: the longest sequence expected (prompt and new tokens). ``attention``: the
+    kernel of the decoding calls that read this cache (``"auto"``: timed on CUDA as decoding
+    meets it, a new key length each call; a kernel's name; None: PyTorch's pick), reported by
+    ``.attention``. ``.kv`` is the PagedKVCache; ``reset()`` before the next prompts;
+    ``close()`` gives the pages back and takes the attention hooks off the model. Greedy
+    decoding and sampling; no beam search."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int, *, resident_layers: Any = "auto",
-                 page_tokens: int = 256, vram_fraction: float = 0.5, client: Any = None):
+                 page_tokens: int = 256, vram_fraction: float = 0.5, attention: Any = "auto",
+                 client: Any = None):
         count = _full_attention_layers(model)
+        self._decode_attention = DecodeAttention(attention, gated=True)
         self.kv = PagedKVCache(count, max_tokens, resident_layers=resident_layers,
                                page_tokens=page_tokens, vram_fraction=vram_fraction,
                                client=client)
-        super().__init__(layers=[PagedLayer(self.kv, i) for i in range(count)])
+        super().__init__(layers=[PagedLayer(self.kv, i, self._decode_attention)
+                                 for i in range(count)])
+        self._decode_attention.install(model)
+
+    @property
+    def attention(self) -> dict:
+        """The decoding calls' kernel: ``mode``, ``backend``, the trial's ``timings_ms``, the
+        ``calls`` each kernel ran, and a ``note`` of why."""
+        return self._decode_attention.report()
+
+    def close(self) -> None:
+        self._decode_attention.remove()
+        self.kv.close()
 
     def reset(self) -> None:
         for layer in self.layers:
