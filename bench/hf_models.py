@@ -8,6 +8,9 @@ option at its default. Each engine runs in a fresh process on the same batches:
   wrap             under the cap, wrap()'s defaults
   wrap_expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   wrap_nf4         the same as wrap with quantize="nf4" (LoRA cases)
+  wrap_fp8         the same with quantize="fp8" (FP8 tensor cores where they time faster)
+  wrap_fp8_outliers  the same with outliers=0.01 (every fp8 matmul on FP8 tensor cores, each
+                   call's largest 1% of input channels multiplied in bf16)
   ts041            TrainStream 0.4.1 (PyPI) under the same cap, quantize="none", imported from
                    its own folder (--ts041 DIR, an unpacked sdist) so it never meets ours
   ts041_nf4        the same with quantize="nf4"
@@ -86,6 +89,8 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
         import trainstream
 
         options = dict(quantize="nf4") if mode == "wrap_nf4" else {}
+        if mode.startswith("wrap_fp8"):
+            options = dict(quantize="fp8", outliers=0.01 if mode.endswith("outliers") else 0)
         if mode == "wrap_gpu":  # the AdamW update on the GPU over the daemon's state
             options["optimizer_mode"] = "gpu"
         options.update(json.loads(os.environ.get("TS_HF_OPTIONS", "{}")))  # diagnostics
@@ -184,6 +189,9 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
             row["optimizer"] = {k: v for k, v in report["optimizer"].items()
                                 if k in ("runs_on", "steps", "gpu_state", "staged_state",
                                          "last_step", "nonfinite_total")}
+            if report.get("fp8_matmul"):
+                row["fp8_matmul"] = {k: report["fp8_matmul"].get(k)
+                                     for k in ("scaled_mm", "dequantize")}
         except Exception as e:  # noqa: BLE001
             row["report_error"] = str(e)[:300]
     return row
