@@ -56,10 +56,10 @@ def _time_kernel(name: str, args: tuple, kwargs: dict, repeats: int) -> float:
 
     def once() -> None:
         if name == DEFAULT:
-            out = _ORIGINAL_SDPA(q, k, v, *args[3:], **kwargs)
+            out = PYTORCH_SDPA(q, k, v, *args[3:], **kwargs)
         else:
             with sdpa_kernel([BACKENDS[name]]):
-                out = _ORIGINAL_SDPA(q, k, v, *args[3:], **kwargs)
+                out = PYTORCH_SDPA(q, k, v, *args[3:], **kwargs)
         out.backward(torch.ones_like(out))
 
     once()  # chosen, compiled, warmed
@@ -73,7 +73,8 @@ def _time_kernel(name: str, args: tuple, kwargs: dict, repeats: int) -> float:
     return (time.perf_counter() - began) * 1e3 / repeats
 
 
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
+# PyTorch's own function, which the attention hooks put back after each attention call.
+PYTORCH_SDPA = F.scaled_dot_product_attention
 
 
 def _kind(value: Any) -> Any:
@@ -158,7 +159,7 @@ class AttentionBackend:
         if not kernels:
             if self.backend == DEFAULT:  # "auto" kept PyTorch's own pick
                 self.calls[DEFAULT] = self.calls.get(DEFAULT, 0) + 1
-            return _ORIGINAL_SDPA(*args, **kwargs)
+            return PYTORCH_SDPA(*args, **kwargs)
         # Where the first kernels cannot run inputs of this kind, later calls like it start at
         # the one that could (no exception a call).
         key = (tuple(kernels), *(_kind(a) for a in args),
@@ -168,7 +169,7 @@ class AttentionBackend:
         for index in range(start, len(kernels)):
             try:
                 with sdpa_kernel([kernels[index]]):
-                    out = _ORIGINAL_SDPA(*args, **kwargs)
+                    out = PYTORCH_SDPA(*args, **kwargs)
             except RuntimeError as e:  # this kernel cannot run these inputs: the next one
                 if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
                     raise
@@ -187,7 +188,7 @@ class AttentionBackend:
     def _after(self, module: Any, args: Any, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
-            F.scaled_dot_product_attention = _ORIGINAL_SDPA
+            F.scaled_dot_product_attention = PYTORCH_SDPA
 
     def install(self, modules: list) -> None:
         """Around each of ``modules`` (those that run attention)."""
