@@ -51,18 +51,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["16-byte vectors", "one at a time"])
 @pytest.mark.parametrize("state_in", ["pinned host memory", "VRAM"])
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_kernel_agrees_bit_for_bit_with_the_host_reference(state_in, moment_dtype,
-                                                               param_dtype):
-    n = (1 << 20) + 37  # not a multiple of any block
-    reference = _state(n, moment_dtype, param_dtype, seed=1)
+                                                               param_dtype, aligned):
+    n = (1 << 20) + 37  # not a multiple of any block, nor of a vector's 4 or 8 elements
+    # Misaligned: every tensor starts one element into its storage, so the moments are not on
+    # a 16-byte boundary and the kernel takes them one at a time.
+    skip = 0 if aligned else 1
+    reference = _state(n + skip, moment_dtype, param_dtype, seed=1)
     ours = {k: v.clone() for k, v in reference.items()}
     for key in ("master", "exp_avg", "exp_avg_sq"):  # where optimizer_mode="gpu" keeps them
         ours[key] = ours[key].pin_memory() if state_in == "pinned host memory" else \
             ours[key].cuda()
     ours["grad"], ours["param"] = ours["grad"].cuda(), ours["param"].cuda()
+    reference = {k: v[skip:] for k, v in reference.items()}
+    ours = {k: v[skip:] for k, v in ours.items()}
+    assert (ours["exp_avg"].data_ptr() % 16 == 0) == aligned
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
     for step in (1, 2, 3):
         _run(reference, step, seed=step)
