@@ -69,22 +69,9 @@ daemon=$!
 for _ in $(seq 100); do [[ -S $sockets/trainstreamd.sock.data ]] && break; sleep 0.1; done
 "$root/usr/bin/tsctl" --socket="$sockets/trainstreamd.sock" status | head -4
 
-trainer='
-import os, sys, torch, trainstream
-torch.manual_seed(0)
-model, opt = trainstream.wrap(torch.nn.Linear(16, 1), lr=0.05, device="cpu", offload=True,
-                              socket=sys.argv[1], job_id=sys.argv[2])
-x = torch.randn(64, 16)
-y = x.sum(1, keepdim=True)
-losses = []
-for _ in range(20):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward(); opt.step(); opt.zero_grad()
-    losses.append(loss.item())
-trainstream.unwrap(model)
-print(os.getpid(), *losses)'
-host=$("$python" -c "$trainer" "$sockets/trainstreamd.sock" from-the-host)
-pod=$(unshare --pid --fork --mount-proc "$python" -c "$trainer" "$sockets/trainstreamd.sock" \
+trainer=examples/linear_offload.py  # run from the host's side, as a client pod would
+host=$("$python" "$trainer" "$sockets/trainstreamd.sock" from-the-host)
+pod=$(unshare --pid --fork --mount-proc "$python" "$trainer" "$sockets/trainstreamd.sock" \
   from-another-pod)
 read -r host_pid host_first _ <<< "$host"
 read -r pod_pid _ <<< "$pod"

@@ -25,10 +25,13 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+PID_NAMESPACE = ("unshare", "--pid", "--fork", "--mount-proc")
+
+
 def _unshare_works() -> str:
     if shutil.which("unshare") is None:
         return "no unshare(1) on this machine"
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+    probe = subprocess.run([*PID_NAMESPACE, "true"],
                            capture_output=True, text=True)
     return "" if probe.returncode == 0 else f"unshare --pid is not permitted here: {probe.stderr}"
 
@@ -37,8 +40,8 @@ def test_a_client_in_its_own_pid_namespace_is_served(daemon):
     why = _unshare_works()
     if why:
         pytest.skip(why)
-    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                          CLIENT, daemon.socket], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*PID_NAMESPACE, sys.executable, "-c", CLIENT, daemon.socket],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     pid, session_id = out.stdout.split()
     assert int(pid) == 1  # the namespace's first process, as in a container
@@ -51,41 +54,30 @@ def test_a_client_in_its_own_pid_namespace_is_served(daemon):
     assert opened[0]["numbers"]["pid"] != 1  # the kernel's pid, in the daemon's namespace
 
 
-TRAINER = textwrap.dedent("""
-    import os, sys, torch, trainstream
-    torch.manual_seed(0)
-    model, opt = trainstream.wrap(torch.nn.Linear(16, 1), lr=0.05, device="cpu", offload=True,
-                                  socket=sys.argv[1], job_id=sys.argv[2])
-    x = torch.randn(64, 16)
-    y = x.sum(1, keepdim=True)
-    losses = []
-    for _ in range(20):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    trainstream.unwrap(model)
-    print(os.getpid(), *losses, flush=True)
-""")
+# Seeded: prints its pid and 20 losses, the same bit for bit through any daemon.
+TRAINER = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                                       "linear_offload.py"))
+
+
+def _train(socket: str, job: str, prefix: tuple = ()) -> list:
+    """TRAINER as job ``job`` through the daemon on ``socket`` (under ``prefix``, a namespace of
+    its own): its pid and losses, as printed."""
+    out = subprocess.run([*prefix, sys.executable, TRAINER, socket, job], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
 
 
 def test_a_client_in_its_own_pid_namespace_trains_as_one_outside_does(daemon):
     why = _unshare_works()
     if why:
         pytest.skip(why)
-    inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                             TRAINER, daemon.socket, "contained-train"],
-                            capture_output=True, text=True, timeout=120)
-    assert inside.returncode == 0, inside.stderr
-    outside = subprocess.run([sys.executable, "-c", TRAINER, daemon.socket, "host-train"],
-                             capture_output=True, text=True, timeout=120)
-    assert outside.returncode == 0, outside.stderr
-    pid, *losses = inside.stdout.split()
+    pid, *losses = _train(daemon.socket, "contained-train", PID_NAMESPACE)
+    outside = _train(daemon.socket, "host-train")
     assert int(pid) == 1
     assert float(losses[-1]) < 0.5 * float(losses[0]), losses  # it learned
     # The daemon's optimizer ran its steps exactly as for a process in the host's namespace.
-    assert losses == outside.stdout.split()[1:]
+    assert losses == outside[1:]
 
 
 def test_clients_outside_a_daemon_in_its_own_pid_namespace_train_as_beside_one(start_daemon):
@@ -101,27 +93,19 @@ def test_clients_outside_a_daemon_in_its_own_pid_namespace_train_as_beside_one(s
                              prefix=("unshare", "--pid", "--fork", "--mount-proc",
                                      "--kill-child=SIGTERM"))
     beside = start_daemon("--memory_budget=256M", "--lease_ms=1500")
-    host = subprocess.run([sys.executable, "-c", TRAINER, contained.socket, "from-the-host"],
-                          capture_output=True, text=True, timeout=120)
-    assert host.returncode == 0, host.stderr
-    pod = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                          TRAINER, contained.socket, "from-another-pod"],
-                         capture_output=True, text=True, timeout=120)
-    assert pod.returncode == 0, pod.stderr
-    reference = subprocess.run([sys.executable, "-c", TRAINER, beside.socket, "reference"],
-                               capture_output=True, text=True, timeout=120)
-    assert reference.returncode == 0, reference.stderr
-    losses = reference.stdout.split()[1:]
+    host = _train(contained.socket, "from-the-host")
+    pod = _train(contained.socket, "from-another-pod", PID_NAMESPACE)
+    losses = _train(beside.socket, "reference")[1:]
     assert float(losses[-1]) < 0.5 * float(losses[0]), losses  # it learned
-    assert host.stdout.split()[1:] == losses
-    assert pod.stdout.split()[1:] == losses
+    assert host[1:] == losses
+    assert pod[1:] == losses
     with trainstream.connect(contained.socket, embedded=False) as watcher:
         status = watcher.status()
         opened = {e["message"] for e in watcher.events() if e["kind"] == "session.open"}
     assert status["pid"] == 1  # the daemon is its namespace's first process, as in a pod
     # Each said as the kernel could not, with the pid the client gave in its own namespace.
     outside = "a process outside the daemon's PID namespace"
-    host_pid = host.stdout.split()[0]
+    host_pid = host[0]
     assert (f"{outside} (pid {host_pid} in its own) opened rank 0/1 of job 'from-the-host'"
             in opened), opened
     assert f"{outside} (pid 1 in its own) opened rank 0/1 of job 'from-another-pod'" in opened
@@ -144,14 +128,11 @@ def test_a_client_that_mounts_the_daemons_socket_folder_elsewhere_trains(daemon,
     # In a mount namespace of its own: the folder bound at another path, the daemon's own path
     # hidden under an empty tmpfs (as in a container that never had it).
     script = (f"mount --bind {folder} {elsewhere} && mount -t tmpfs none {folder} && "
-              f"exec {sys.executable} -c \"$0\" {elsewhere}/{os.path.basename(daemon.socket)} "
+              f"exec {sys.executable} \"$0\" {elsewhere}/{os.path.basename(daemon.socket)} "
               "mounted-elsewhere")
     moved = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                             TRAINER], capture_output=True, text=True, timeout=120)
     if "mount" in moved.stderr and "permission denied" in moved.stderr.lower():
         pytest.skip(f"mounts in a mount namespace of its own are not permitted here: {moved.stderr}")
     assert moved.returncode == 0, moved.stderr
-    beside = subprocess.run([sys.executable, "-c", TRAINER, daemon.socket, "beside"],
-                            capture_output=True, text=True, timeout=120)
-    assert beside.returncode == 0, beside.stderr
-    assert moved.stdout.split()[1:] == beside.stdout.split()[1:]
+    assert moved.stdout.split()[1:] == _train(daemon.socket, "beside")[1:]
