@@ -136,6 +136,9 @@ def main() -> None:
             chooser._measure((q.requires_grad_(True), k.repeat_interleave(rep, 1),
                               v.repeat_interleave(rep, 1)), {"is_causal": True})
         row["auto_pick"] = chooser.backend
+        # Its own trials (the kernel alone, GQA expanded before it): where they rank the kernels
+        # otherwise than the rounds above, this says so.
+        row["auto_trials_ms"] = dict(chooser.timings_ms)
         row["auto_ms"] = row.get(f"{chooser.backend}_ms") if chooser.backend else None
         b, h, s, d = case["batch"], case["heads"], case["tokens"], case["dim"]
         flops = 2.5 * 4 * b * h * s * s * d / 2  # causal: half the score matrix
@@ -154,6 +157,9 @@ def main() -> None:
                  else "")
         print(f"  auto picks {row['auto_pick']}{speed}; bound {row['bound_ms']:.3f} ms "
               f"(matmul FLOPs at {tflops:.1f} TFLOP/s)")
+        print("  auto's own trials: " + ", ".join(
+            f"{k_} {v_:.3f} ms" if isinstance(v_, float) else f"{k_} not available"
+            for k_, v_ in row["auto_trials_ms"].items()))
     if args.json:
         write_results(args.json, "attention", rows, matmul_tflops=round(tflops, 2))
 

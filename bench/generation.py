@@ -184,6 +184,25 @@ def worker(mode: str, case: dict) -> dict:
     return row
 
 
+def _agreement(tokens: list, reference: list) -> int:
+    """How many tokens ``tokens`` shares with ``reference`` before they first differ."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))
+
+
+def _kernel(row: dict):
+    """The decoding attention a row ran: the kernel attention="auto" chose, or None for
+    PyTorch's own pick."""
+    backend = (row.get("attention") or {}).get("backend")
+    return None if backend == "default" else backend
+
+
+def _same_kernel(by_mode: dict, row: dict) -> str | None:
+    """The DynamicCache mode (all in VRAM) that decoded with the same kernel as ``row``."""
+    return next((mode for mode in ("dynamic", "dynamic_auto") if mode in by_mode
+                 and not by_mode[mode].get("failed") and _kernel(by_mode[mode]) == _kernel(row)),
+                None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,10 +237,14 @@ def main() -> None:
             same = ""
             if reference is not None:
                 # Random weights leave near ties between tokens: kernels that sum in another
-                # order (a strided slot, cuDNN's attention against flash) may part ways late.
-                agree = next((i for i, (a, b) in enumerate(zip(row["tokens"], reference))
-                              if a != b), len(reference))
-                same = f", first {agree} of {len(reference)} tokens as DynamicCache's"
+                # order (a strided slot, cuDNN's attention against flash) may part ways early.
+                # So a row is also compared with DynamicCache under its own decoding kernel.
+                same = f", first {_agreement(row['tokens'], reference)} of {len(reference)} " \
+                       "tokens as DynamicCache's"
+                twin = _same_kernel(by_mode, row)
+                if twin and twin not in ("dynamic", mode):
+                    same += (f", {_agreement(row['tokens'], by_mode[twin]['tokens'])} as "
+                             f"{twin}'s (the same decoding kernel)")
             if row.get("profile"):
                 print(row["profile"] + "\n" + row["profile_cpu"] + "\n"
                       + row.get("profile_python", ""))

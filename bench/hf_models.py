@@ -9,6 +9,8 @@ option at its default. Each engine runs in a fresh process on the same batches:
   wrap_expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   wrap_nf4         the same as wrap with quantize="nf4" (LoRA cases)
   wrap_fp8         the same with quantize="fp8" (FP8 tensor cores where they time faster)
+  wrap_fp8_cores   the same with every fp8 matmul on FP8 tensor cores (no split): the
+                   baseline of the next row, so the split's own cost shows
   wrap_fp8_outliers  the same with outliers=0.01 (every fp8 matmul on FP8 tensor cores, each
                    call's largest 1% of input channels multiplied in bf16)
   ts041            TrainStream 0.4.1 (PyPI) under the same cap, quantize="none", imported from
@@ -95,6 +97,12 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
             options["optimizer_mode"] = "gpu"
         options.update(json.loads(os.environ.get("TS_HF_OPTIONS", "{}")))  # diagnostics
         model, opt = trainstream.wrap(model, opt, device="cuda", **options)
+        if mode == "wrap_fp8_cores":
+            # Not a wrap() option: each layer decides at its first forward, still to come.
+            from trainstream.frozen.linear import BaseLinear
+
+            for layer in (m for m in model.modules() if isinstance(m, BaseLinear)):
+                layer.fp8_matmul = True
         session = model._trainstream_session
         row["engine"] = f"trainstream {getattr(trainstream, '__version__', 'main')}"
     elif mode.startswith("ts041"):
