@@ -157,6 +157,23 @@ def test_channels_sent_the_slow_way_are_multiplied_exactly_and_chosen_per_call()
         assert _relative(first(x), expected) < 1e-2
 
 
+@cpu_scaled_mm
+@pytest.mark.parametrize("outliers", [0, 0.05])
+def test_an_input_with_other_strides_gives_what_its_contiguous_copy_gives(outliers):
+    """_scaled_mm takes its first operand row-major only: an input laid out otherwise (a
+    transposed view, as a caller's permute leaves it) is quantized into a row-major copy, split
+    or not."""
+    layer = _model()
+    trainstream.quantize_model(layer, "fp8", fp8_matmul=True, outliers=outliers)
+    first = layer[0]
+    x = torch.randn(128, 24, dtype=torch.bfloat16).t()  # [24, 128], column-major
+    assert not x.is_contiguous()
+    # On CUDA a column-major operand is refused; the CPU's _scaled_mm takes either, so the
+    # layout itself is what this checks.
+    assert fp8_matmul.quantize_tokens(x)[0].is_contiguous()
+    assert torch.equal(first(x), first(x.contiguous()))
+
+
 def test_outliers_are_refused_where_they_would_be_ignored():
     with pytest.raises(trainstream.InvalidArgumentError, match="int8 weights quantize no input"):
         trainstream.quantize_model(_model(), "int8", outliers=0.01)

@@ -128,7 +128,8 @@ def quantize_tokens(x: torch.Tensor, drop: torch.Tensor | None = None
     1]). ``drop``: channels quantized as zero (the outliers a call multiplies in bf16). The
     work is done in place on one float32 copy: a call at 512 tokens is short enough that each
     extra pass over the input shows in its time."""
-    xf = x.to(torch.float32, copy=True)
+    # Row-major, as _scaled_mm wants its first operand, whatever the strides of x.
+    xf = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if drop is not None:
         xf.index_fill_(1, drop, 0)
     # The largest magnitude of each token in one reduction (no |x| tensor made first).
