@@ -85,6 +85,29 @@ def _time_kernel(name: str, args: tuple, kwargs: dict, repeats: int) -> float:
 
 # PyTorch's own function, which the attention hooks put back after each attention call.
 PYTORCH_SDPA = F.scaled_dot_product_attention
+# What PyTorch raises where none of the kernels allowed can run the inputs.
+UNAVAILABLE = ("No available kernel", "No viable backend")
+
+
+def first_that_runs(names: list, args: tuple, kwargs: dict, first_that_ran: dict, key: Any,
+                    calls: dict) -> Any:
+    """PyTorch's attention under the first kernel of ``names`` that runs these inputs.
+    ``first_that_ran[key]`` keeps where that was, so later calls of the same kind start there
+    (no exception a call); ``calls`` counts the calls each kernel ran."""
+    last = None
+    for index in range(first_that_ran.get(key, 0), len(names)):
+        try:
+            with sdpa_kernel([BACKENDS[names[index]]]):
+                out = PYTORCH_SDPA(*args, **kwargs)
+        except RuntimeError as e:  # this kernel cannot run these inputs: the next one
+            if not any(m in str(e) for m in UNAVAILABLE):
+                raise
+            last = e
+            continue
+        first_that_ran[key] = index
+        calls[names[index]] = calls.get(names[index], 0) + 1
+        return out
+    raise last
 
 
 def _kind(value: Any) -> Any:
@@ -174,22 +197,8 @@ class AttentionBackend:
         # the one that could (no exception a call).
         key = (tuple(kernels), *(_kind(a) for a in args),
                tuple(sorted((k, _kind(v)) for k, v in kwargs.items())))
-        start = self._first_that_ran.get(key, 0)
-        last = None
-        for index in range(start, len(kernels)):
-            try:
-                with sdpa_kernel([kernels[index]]):
-                    out = PYTORCH_SDPA(*args, **kwargs)
-            except RuntimeError as e:  # this kernel cannot run these inputs: the next one
-                if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
-                    raise
-                last = e
-                continue
-            self._first_that_ran[key] = index
-            name = NAMES[kernels[index]]
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return out
-        raise last
+        return first_that_runs([NAMES[k] for k in kernels], args, kwargs,
+                               self._first_that_ran, key, self.calls)
 
     def _before(self, module: Any, args: Any) -> None:
         self._depth += 1

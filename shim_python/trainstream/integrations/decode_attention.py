@@ -24,16 +24,15 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from ..errors import InvalidArgumentError
-from .attention_backend import BACKENDS, DEFAULT, ORDER, PYTORCH_SDPA, allowed, attention_modules
+from .attention_backend import (BACKENDS, DEFAULT, MODES, ORDER, PYTORCH_SDPA, allowed,
+                                attention_modules, first_that_runs)
 
-MODES = ("auto", None) + tuple(BACKENDS)
 # Timed calls a candidate in each round, each on a key length of its own; rounds after the
 # warm-up round (one call each).
 CALLS, ROUNDS = 3, 2
 # The trial takes this many lengths below the first decoding call's: a shorter context waits
 # for a later call (PyTorch's pick until then).
 TRIAL_LENGTHS = (ROUNDS * CALLS + 1) * (len(ORDER) + 1)
-UNAVAILABLE = ("No available kernel", "No viable backend")
 
 
 class DecodeAttention:
@@ -123,20 +122,7 @@ class DecodeAttention:
         names = allowed([self.backend] + [n for n in ORDER if n != self.backend])
         key = (tuple(names), query.dtype, query.device.type,
                isinstance(args[3] if len(args) > 3 else kwargs.get("attn_mask"), torch.Tensor))
-        last = None
-        for index in range(self._first_that_ran.get(key, 0), len(names)):
-            try:
-                with sdpa_kernel([BACKENDS[names[index]]]):
-                    out = PYTORCH_SDPA(*args, **kwargs)
-            except RuntimeError as e:  # this kernel cannot run these inputs: the next one
-                if not any(m in str(e) for m in UNAVAILABLE):
-                    raise
-                last = e
-                continue
-            self._first_that_ran[key] = index
-            self.calls[names[index]] = self.calls.get(names[index], 0) + 1
-            return out
-        raise last
+        return first_that_runs(names, args, kwargs, self._first_that_ran, key, self.calls)
 
     # -- "auto" --------------------------------------------------------------------------
 
