@@ -24,7 +24,7 @@ class TrainStreamSession:
     recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
     plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
     frozen: Any = None  # host copies of frozen weights that stream
-    cache_switch: Any = None  # the model configs whose use_cache wrap() turned off
+    cache_switch: Any = None  # the hooks that keep training forwards from building a cache
     loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
     attention: Any = None     # integrations.attention_backend.AttentionBackend (attention=)
     transfer_report: Any = None  # the optimizer's step hook that hands the daemon PCIe totals

@@ -126,11 +126,13 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     # Training builds no key/value cache (kv_cache.py says why); unwrap() turns it back on.
     cache_switch = CacheSwitch(model)
     if cache_switch.count:
-        events.append(("wrap.use_cache", "use_cache=False while training (as transformers sets "
-                       "it under gradient checkpointing): a key/value cache built in a training "
-                       "step holds every layer's keys to the step's end, and a recomputed "
-                       "layer's checkpoint would keep each step's graph alive through it; "
-                       "unwrap() turns it back on"))
+        events.append(("wrap.use_cache", "use_cache=False in training forwards (as "
+                       "transformers sets it under gradient checkpointing): a key/value cache "
+                       "built in a training step holds every layer's keys to the step's end, "
+                       "and a recomputed layer's checkpoint would keep each step's graph alive "
+                       "through it. Passed to each training call; the model's config is left "
+                       "as it is (generation under no_grad, and other models sharing the "
+                       "config, keep its use_cache); unwrap() stops it"))
     loss_switch = LossSwitch(model) if config["chunked_loss"] else None
     if loss_switch is not None and loss_switch.switched:
         events.append(("wrap.loss", "the causal-LM loss is computed from the logits in chunks "

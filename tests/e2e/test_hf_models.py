@@ -82,8 +82,8 @@ def test_trains_like_stock_adamw(preset, tune):
 def test_training_keeps_no_key_value_cache():
     """A cache built in training, with a recomputed layer before one that is not, kept every
     step's graph alive through the checkpoint's arguments (0.6 GiB a step on the H200): wrap()
-    turns use_cache off, a recomputed layer drops a cache it is handed anyway, and unwrap()
-    turns use_cache back on."""
+    passes use_cache=False to training forwards (never writing the config, which other models
+    may share), a recomputed layer drops a cache it is handed anyway, and unwrap() stops it."""
     from transformers import DynamicCache
 
     model, _ = hf_models.build("tiny-qwen2", "full")
@@ -92,12 +92,17 @@ def test_training_keeps_no_key_value_cache():
     # Layer 2 keeps its activations between recomputed layers: the shape that leaked.
     model, opt = trainstream.wrap(model, opt, recompute=[0, 1, 3])
     session = model._trainstream_session
-    assert model.config.use_cache is False
+    assert model.config.use_cache is True  # the config is left alone
     assert "wrap.use_cache" in [e["kind"] for e in session.events]
+    x = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert model(input_ids=x).past_key_values is None  # training: no cache
+    with torch.no_grad():
+        assert model(input_ids=x).past_key_values is not None  # not training: as before
     _train(model, opt, "tiny-qwen2", 4, use_cache=True)  # asked for: the recompute drops it
     gc.collect()
     assert sum(isinstance(o, DynamicCache) for o in gc.get_objects()) == 0
     trainstream.unwrap(model)
+    assert model(input_ids=x).past_key_values is not None
     assert model.config.use_cache is True
 
 

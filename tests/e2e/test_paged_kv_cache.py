@@ -135,6 +135,54 @@ def test_greedy_generation_equals_transformers_own_cache(preset):
     cache.kv.close()
 
 
+def test_wrap_changes_nothing_generation_sees(tmp_path):
+    """Issue 50: TrainStreamCache gave other tokens once another model was wrapped in the
+    process. wrap() wrote use_cache=False into the config, and a model built from the same
+    config object (a reference model; the policy itself generating between steps) read it.
+    Now the config is never written: a model sharing it generates as it did, with either
+    cache, and so does the wrapped model itself under no_grad between its training steps."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                       "(scripts/bootstrap.sh installs it)")
+    from trainstream.integrations.huggingface import TrainStreamCache
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = transformers.Qwen2ForCausalLM(config)
+    policy = transformers.Qwen2ForCausalLM(config)  # the same config object
+    prompt = torch.randint(0, 256, (2, 8))
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    def generate(model, paged):
+        cache = TrainStreamCache(model, max_tokens=20) if paged else None
+        with torch.no_grad():
+            out = model.generate(prompt, past_key_values=cache, **options)
+        if cache is not None:
+            cache.close()
+        return out
+
+    before = {}
+    for name, model in (("reference", reference), ("policy", policy)):
+        for paged in (False, True):
+            before[name, paged] = generate(model, paged)
+    config_seen = config.to_dict()
+    policy, opt = trainstream.wrap(policy, torch.optim.AdamW(policy.parameters(), lr=0.0))
+    for _ in range(2):
+        loss = policy(input_ids=prompt, labels=prompt).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # The policy generates between its steps (lr 0: its weights are as they were).
+        for paged in (False, True):
+            assert torch.equal(generate(policy, paged), before["policy", paged])
+    assert config.to_dict() == config_seen and config.use_cache is True
+    for paged in (False, True):
+        got = generate(reference, paged)
+        assert torch.equal(got, before["reference", paged]), (paged, got)
+    trainstream.unwrap(policy)
+
+
 def test_models_with_sliding_windows_are_refused():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed "
                                        "(scripts/bootstrap.sh installs it)")

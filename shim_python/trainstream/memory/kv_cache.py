@@ -10,11 +10,14 @@
   collector cannot see. Each step's graph, activations and cache then stay alive for good
   (seen on the H200: 0.6 GiB more VRAM held after every step of a Qwen2.5-1.5B full fine-tune).
 
-So ``wrap()`` turns the cache off while the model trains (as transformers does under gradient
-checkpointing), and a recomputed block never keeps one it is handed."""
+So ``wrap()`` turns the cache off in the model's training forwards (as transformers does under
+gradient checkpointing), without writing its config (other models may share that object: a
+reference model, or one generating during training), and a recomputed block never keeps one it
+is handed."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -41,27 +44,39 @@ def without_cache(kwargs: dict) -> dict:
 
 
 class CacheSwitch:
-    """Turns ``use_cache`` off in every config of ``model`` that has it on; :meth:`restore`
-    puts back what it found."""
+    """Makes every transformers model in ``model`` whose config has ``use_cache`` on build no
+    cache in a training forward (gradients on, the module in training mode), unless the call
+    asks for one: a forward pre-hook passes ``use_cache=False`` where the call left it out.
+    The config itself is never written: models that share it (a reference model, a policy
+    that generates during training) and generation with the wrapped model under ``no_grad``
+    see it as it was. :meth:`restore` takes the hooks off."""
 
     def __init__(self, model: torch.nn.Module):
-        self._turned_off: list = []
-        seen: set = set()
+        self._handles: list = []
         for module in model.modules():
             config = getattr(module, "config", None)
-            if config is None or id(config) in seen:
+            if getattr(config, "use_cache", False) is not True:
                 continue
-            seen.add(id(config))
-            if getattr(config, "use_cache", False) is True:
-                config.use_cache = False
-                self._turned_off.append(config)
+            try:
+                accepted = inspect.signature(module.forward).parameters
+            except (TypeError, ValueError):
+                continue
+            if "use_cache" in accepted:
+                self._handles.append(module.register_forward_pre_hook(_no_cache_in_training,
+                                                                      with_kwargs=True))
 
     @property
     def count(self) -> int:
-        """How many configs had it on."""
-        return len(self._turned_off)
+        """How many models build no cache in training now."""
+        return len(self._handles)
 
     def restore(self) -> None:
-        for config in self._turned_off:
-            config.use_cache = True
-        self._turned_off = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _no_cache_in_training(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None
