@@ -16,6 +16,7 @@ has left (other jobs' plans taken off).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,8 @@ import torch
 from .allocator_split import LargeBlocksWhole
 from .plan_apply import PlanApplication
 from .plan_probe import ProbeStep
-from .planner import MemoryPlan, size
+from .plan_trial import TRIAL_STEPS, WholePlanTrial
+from .planner import ACTIVATION_CHOICES, MemoryPlan, plan_memory, size
 from .staging_trial import StagingTrial
 from .step_measures import RESERVED_MARGIN, StepMeasures
 
@@ -128,6 +130,13 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self._trial: dict | None = None  # the side being timed, and each side's step time
         self._trial_done = False
         self._plans_applied = 0  # a plan applied mid-window restarts that side's timing
+        # The whole-plan trial (plan_trial.py): how blocks VRAM cannot keep are handled now
+        # (planner.ACTIVATION_CHOICES), the trial under way, and the plan each choice ran.
+        self._activation_choice = "model"
+        self._whole_trial: WholePlanTrial | None = None
+        self._whole_trial_done = False
+        self._whole_trial_plans: dict = {}
+        self.trial_result: dict = {}
         self.cuda = pager.cuda
         self.device = pager.device
         self.probe_block = len(blocks) - 1
@@ -168,6 +177,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
             self.adapting = False
             self.steps_since_plan = max(self.steps_since_plan, 0)
             self._trial, self._trial_done = None, True  # no trial of a plan that failed
+            self._whole_trial, self._whole_trial_done = None, True
             self._say("plan.limit", f"the plan stays as it runs now: {e}")
             if self.cuda:
                 self._reset_peak()
@@ -255,7 +265,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                       budget_bytes=self.budget)
             self._start_measuring("watchdog")
         elif (self.adapting and self.steps_since_plan >= _SETTLE_STEPS
-              and not self._staging_trial()):
+              and not self._staging_trial() and not self._whole_plan_trial()):
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
@@ -268,6 +278,82 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         if self._release_cache_after_step:
             self._release_cache_after_step = False
             torch.cuda.empty_cache()
+
+    # -- whole plans timed against each other (plan_trial.py) ------------------------------
+
+    @staticmethod
+    def _decisions(plan: MemoryPlan) -> tuple:
+        return tuple(plan.paged_blocks), tuple(plan.activation_policy)
+
+    def _trial_choices(self) -> list:
+        """The choice running now, then each other one whose plan decides otherwise."""
+        choices, seen = [self._activation_choice], [self._decisions(self.plan)]
+        inputs = self._plan_inputs(fresh=True)
+        for choice in ACTIVATION_CHOICES:
+            if choice == self._activation_choice:
+                continue
+            try:
+                plan = plan_memory(replace(inputs, activation_choice=choice))
+            except Exception:  # noqa: BLE001 - a choice that cannot fit is not timed
+                continue
+            if self._decisions(plan) not in seen:
+                seen.append(self._decisions(plan))
+                choices.append(choice)
+        return choices
+
+    def _whole_plan_trial(self) -> bool:
+        """Called on each settled step (after the staging trial); returns True while the
+        trial runs. Each plan is timed once it has settled; the fastest runs on."""
+        if not self.cuda or self._whole_trial_done or self.plan is None:
+            return False
+        trial = self._whole_trial
+        if trial is None:
+            choices = self._trial_choices()
+            if len(choices) < 2:
+                self._whole_trial_done = True
+                return False
+            trial = self._whole_trial = WholePlanTrial(choices)
+            self._say("plan.trial", f"timing {len(choices)} whole plans, {TRIAL_STEPS} settled "
+                      f"steps each: {', '.join(choices)} (the first runs now)",
+                      plans=len(choices))
+        torch.cuda.synchronize(self.device)
+        self._whole_trial_plans[trial.current] = self.plan
+        step = trial.settled_step(self._plans_applied)
+        while step.action == "apply":
+            self._activation_choice = step.choice
+            try:
+                if self._replan(fresh=True):
+                    return True
+                step = trial.skip("the same decisions as the plan timed before it")
+            except Exception as e:  # noqa: BLE001 - that plan is left out of the trial
+                step = trial.skip(f"could not be planned or applied: {e}")
+        if step.action == "time":
+            return True
+        return self._end_whole_trial(trial, step.choice)
+
+    def _end_whole_trial(self, trial: WholePlanTrial, winner: str) -> bool:
+        self._whole_trial, self._whole_trial_done = None, True
+        running = self._activation_choice
+        if not winner:
+            winner = running
+        numbers = {f"{choice}_ms": 1e3 * s for choice, s in trial.seconds.items()}
+        self.trial_result = {"winner": winner, "step_ms": {c: 1e3 * s for c, s in
+                                                           trial.seconds.items()},
+                             "skipped": dict(trial.skipped)}
+        if winner != running:
+            try:
+                self._activation_choice = winner
+                self._apply_plan(self._whole_trial_plans[winner])
+            except Exception as e:  # noqa: BLE001 - the plan that runs now goes on
+                self._activation_choice = running
+                self._say("plan.trial", f"{winner} measured fastest ({trial.summary()}) but "
+                          f"could not be applied again ({e}): {running} runs on",
+                          **numbers)
+                self.trial_result["winner"] = running
+                return False
+        self._say("plan.trial", f"{winner} runs on, the fastest of the whole plans timed: "
+                  f"{trial.summary()}", **numbers)
+        return False
 
     def _start_measuring(self, reason: str) -> None:
         self.pager.measured.pop(self.probe_block, None)
@@ -367,4 +453,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                 "corrections": self.corrections, "extra_working_bytes": self.extra_working,
                 "fragmented_steps": self._fragmented_steps,
                 "held_bytes": self._held[-1] if self._held else None,
+                # The whole plans timed against each other: the one that runs, each one's step.
+                "activation_choice": self._activation_choice,
+                "plan_trial": dict(self.trial_result),
                 "history": list(self.history)}

@@ -13,10 +13,8 @@ from .planner import BlockFacts, MemoryPlan, PlanInputs, plan_memory, size
 class PlanApplication:
     """AdaptivePlan's planning and applying (a part of the class: it reads the plan's state)."""
 
-    def _replan(self, fresh: bool = False) -> bool:
-        """Plans from the measurements and applies the plan when it differs from the one that
-        runs; returns whether it did. The same plan again leaves the settling count as it is:
-        a measurement that moves no decision is no reason to watch more steps."""
+    def _plan_inputs(self, fresh: bool = False) -> PlanInputs:
+        """The planner's inputs from the measurements (see _replan for ``fresh``)."""
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
                             activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
                             trained_share=f.trained_share, trainable=f.trainable)
@@ -42,7 +40,16 @@ class PlanApplication:
             # Settling and the watchdog only add streamed blocks; the probe's plan (and the
             # staging trial's, ``fresh``) may also take back those streamed before.
             paged_already=(tuple(self.pager.paged) if self.steps_since_plan >= 0 and not fresh
-                           else ()))
+                           else ()),
+            activation_choice=self._activation_choice)
+        return inputs
+
+    def _replan(self, fresh: bool = False) -> bool:
+        """Plans from the measurements and applies the plan when it differs from the one that
+        runs; returns whether it did. The same plan again leaves the settling count as it is:
+        a measurement that moves no decision is no reason to watch more steps."""
+        inputs = self._plan_inputs(fresh)
+        facts = inputs.blocks
         plan = plan_memory(inputs)
         if (self.plan is not None and plan.paged_blocks == self.plan.paged_blocks
                 and plan.activation_policy == self.plan.activation_policy

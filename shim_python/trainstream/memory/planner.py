@@ -78,6 +78,14 @@ class PlanInputs:
     # (the copy engines read and write its moments, 16 bytes). The pass is bound by host memory
     # bandwidth, so staged copies slow it.
     host_traffic: tuple = (1.0, 16 / 28)
+    # Under activation_offload="auto", how each block that VRAM cannot keep is handled: "model"
+    # weighs a page against a recompute by the step model below; "recompute" never pages (what
+    # gradient checkpointing gives, but only the blocks VRAM cannot keep); "page" pages while
+    # host memory has room (the fitting plan with the least recompute); "recompute_all"
+    # recomputes every block but the last whatever VRAM holds (checkpointing itself; only
+    # where no block streams its weights). The run-time trial (memory/plan_trial.py) times
+    # them as whole plans.
+    activation_choice: str = "model"
 
 
 @dataclass
@@ -151,6 +159,9 @@ def staged_elements(inputs: PlanInputs, first: int, blocks: int) -> int:
     """Elements of the ``blocks`` blocks staged after ``first`` (see PlanInputs)."""
     return sum(inputs.blocks[i].trainable
                for i in staged_block_indices(len(inputs.blocks), first, blocks))
+
+
+ACTIVATION_CHOICES = ("model", "recompute", "page", "recompute_all")
 
 
 def _wanted_pages(option: object, n: int) -> set | None:
@@ -422,6 +433,19 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
     # block's are used at once by backward and always stay.
     order = list(range(n - 1))
     forced = inputs.activation_offload
+    choice = inputs.activation_choice
+    if choice not in ACTIVATION_CHOICES:
+        raise InvalidArgumentError(
+            f"activation_choice={choice!r} must be one of {ACTIVATION_CHOICES}")
+    if choice == "recompute_all" and forced == "auto":
+        if streaming or wanted:
+            raise MemoryPlanError("every block recomputed: blocks stream their weights, which "
+                                  "a recompute would fetch a third time")
+        for i in order:
+            plan.activation_policy[i] = "recompute"
+        say(f"every block but the last ({len(order)}) is recomputed in backward and none "
+            "pages its activations, as gradient checkpointing does")
+        forced = "recompute_all"
     if forced is True or isinstance(forced, float):
         count = len(order) if forced is True else round(forced * len(order))
         for i in order[:count]:
@@ -454,16 +478,24 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
             transfer_s = activations[i] / link if link else 0.0
             paging = step({"h2d": transfer_s, "d2h": transfer_s, "forward_d2h": transfer_s})
             again = step({"compute": forward})
-            if measured and again < paging and i not in streaming:
+            if choice == "model":
+                recompute_it = measured and again < paging
+            else:
+                recompute_it = choice == "recompute"
+            if recompute_it and i not in streaming:
                 plan.activation_policy[i] = "recompute"
                 load["compute"] += forward
-                say(f"block {i} is recomputed in backward: one more forward "
-                    f"({1e3 * forward:.1f} ms) costs the step less than its "
-                    f"{size(activations[i])} of activations over PCIe both ways "
-                    f"({1e3 * transfer_s:.1f} ms each, the link already busy "
-                    f"{1e3 * max(load['h2d'], load['d2h']):.0f} ms a step, "
-                    f"{1e3 * load['forward_d2h']:.0f} of the forward's "
-                    f"{1e3 * forward_s:.0f} ms)")
+                if choice == "recompute":
+                    say(f"block {i} is recomputed in backward: VRAM does not hold every "
+                        "block's activations, and this plan pages none")
+                else:
+                    say(f"block {i} is recomputed in backward: one more forward "
+                        f"({1e3 * forward:.1f} ms) costs the step less than its "
+                        f"{size(activations[i])} of activations over PCIe both ways "
+                        f"({1e3 * transfer_s:.1f} ms each, the link already busy "
+                        f"{1e3 * max(load['h2d'], load['d2h']):.0f} ms a step, "
+                        f"{1e3 * load['forward_d2h']:.0f} of the forward's "
+                        f"{1e3 * forward_s:.0f} ms)")
             elif activations[i] <= host_left:
                 load["h2d"] += transfer_s
                 load["d2h"] += transfer_s
