@@ -51,6 +51,18 @@ PRESETS = {
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, rope_theta=1e4, rms_norm_eps=1e-5,
         max_position_embeddings=4096, tie_word_embeddings=False), _PHI3),
+    # Mistral-7B-v0.3 (no sliding window) and Gemma-2-2B (bench/compare.py's cases).
+    "mistral-7b": Preset("mistral", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
+        tie_word_embeddings=False), _QWEN),
+    "gemma-2-2b": Preset("gemma2", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh", rope_theta=1e4, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, sliding_window=4096, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, tie_word_embeddings=True), _QWEN),
     # Small versions (about 0.1-0.2B parameters): the GPU tests' matrix, quick on one GPU.
     "small-qwen2": Preset("qwen2", dict(
         vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
@@ -78,11 +90,21 @@ PRESETS = {
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2), _PHI3),
+    "tiny-mistral": Preset("mistral", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=None, tie_word_embeddings=False), _QWEN),
+    "tiny-gemma2": Preset("gemma2", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=256, sliding_window=16, tie_word_embeddings=True), _QWEN),
 }
 
 _CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "llama": ("LlamaConfig", "LlamaForCausalLM"),
-            "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+            "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 def config_of(name: str):
