@@ -136,6 +136,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self._whole_trial: WholePlanTrial | None = None
         self._whole_trial_done = False
         self._whole_trial_plans: dict = {}
+        self._trial_working = (0, 0)  # working memory and corrections before a trial's plan
         self.trial_result: dict = {}
         self.cuda = pager.cuda
         self.device = pager.device
@@ -204,7 +205,12 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         # peak left under the process's limit.
         needed = max(peak, self.budget + fragmented if fragmented else 0)
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
-        if needed > limit and self.adapting:
+        if needed > limit and self.adapting and self._trial_candidate_running():
+            # A plan on trial that does not fit as planned is left out, not corrected: the
+            # corrections would grow the working memory every later plan is made with.
+            self._reset_peak()
+            self._trial_candidate_overshot(peak, fragmented)
+        elif needed > limit and self.adapting:
             grew = settling_correction(
                 peak, self.plan.vram_bytes if self.plan is not None else self.budget,
                 self.budget, fragmented)
@@ -318,10 +324,26 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                       plans=len(choices))
         torch.cuda.synchronize(self.device)
         self._whole_trial_plans[trial.current] = self.plan
-        step = trial.settled_step(self._plans_applied)
+        return self._trial_went_on(trial, trial.settled_step(self._plans_applied))
+
+    def _trial_went_on(self, trial: WholePlanTrial, step: Any) -> bool:
+        """Applies the plans ``step`` asks for until one runs (True) or the trial ends."""
         while step.action == "apply":
             self._activation_choice = step.choice
             try:
+                inputs = self._plan_inputs(fresh=True)
+                plan = plan_memory(inputs)
+                best = min(trial.seconds.values(), default=0.0)
+                # Its paging crosses both ways at once: half of it over the one-way rate is
+                # a lower bound of its step.
+                link_s = plan.pcie_bytes_per_step / (2 * self._link) if self._link > 0 else 0.0
+                if best and link_s >= best:
+                    # Its paging alone over the measured link outlasts a plan timed already.
+                    step = trial.skip(f"its {size(plan.pcie_bytes_per_step)} over PCIe a step "
+                                      f"take {1e3 * link_s:.0f} ms at the measured rate, more "
+                                      f"than the {1e3 * best:.0f} ms step measured already")
+                    continue
+                self._trial_working = (self.extra_working, self.corrections)
                 if self._replan(fresh=True):
                     return True
                 step = trial.skip("the same decisions as the plan timed before it")
@@ -331,19 +353,40 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
             return True
         return self._end_whole_trial(trial, step.choice)
 
+    def _trial_candidate_running(self) -> bool:
+        """A plan the trial applied (not the one that ran before it) is settling."""
+        trial = self._whole_trial
+        return trial is not None and trial.current != trial.order[0]
+
+    def _trial_candidate_overshot(self, peak: int, fragmented: int) -> None:
+        trial = self._whole_trial
+        self.extra_working, self.corrections = self._trial_working
+        why = (f"its step peak {size(peak)} went over the {size(self.budget)} budget"
+               if peak > self.budget else
+               f"the allocator reserved {size(fragmented)} more than it may")
+        self._say("plan.trial", f"{trial.current}: {why}; left out of the trial",
+                  peak_bytes=peak)
+        if not self._trial_went_on(trial, trial.skip(why)):
+            # The trial ended: the winner runs (or the plan before the trial, re-applied).
+            self.adapting = False
+            self._say("plan.settled", "plan settled after the trial of whole plans",
+                      budget_bytes=self.budget)
+
     def _end_whole_trial(self, trial: WholePlanTrial, winner: str) -> bool:
+        """The fastest plan timed runs on (applied again unless it is the one running); with
+        none timed, the plan that ran before the trial."""
         self._whole_trial, self._whole_trial_done = None, True
         running = self._activation_choice
-        if not winner:
-            winner = running
+        winner = winner or trial.order[0]
+        plan = self._whole_trial_plans.get(winner)
         numbers = {f"{choice}_ms": 1e3 * s for choice, s in trial.seconds.items()}
         self.trial_result = {"winner": winner, "step_ms": {c: 1e3 * s for c, s in
                                                            trial.seconds.items()},
                              "skipped": dict(trial.skipped)}
-        if winner != running:
+        if plan is not None and plan is not self.plan:
             try:
                 self._activation_choice = winner
-                self._apply_plan(self._whole_trial_plans[winner])
+                self._apply_plan(plan)
             except Exception as e:  # noqa: BLE001 - the plan that runs now goes on
                 self._activation_choice = running
                 self._say("plan.trial", f"{winner} measured fastest ({trial.summary()}) but "
