@@ -100,7 +100,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     :class:`trainstream.OffloadAdamW`, or ``None`` (one is made with ``lr``). Its
     hyper-parameters, groups and state move to the daemon. See the README for the options.
     """
-    check_options(options)
+    check_options(options, model)
     if session_of(model) is not None:
         raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",

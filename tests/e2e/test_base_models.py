@@ -171,6 +171,25 @@ def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path)
         trainstream.quantize_model(copy.deepcopy(net), "fp4")
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_hidden_layers=-1), r"load_model: num_hidden_layers=-1 must be an integer >= 1"),
+    (dict(hidden_size="64"), r"load_model: hidden_size='64' must be an integer >= 1"),
+    (dict(dtype=torch.int8),
+     r"load_model: dtype=torch.int8 must be torch.bfloat16, torch.float16 or torch.float32"),
+    (dict(quantize="fp4"), r"load_model: quantize='fp4' must be one of 'auto', None"),
+    (dict(quant_block_size=3), r"load_model: quant_block_size=3 must be an even integer"),
+    (dict(device="tpu"), r"load_model: device='tpu' must be None, 'cpu', 'cuda'"),
+], ids=["layers", "hidden_size", "dtype", "quantize", "block", "device"])
+def test_load_model_refuses_a_bad_value_naming_it(tmp_path, bad, message):
+    """Issue 50: num_hidden_layers=-1 built a model with no layers and dtype=torch.int8 got
+    torch's error; each is an InvalidArgumentError naming the argument, the value and what it
+    takes, before anything is built."""
+    _tiny_qwen2_checkpoint(tmp_path)
+    with pytest.raises(trainstream.InvalidArgumentError, match=message):
+        trainstream.load_model(str(tmp_path), **{"random_weights": True, "device": "cpu",
+                                                 **bad})
+
+
 def test_wrap_quantizes_frozen_layers_when_asked(client, tmp_path):
     net = frozen_net(3)
     own = copy.deepcopy(net)

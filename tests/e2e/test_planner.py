@@ -302,3 +302,8 @@ def test_profile_hardware_takes_trainstream_06s_signature(tmp_path, monkeypatch)
     assert trainstream.profile_hardware(force=True, repeats=2, nbytes=8 << 20)["cached"] is False
     with pytest.raises(trainstream.InvalidArgumentError, match="threads=4.*trainstreamd"):
         trainstream.profile_hardware(threads=4)
+    for bad in (dict(quick="yes"), dict(force=1)):
+        with pytest.raises(trainstream.InvalidArgumentError,
+                           match=f"{next(iter(bad))}={next(iter(bad.values()))!r} must be True "
+                                 "or False"):
+            trainstream.profile_hardware(**bad)

@@ -204,6 +204,8 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
     dict(vram_budget=-1), dict(gpu_state_blocks=-1), dict(max_grad_norm=0),
     dict(host_arena=-5), dict(device="cpu", gradient_dtype="bfloat16"),
     dict(optimizer="sgd"), dict(guard_params=False), dict(max_activation_slowdown=-0.1),
+    dict(min_offload_bytes=-5), dict(blocks=[torch.nn.Linear(4, 4)]), dict(lr="fast"),
+    dict(device="tpu"), dict(threads=0),
 ], ids=lambda o: ",".join(o))
 def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket, options):
     """``except trainstream.TrainStreamError`` catches every option wrap() refuses, and so does
@@ -219,6 +221,42 @@ def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket
     assert named in str(raised.value), raised.value
     assert not hasattr(model, "_trainstream_session")
     assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
+
+
+@pytest.mark.parametrize("model, options, message", [
+    (TinyGPT, dict(min_offload_bytes=-5), r"min_offload_bytes=-5 must be an integer >= 0"),
+    (TinyGPT, dict(blocks=[torch.nn.Linear(4, 4)]),
+     r"blocks\[0\] \(a Linear\) is not a module of the model.*list of the model's own"),
+    (TinyGPT, dict(blocks="layers"), r"blocks='layers' must be None or a list of the model's"),
+    (TinyGPT, dict(lr="fast"), r"lr='fast' must be a float >= 0"),
+    (lambda: "x", {}, r"model='x' \(a str\) must be a torch.nn.Module"),
+    (TinyGPT, dict(device="tpu"), r"device='tpu' must be None, 'cpu', 'cuda', 'cuda:N'"),
+    (TinyGPT, dict(threads=0), r"^trainstream.wrap: threads=0 must be None or an integer >= 1"),
+], ids=["min_offload_bytes", "blocks", "blocks-str", "lr", "model", "device", "threads"])
+def test_a_bad_value_names_the_option_the_value_and_what_is_allowed(daemon_socket, model,
+                                                                      options, message):
+    """Issue 50: values that got through (min_offload_bytes=-5, blocks outside the model) or
+    got another library's error (lr='fast', a model that is no module, device='tpu'), and
+    threads=0, whose message named OffloadAdamW: each an InvalidArgumentError naming the option
+    as the user wrote it, before anything is set up."""
+    with pytest.raises(trainstream.InvalidArgumentError, match=message) as raised:
+        trainstream.wrap(model(), **options)
+    assert "OffloadAdamW" not in str(raised.value)
+
+
+def test_a_cuda_device_the_machine_lacks_is_refused_naming_what_it_has(daemon_socket):
+    """device='cuda' without a GPU (or 'cuda:N' past the GPUs there are) is refused by wrap()
+    and load_model() with what this machine takes, not torch's assertion."""
+    if torch.cuda.is_available():
+        device, allowed = f"cuda:{torch.cuda.device_count()}", "'cuda:0' to"
+    else:
+        device, allowed = "cuda", "None or 'cpu' on this machine"
+    with pytest.raises(trainstream.InvalidArgumentError, match=f"device='{device}' must be "
+                                                               f".*{allowed}"):
+        trainstream.wrap(TinyGPT(), device=device)
+    pytest.importorskip("transformers")
+    with pytest.raises(trainstream.InvalidArgumentError, match=f"load_model: device='{device}'"):
+        trainstream.load_model("/nonexistent", device=device)
 
 
 def test_misuse_gets_clear_errors(daemon_socket):

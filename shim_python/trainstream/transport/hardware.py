@@ -93,6 +93,10 @@ def profile_hardware(device: Any = None, quick: bool = True, force: bool = False
     AdamW's figures): only None is taken. ``"gpu"`` is None without a CUDA device."""
     from ..errors import InvalidArgumentError
 
+    for name, value in (("quick", quick), ("force", force), ("refresh", refresh)):
+        if value is not True and value is not False:
+            raise InvalidArgumentError(
+                f"profile_hardware: {name}={value!r} must be True or False")
     if threads is not None:
         raise InvalidArgumentError(
             f"profile_hardware: threads={threads!r}: the host AdamW runs in trainstreamd, on its "
