@@ -392,6 +392,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     pager, recompute = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
+    session.vram_target = paging.budget if paging is not None else None
     session.pager = pager
     session.recompute = recompute
     session.frozen = frozen

@@ -259,6 +259,28 @@ def test_a_cuda_device_the_machine_lacks_is_refused_naming_what_it_has(daemon_so
         trainstream.load_model("/nonexistent", device=device)
 
 
+def test_memory_report_has_trainstream_06s_plan_and_activation_keys(daemon_socket):
+    """memory_report() fills 0.6's plan.target_vram and plan.settled, activations'
+    offloaded_blocks, recompute_blocks and decision from what the run does: here a CPU run
+    (no VRAM plan: no target, settled) whose options page two blocks' activations and
+    recompute one."""
+    torch.manual_seed(2)
+    model, opt = trainstream.wrap(TinyGPT(layers=4), device="cpu", offload=True,
+                                  activation_offload=0.5, recompute=[3], min_offload_bytes=0)
+    train(model, opt, 1, device="cpu")
+    report = trainstream.memory_report(model)
+    assert report["plan"]["target_vram"] is None and report["plan"]["settled"] is True
+    activations = report["activations"]
+    assert activations["policy"] == ["offload", "offload", "keep", "recompute"]
+    assert activations["offloaded_blocks"] == [0, 1]
+    assert activations["recompute_blocks"] == [3]
+    decision = activations["decision"]
+    assert decision["by"] == "options" and "activation_offload=0.5" in decision["reason"]
+    assert decision["offloaded"] == [0, 1] and decision["recomputed"] == [3]
+    assert report["params"]["quantized_blocks"] == []
+    trainstream.unwrap(model)
+
+
 def test_misuse_gets_clear_errors(daemon_socket):
     model, opt = trainstream.wrap(TinyGPT().to(DEVICE))
     with pytest.raises(trainstream.FailedPreconditionError, match="already wrapped"):
