@@ -17,13 +17,14 @@ from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from .frozen.linear import BaseLinear, quantize_model
+from .frozen.linear import BaseLinear
 from .memory.blocks import find_blocks, has_forward
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
 from .transport.launcher import launcher_topology
 from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
+from .memory.quantization import quantize_model
 from .options import check_options
 from .inspection import pcie_bytes, session_transfers
 from .integrations.attention_backend import AttentionBackend, attention_modules
@@ -179,10 +180,16 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
                 f"matmuls, which {target} cannot run ({why}): pass outliers=0")
     if quantize not in (None, False, "none"):
         # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
-        done = quantize_model(model, quantize, config["quant_block_size"],
+        # The block stack's frozen layers, as TrainStream 0.6 quantizes: a frozen output head
+        # (and the embeddings) stay as they are.
+        done = quantize_model(model, quantize, blocks=config["blocks"],
+                              block_size=config["quant_block_size"],
                               outliers=config["outliers"])
-        events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
-                                        f"{quantize} in this process (load_base() and "
+        events.append(("wrap.quantize", f"{done['tensors']} frozen linear layers quantized to "
+                                        f"{quantize} in this process "
+                                        f"({done['bytes_before'] / 2**20:.1f} MiB -> "
+                                        f"{done['bytes_after'] / 2**20:.1f} MiB; a frozen "
+                                        "output head stays as it is; load_base() and "
                                         "attach_base() share one copy between processes)"))
     # Planned before the model moves: blocks whose weights stream never go to the device whole.
     paging = paging_choice(model, config, target)
@@ -226,8 +233,11 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
     from .memory import quantization
     from .memory.block_memory import vram_budget
 
-    if quantization.frozen_linear_count(model) == 0:
-        events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize"))
+    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    if quantization.frozen_linear_count(model, blocks) == 0:
+        events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize "
+                                        "(those of the block stack are; a frozen output head "
+                                        "stays as it is)"))
         return None
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == target)
@@ -237,7 +247,6 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
                                         f"{target.type} run has no VRAM budget to plan for; "
                                         "vram_budget= sets one)"))
         return None
-    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
     auto = [isinstance(config[k], str) and config[k] == "auto"
             for k in ("activation_offload", "recompute")]
     moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]

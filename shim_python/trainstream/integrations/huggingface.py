@@ -213,11 +213,12 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
         model = model.to(dtype)
         model.requires_grad_(False)
         if quantize not in ("auto", "bf16"):
-            from ..frozen.linear import quantize_model
+            from ..memory.quantization import quantize_model
 
-            for layer in decoder_layers(model):  # as a base: the head and embeddings as they are
-                quantize_model(layer, quantize, quant_block_size, fp8_matmul=fp8_matmul,
-                               outliers=outliers)
+            # As a base: the decoder layers, the head and embeddings as they are.
+            quantize_model(model, quantize, blocks=decoder_layers(model),
+                           block_size=quant_block_size, fp8_matmul=fp8_matmul,
+                           outliers=outliers)
         model._trainstream_loaded = 0
         model.trainstream_format = "bf16" if quantize in ("auto", "bf16") else quantize
         return model
