@@ -66,6 +66,10 @@ ACCEPTED = {
     # bounds activation paging only where no VRAM target exists, and wrap() always has one.
     "guard_params": (True,),
     "max_activation_slowdown": "a float >= 0 (wrap() plans against its VRAM budget instead)",
+    # Pooling the frozen blocks every rank streams in the GPUs' VRAM: not offered here, and
+    # meaningless on one GPU; taken so that a 0.6 call runs, with an event saying it is off.
+    "peer": "'auto', False, None or bytes >= 0 (TrainStream 0.6's peer-GPU pooling; off "
+            "here, an event says why)",
 }
 
 
@@ -196,6 +200,10 @@ def _check_values(options: dict) -> None:
     if not _is_int(least) or least < 0:
         raise _refuse("trainstream.wrap", "min_offload_bytes", least,
                       "an integer >= 0 (bytes: smaller saved activations stay on the device)")
+    peer = options.get("peer")
+    if not (peer is None or peer is False or (isinstance(peer, str) and peer == "auto")
+            or (_is_int(peer) and peer >= 0)):
+        raise _refuse("trainstream.wrap", "peer", peer, "'auto', False, None or bytes >= 0")
     check_device("trainstream.wrap", options.get("device"))
 
 

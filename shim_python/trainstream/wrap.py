@@ -115,7 +115,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
               "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
               "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15,
-              "attention": None, "outliers": 0}
+              "attention": None, "outliers": 0, "peer": None}
     config.update(options)
     events: list = []
 
@@ -400,6 +400,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     frozen = FrozenWeights(client)
     pager, recompute = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
+    if config["peer"] is not None and config["peer"] is not False:
+        events.append(("wrap.peer", _peer_off(config["peer"], world, topology.machines)))
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.vram_target = paging.budget if paging is not None else None
     session.pager = pager
@@ -468,6 +470,20 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     session.transfer_report = offload.register_step_post_hook(_transfer_reporter(session))
     attach(model, session)
     return model, offload
+
+
+def _peer_off(peer: Any, world: int, machines: int) -> str:
+    """Why ``peer=`` (TrainStream 0.6's pooling of frozen blocks in the GPUs' VRAM, copied GPU
+    to GPU) is off for this job."""
+    if world * machines <= 1:
+        why = ("this job is one process on one GPU: pooling frozen blocks across GPUs needs "
+               "data-parallel ranks on two or more GPUs of one machine, so there is no peer "
+               "to copy from")
+    else:
+        why = ("trainstream does not pool frozen blocks across GPUs: the ranks of this "
+               "machine share one host copy of a base in trainstreamd (load_base), and "
+               "attach_base(gpu_pool=True) keeps one VRAM copy per GPU for every process there")
+    return f"peer={peer!r}: peer-GPU pooling is off: {why}"
 
 
 def _transfer_reporter(session: TrainStreamSession) -> Any:

@@ -205,7 +205,7 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
     dict(host_arena=-5), dict(device="cpu", gradient_dtype="bfloat16"),
     dict(optimizer="sgd"), dict(guard_params=False), dict(max_activation_slowdown=-0.1),
     dict(min_offload_bytes=-5), dict(blocks=[torch.nn.Linear(4, 4)]), dict(lr="fast"),
-    dict(device="tpu"), dict(threads=0),
+    dict(device="tpu"), dict(threads=0), dict(peer="always"),
 ], ids=lambda o: ",".join(o))
 def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket, options):
     """``except trainstream.TrainStreamError`` catches every option wrap() refuses, and so does
@@ -232,7 +232,9 @@ def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket
     (lambda: "x", {}, r"model='x' \(a str\) must be a torch.nn.Module"),
     (TinyGPT, dict(device="tpu"), r"device='tpu' must be None, 'cpu', 'cuda', 'cuda:N'"),
     (TinyGPT, dict(threads=0), r"^trainstream.wrap: threads=0 must be None or an integer >= 1"),
-], ids=["min_offload_bytes", "blocks", "blocks-str", "lr", "model", "device", "threads"])
+    (TinyGPT, dict(peer="always"), r"peer='always' must be 'auto', False, None or bytes"),
+], ids=["min_offload_bytes", "blocks", "blocks-str", "lr", "model", "device", "threads",
+        "peer"])
 def test_a_bad_value_names_the_option_the_value_and_what_is_allowed(daemon_socket, model,
                                                                       options, message):
     """Issue 50: values that got through (min_offload_bytes=-5, blocks outside the model) or
@@ -257,6 +259,23 @@ def test_a_cuda_device_the_machine_lacks_is_refused_naming_what_it_has(daemon_so
     pytest.importorskip("transformers")
     with pytest.raises(trainstream.InvalidArgumentError, match=f"load_model: device='{device}'"):
         trainstream.load_model("/nonexistent", device=device)
+
+
+def test_peer_is_taken_and_an_event_says_why_it_is_off(daemon_socket):
+    """TrainStream 0.6's peer= ('auto', False, None, bytes): taken; on one GPU (or none) the
+    decision log says pooling across GPUs is off, and why."""
+    for peer in ("auto", 1 << 30):
+        model, _ = trainstream.wrap(TinyGPT(), peer=peer)
+        said = [e for e in model._trainstream_session.events if e["kind"] == "wrap.peer"]
+        assert len(said) == 1 and f"peer={peer!r}: peer-GPU pooling is off" in \
+            said[0]["message"] and "one process on one GPU" in said[0]["message"]
+        events = trainstream.memory_report(model)["events"]
+        assert any(e["kind"] == "client.wrap.peer" for e in events)
+        assert model._trainstream_session.peer is None
+        trainstream.unwrap(model)
+    model, _ = trainstream.wrap(TinyGPT(), peer=False)  # off as asked: nothing to say
+    assert not [e for e in model._trainstream_session.events if e["kind"] == "wrap.peer"]
+    trainstream.unwrap(model)
 
 
 def test_memory_report_has_trainstream_06s_plan_and_activation_keys(daemon_socket):
