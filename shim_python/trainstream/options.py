@@ -285,7 +285,6 @@ def check_options(options: dict, model: Any = _NO_MODEL) -> None:
             f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
 
 
-
 # load_model(): the formats it stores a base in, the dtypes it builds the model in, and the
 # config fields that count or size something (an override of one must be a positive integer;
 # None, where a config takes it, means "derived from the others").
