@@ -16,7 +16,8 @@ from .transport.device import cuda_available
 from .transport.host_optimizer import HostOptimizer, ParameterSpec
 from .frozen.store import SharedBase, bases, load_base
 from .frozen.gpu_pool import GpuBase, gpu_pools
-from .frozen.linear import BaseLinear, attach_base, quantize_model
+from .frozen.linear import BaseLinear, attach_base
+from .memory.quantization import quantize_model
 from .integrations.huggingface import load_model, wrap_hf
 from .integrations.losses import (causal_lm_loss, chunked_cross_entropy, dpo_loss,
                                   sequence_logprobs)

@@ -1,9 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The options ``wrap()`` accepts and their checks: a name it does not know, or a value it
-cannot take, is an ``InvalidArgumentError`` (a ``TrainStreamError`` and a ``ValueError``)
-naming what it accepts, before anything is set up."""
+"""The options ``wrap()`` and ``load_model()`` accept and their checks: a name they do not
+know, or a value they cannot take, is an ``InvalidArgumentError`` (a ``TrainStreamError`` and
+a ``ValueError``) whose message names the option, the value given and what is allowed, before
+anything is set up."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from .errors import InvalidArgumentError
 from .optim.offload_adamw import MOMENT_DTYPES, NONFINITE
@@ -34,7 +39,7 @@ ACCEPTED = {
     "blocks": "None or the list of repeated layer modules (found with find_blocks by default)",
     "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
     "activation_offload": "'auto', True, False, or a fraction 0.0-1.0 of the blocks",
-    "min_offload_bytes": "an integer: smaller saved activations stay on the device",
+    "min_offload_bytes": "an integer >= 0: smaller saved activations stay on the device",
     "recompute": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
     "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
     "vram_budget": "None or bytes: the VRAM the memory plan may use (default: what this process "
@@ -61,10 +66,156 @@ ACCEPTED = {
     # bounds activation paging only where no VRAM target exists, and wrap() always has one.
     "guard_params": (True,),
     "max_activation_slowdown": "a float >= 0 (wrap() plans against its VRAM budget instead)",
+    # Pooling the frozen blocks every rank streams in the GPUs' VRAM: not offered here, and
+    # meaningless on one GPU; taken so that a 0.6 call runs, with an event saying it is off.
+    "peer": "'auto', False, None or bytes >= 0 (TrainStream 0.6's peer-GPU pooling; off "
+            "here, an event says why)",
 }
 
 
-def check_options(options: dict) -> None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _refuse(where: str, name: str, value: Any, allowed: str) -> InvalidArgumentError:
+    """The error for ``name=value``: the option, the value given, and what it takes."""
+    return InvalidArgumentError(f"{where}: {name}={value!r} must be {allowed}")
+
+
+def check_model(model: Any) -> None:
+    """``wrap()``'s model: a ``torch.nn.Module`` with parameters to train."""
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(
+            f"trainstream.wrap: model={model!r} (a {type(model).__name__}) must be a "
+            "torch.nn.Module: the model to train")
+    if next(model.parameters(), None) is None:
+        raise InvalidArgumentError(
+            f"trainstream.wrap: model={type(model).__name__} has no parameters; it must be a "
+            "torch.nn.Module with parameters to train")
+
+
+def check_device(where: str, device: Any) -> None:
+    """``device``: None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` of those,
+    and a CUDA one only where torch finds that GPU."""
+    if device is None:
+        return
+    allowed = "None, 'cpu', 'cuda', 'cuda:N' or a torch.device of those"
+    target = None
+    if isinstance(device, (str, torch.device)):
+        try:
+            target = torch.device(device)
+        except (RuntimeError, ValueError):
+            target = None
+    if target is None or target.type not in ("cpu", "cuda"):
+        raise _refuse(where, "device", device, allowed)
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise _refuse(where, "device", device,
+                          "None or 'cpu' on this machine: torch finds no CUDA GPU here "
+                          "(torch.cuda.is_available() is False)")
+        if target.index is not None and target.index >= count:
+            raise _refuse(where, "device", device,
+                          f"None, 'cpu', 'cuda' or 'cuda:0' to 'cuda:{count - 1}': torch "
+                          f"finds {count} CUDA GPU{'s' if count > 1 else ''} here")
+
+
+def _check_blocks(blocks: Any, model: Any) -> None:
+    """``blocks``: None, or a list of the model's own modules (its repeated layers)."""
+    if blocks is None:
+        return
+    allowed = ("None or a list of the model's own repeated layer modules "
+               "(trainstream.find_blocks(model) finds them)")
+    if isinstance(blocks, (str, bytes, dict)) or (
+            isinstance(blocks, torch.nn.Module) and not isinstance(
+                blocks, (torch.nn.ModuleList, torch.nn.Sequential))):
+        raise _refuse("trainstream.wrap", "blocks", blocks, allowed)
+    try:
+        listed = list(blocks)
+    except TypeError:
+        raise _refuse("trainstream.wrap", "blocks", blocks, allowed) from None
+    model_given = isinstance(model, torch.nn.Module)
+    mine = {id(m) for m in model.modules()} if model_given else set()
+    params = {id(p) for p in model.parameters()} if model_given else set()
+
+    def of_the_model(block: torch.nn.Module) -> bool:
+        # One of its modules, or a container of its parts (which block_memory refuses with
+        # its own reason: a list of parts is not called).
+        held = [id(p) for p in block.parameters()]
+        return id(block) in mine or (bool(held) and all(i in params for i in held))
+
+    for i, block in enumerate(listed):
+        if not isinstance(block, torch.nn.Module):
+            raise InvalidArgumentError(
+                f"trainstream.wrap: blocks[{i}]={block!r} is a {type(block).__name__}; blocks "
+                f"must be {allowed}")
+        if model_given and not of_the_model(block):
+            raise InvalidArgumentError(
+                f"trainstream.wrap: blocks[{i}] (a {type(block).__name__}) is not a module "
+                f"of the model passed to wrap(); blocks must be {allowed}")
+
+
+def _check_paging(options: dict) -> None:
+    """prefetch_depth, and the kinds of value param_offload, activation_offload and recompute
+    take (which blocks a list names is checked against the block stack, in block_memory)."""
+    depth = options.get("prefetch_depth", 1)
+    if not _is_int(depth) or depth < 1:
+        raise _refuse("trainstream.wrap", "prefetch_depth", depth, ">= 1 (an integer: blocks "
+                      "fetched ahead)")
+    for name in ("param_offload", "activation_offload", "recompute"):
+        if name not in options:
+            continue
+        value = options[name]
+        lists = "" if name == "activation_offload" else " or a list of block indices"
+        allowed = f"'auto', True, False, a fraction 0.0-1.0{lists}"
+        if value is None or value is True or value is False or (
+                isinstance(value, str) and value == "auto"):
+            continue
+        if isinstance(value, float):
+            if not 0.0 <= value <= 1.0:
+                raise _refuse("trainstream.wrap", name, value, f"in [0, 1] ({allowed})")
+            continue
+        if lists and isinstance(value, (list, tuple)):
+            continue
+        raise InvalidArgumentError(
+            f"trainstream.wrap: {name}={value!r} is not one of {allowed}")
+
+
+def _check_values(options: dict) -> None:
+    """The options whose values were taken unchecked before: each named with what it takes."""
+    lr = options.get("lr", 1e-3)
+    if not _is_number(lr) or lr < 0:
+        raise _refuse("trainstream.wrap", "lr", lr, "a float >= 0 (the learning rate, used "
+                      "when optimizer is None)")
+    threads = options.get("threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise _refuse("trainstream.wrap", "threads", threads,
+                      "None or an integer >= 1 (the daemon's AdamW workers this job's pass "
+                      "may use; None: all of them)")
+    least = options.get("min_offload_bytes", 1 << 20)
+    if not _is_int(least) or least < 0:
+        raise _refuse("trainstream.wrap", "min_offload_bytes", least,
+                      "an integer >= 0 (bytes: smaller saved activations stay on the device)")
+    peer = options.get("peer")
+    if not (peer is None or peer is False or (isinstance(peer, str) and peer == "auto")
+            or (_is_int(peer) and peer >= 0)):
+        raise _refuse("trainstream.wrap", "peer", peer, "'auto', False, None or bytes >= 0")
+    check_device("trainstream.wrap", options.get("device"))
+
+
+_NO_MODEL = object()
+
+
+def check_options(options: dict, model: Any = _NO_MODEL) -> None:
+    """Checks ``wrap()``'s ``options`` (and ``model``, when given: a module with parameters,
+    of which ``blocks`` must name modules); raises ``InvalidArgumentError`` naming the option,
+    the value given and what it takes."""
+    if model is not _NO_MODEL:
+        check_model(model)
     if options.get("guard_params", True) is not True:
         raise InvalidArgumentError(
             "trainstream.wrap: guard_params=False (forwards reading weights while their update "
@@ -86,6 +237,9 @@ def check_options(options: dict) -> None:
             if not ok:
                 raise InvalidArgumentError(
                     f"trainstream.wrap: {name}={value!r} is not one of {accepted}")
+    _check_values(options)
+    _check_paging(options)
+    _check_blocks(options.get("blocks"), None if model is _NO_MODEL else model)
     steps = options.get("accumulation_steps", 1)
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(
@@ -130,3 +284,41 @@ def check_options(options: dict) -> None:
         raise InvalidArgumentError(
             f"trainstream.wrap: max_grad_norm={norm!r} must be None or a float > 0")
 
+
+# load_model(): the formats it stores a base in, the dtypes it builds the model in, and the
+# config fields that count or size something (an override of one must be a positive integer;
+# None, where a config takes it, means "derived from the others").
+LOAD_MODEL_QUANTIZE = ("auto", None, False, "none", "bf16", "int8", "nf4", "fp8", "nvfp4")
+LOAD_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CONFIG_SIZES = {"num_hidden_layers": False, "hidden_size": False, "intermediate_size": False,
+                 "num_attention_heads": False, "vocab_size": False,
+                 "max_position_embeddings": False, "num_key_value_heads": True,
+                 "head_dim": True}
+
+
+def check_load_model(quantize: Any, dtype: Any, ram_fraction: Any, quant_block_size: Any,
+                     config_overrides: dict) -> None:
+    """Checks ``load_model()``'s arguments (those a config of its own does not decide);
+    raises ``InvalidArgumentError`` naming the argument, the value given and what it takes."""
+    where = "load_model"
+    if not any(quantize is q or (isinstance(quantize, str) and quantize == q)
+               for q in LOAD_MODEL_QUANTIZE):
+        raise _refuse(where, "quantize", quantize, "one of 'auto', None, 'none', False, "
+                      "'int8', 'nf4', 'fp8', 'nvfp4'")
+    if not any(dtype is d for d in LOAD_MODEL_DTYPES):
+        raise _refuse(where, "dtype", dtype,
+                      "torch.bfloat16, torch.float16 or torch.float32 (the frozen weights' "
+                      "compute dtype)")
+    if not (_is_number(ram_fraction) and 0 < ram_fraction <= 1):
+        raise _refuse(where, "ram_fraction", ram_fraction, "a float in (0, 1]")
+    if not (_is_int(quant_block_size) and quant_block_size >= 0
+            and quant_block_size % 2 == 0):
+        raise _refuse(where, "quant_block_size", quant_block_size,
+                      "an even integer >= 2 (values per scale), or 0 for the format's own")
+    for name, value in config_overrides.items():
+        if name not in _CONFIG_SIZES or (value is None and _CONFIG_SIZES[name]):
+            continue
+        if not (_is_int(value) and value >= 1):
+            raise _refuse(where, name, value, "an integer >= 1" +
+                          (" or None" if _CONFIG_SIZES[name] else "") +
+                          " (a config field that counts or sizes the model's parts)")

@@ -12,7 +12,8 @@ from .errors import FailedPreconditionError
 from .frozen.gpu_pool import gpu_pools
 from .frozen.linear import BaseLinear, attached_base
 from .inspection import pcie_bytes, pinned_stats
-from .session import session_of
+from .memory.blocks import find_blocks
+from .session import TrainStreamSession, session_of
 
 
 def memory_report(model: torch.nn.Module | None = None) -> dict:
@@ -39,12 +40,16 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["optimizer"] = session.optimizer.stats()
     pager = session.pager
     quantized = [m for m in model.modules() if isinstance(m, BaseLinear)]
+    stack = _block_stack(model, session)
     report["params"] = {
         "paged_blocks": list(pager.paged) if pager else [],
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
         "quantize": session.config.get("quantize"),
         "quantized_layers": len(quantized),
+        # TrainStream 0.6's name: the blocks of the stack holding quantized weights.
+        "quantized_blocks": [i for i, block in enumerate(stack)
+                             if any(isinstance(m, BaseLinear) for m in block.modules())],
         # fp8 layers that multiply each call's largest input channels in bf16 (outliers=).
         "outliers": max((m.outliers for m in quantized), default=0.0),
         "outlier_layers": sum(1 for m in quantized if m.outliers),
@@ -63,6 +68,11 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
         "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
         "host_refused": pager.arena_refused if pager else None,
+        # TrainStream 0.6's names: the blocks that page their activations, those that
+        # recompute their forward, and what decided it.
+        "offloaded_blocks": [i for i, p in enumerate(policy) if p == "offload"],
+        "recompute_blocks": [i for i, p in enumerate(policy) if p == "recompute"],
+        "decision": _activation_decision(session, policy),
     }
     opt = session.optimizer
     to_device, to_host = pcie_bytes(session)
@@ -87,7 +97,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     hooks = {**opt.clock.report(opt.steps), **(pager.clock.report(opt.steps) if pager else {})}
     report["hooks"] = {"per_hook": hooks,
                        "ms_per_step": round(sum(h["ms_per_step"] for h in hooks.values()), 3)}
-    report["plan"] = session.plan.report() if session.plan is not None else None
+    report["plan"] = _plan_report(session)
     if session.attention is not None:  # attention=: the kernel chosen, and its timings
         report["attention"] = session.attention.report()
     report["frozen_host_bytes"] = session.frozen.bytes if session.frozen is not None else 0
@@ -121,3 +131,57 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["config"] = dict(session.config)
     return report
 
+
+
+def _block_stack(model: torch.nn.Module, session: TrainStreamSession) -> list:
+    """The block stack wrap() used: the pager's or the recompute's, else blocks=, else the one
+    find_blocks finds."""
+    if session.pager is not None:
+        return list(session.pager.blocks)
+    if session.recompute is not None:
+        return list(session.recompute.blocks)
+    blocks = session.config.get("blocks")
+    return list(blocks) if blocks is not None else find_blocks(model)
+
+
+def _activation_decision(session: TrainStreamSession, policy: list) -> dict:
+    """What decided the activation policy (TrainStream 0.6's ``activations.decision``): the
+    memory plan's measurements and reasons, or the options as given."""
+    decision = {"offloaded": [i for i, p in enumerate(policy) if p == "offload"],
+                "recomputed": [i for i, p in enumerate(policy) if p == "recompute"],
+                "kept": [i for i, p in enumerate(policy) if p == "keep"],
+                # Blocks moved back to VRAM after the policy was decided (0.6's keep_resident):
+                # the plan here decides where each block's activations go in one move.
+                "kept_blocks": []}
+    config = session.config
+    asked = (f"activation_offload={config.get('activation_offload')!r}, "
+             f"recompute={config.get('recompute')!r}")
+    plan = session.plan
+    if plan is not None:
+        decided = plan.plan
+        decision.update(
+            by="memory plan",
+            measured=dict(plan.measured),
+            reason=("; ".join(decided.history) if decided is not None and decided.history else
+                    "the probe step has not run yet: every block but the measured one "
+                    "recomputes or pages until it has"))
+    elif policy:
+        decision.update(by="options", reason=f"as asked: {asked}")
+    else:
+        decision.update(by="options", reason=f"nothing pages or recomputes ({asked}; no "
+                                               "VRAM plan decides it on this run)")
+    return decision
+
+
+def _plan_report(session: TrainStreamSession) -> dict:
+    """The memory plan: the adaptive plan's own report where one runs, with TrainStream 0.6's
+    ``target_vram`` (the VRAM the plan keeps a step under), ``settled`` (no longer adapting)
+    and ``budget`` beside it; otherwise those keys alone (a run no plan adapts: settled)."""
+    plan = session.plan
+    if plan is None:
+        return {"target_vram": session.vram_target, "settled": True, "adapting": False,
+                "budget": session.vram_target, "budget_bytes": session.vram_target,
+                "history": []}
+    report = plan.report()
+    report.update(target_vram=plan.budget, settled=not plan.adapting, budget=plan.budget)
+    return report

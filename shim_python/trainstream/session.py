@@ -28,6 +28,8 @@ class TrainStreamSession:
     loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks
     attention: Any = None     # integrations.attention_backend.AttentionBackend (attention=)
     transfer_report: Any = None  # the optimizer's step hook that hands the daemon PCIe totals
+    # The VRAM the memory plan keeps the step under (bytes; None: no plan, as on the CPU).
+    vram_target: int | None = None
 
     @property
     def adapting(self) -> bool:

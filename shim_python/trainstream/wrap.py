@@ -17,13 +17,14 @@ from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                            keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
-from .frozen.linear import BaseLinear, quantize_model
+from .frozen.linear import BaseLinear
 from .memory.blocks import find_blocks, has_forward
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
 from .transport.launcher import launcher_topology
 from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
+from .memory.quantization import quantize_model
 from .options import check_options
 from .inspection import pcie_bytes, session_transfers
 from .integrations.attention_backend import AttentionBackend, attention_modules
@@ -100,7 +101,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     :class:`trainstream.OffloadAdamW`, or ``None`` (one is made with ``lr``). Its
     hyper-parameters, groups and state move to the daemon. See the README for the options.
     """
-    check_options(options)
+    check_options(options, model)
     if session_of(model) is not None:
         raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
@@ -114,7 +115,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
               "quantize": None, "quant_block_size": 0, "prefer": "exact",
               "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
               "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15,
-              "attention": None, "outliers": 0}
+              "attention": None, "outliers": 0, "peer": None}
     config.update(options)
     events: list = []
 
@@ -181,10 +182,16 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
                 f"matmuls, which {target} cannot run ({why}): pass outliers=0")
     if quantize not in (None, False, "none"):
         # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
-        done = quantize_model(model, quantize, config["quant_block_size"],
+        # The block stack's frozen layers, as TrainStream 0.6 quantizes: a frozen output head
+        # (and the embeddings) stay as they are.
+        done = quantize_model(model, quantize, blocks=config["blocks"],
+                              block_size=config["quant_block_size"],
                               outliers=config["outliers"])
-        events.append(("wrap.quantize", f"{len(done)} frozen linear layers quantized to "
-                                        f"{quantize} in this process (load_base() and "
+        events.append(("wrap.quantize", f"{done['tensors']} frozen linear layers quantized to "
+                                        f"{quantize} in this process "
+                                        f"({done['bytes_before'] / 2**20:.1f} MiB -> "
+                                        f"{done['bytes_after'] / 2**20:.1f} MiB; a frozen "
+                                        "output head stays as it is; load_base() and "
                                         "attach_base() share one copy between processes)"))
     # Planned before the model moves: blocks whose weights stream never go to the device whole.
     paging = paging_choice(model, config, target)
@@ -228,8 +235,11 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
     from .memory import quantization
     from .memory.block_memory import vram_budget
 
-    if quantization.frozen_linear_count(model) == 0:
-        events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize"))
+    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    if quantization.frozen_linear_count(model, blocks) == 0:
+        events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize "
+                                        "(those of the block stack are; a frozen output head "
+                                        "stays as it is)"))
         return None
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == target)
@@ -239,7 +249,6 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
                                         f"{target.type} run has no VRAM budget to plan for; "
                                         "vram_budget= sets one)"))
         return None
-    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
     auto = [isinstance(config[k], str) and config[k] == "auto"
             for k in ("activation_offload", "recompute")]
     moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
@@ -393,7 +402,10 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     frozen = FrozenWeights(client)
     pager, recompute = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
+    if config["peer"] is not None and config["peer"] is not False:
+        events.append(("wrap.peer", _peer_off(config["peer"], world, topology.machines)))
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
+    session.vram_target = paging.budget if paging is not None else None
     session.pager = pager
     session.recompute = recompute
     session.frozen = frozen
@@ -460,6 +472,20 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     session.transfer_report = offload.register_step_post_hook(_transfer_reporter(session))
     attach(model, session)
     return model, offload
+
+
+def _peer_off(peer: Any, world: int, machines: int) -> str:
+    """Why ``peer=`` (TrainStream 0.6's pooling of frozen blocks in the GPUs' VRAM, copied GPU
+    to GPU) is off for this job."""
+    if world * machines <= 1:
+        why = ("this job is one process on one GPU: pooling frozen blocks across GPUs needs "
+               "data-parallel ranks on two or more GPUs of one machine, so there is no peer "
+               "to copy from")
+    else:
+        why = ("trainstream does not pool frozen blocks across GPUs: the ranks of this "
+               "machine share one host copy of a base in trainstreamd (load_base), and "
+               "attach_base(gpu_pool=True) keeps one VRAM copy per GPU for every process there")
+    return f"peer={peer!r}: peer-GPU pooling is off: {why}"
 
 
 def _transfer_reporter(session: TrainStreamSession) -> Any:

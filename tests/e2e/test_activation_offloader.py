@@ -2,8 +2,8 @@
 """ActivationOffloader without wrap(), in TrainStream 0.6's terms: the blocks it pages train
 bit-identically to the model left alone (on the CPU here, on the GPU under the gpu mark);
 "auto" measures a probe step and pages only the blocks the VRAM target cannot keep, the earliest
-first, and keep_resident() takes them back latest first; the seed's slowdown tuning is refused
-with what replaces it; remove() leaves the model as it was."""
+first, and keep_resident() takes them back latest first; the seed's tuning arguments are taken,
+checked and recorded with what replaces them; remove() leaves the model as it was."""
 
 from __future__ import annotations
 
@@ -120,11 +120,43 @@ def test_auto_on_the_cpu_without_a_target_pages_nothing_and_says_why():
     offloader.remove()
 
 
-def test_bad_choices_and_the_seeds_tuning_are_refused_with_the_reason():
+def test_the_seeds_tuning_arguments_are_taken_and_recorded_with_what_replaces_them():
+    """TrainStream 0.6's calibrate_steps, max_slowdown, tune_window, profile,
+    reserved_link_bytes, memory_pressure and recompute='auto': taken, recorded in .tuning with
+    an event saying what each tuned there, and training is what it is without them."""
+    alone, paged = _twins("cpu")
+    tuning = dict(calibrate_steps=3, max_slowdown=0.2, tune_window=3, profile=None,
+                  reserved_link_bytes=(1 << 20, 0), memory_pressure=False)
+    offloader = trainstream.ActivationOffloader(paged, paged.blocks, offload=[0, 1],
+                                                recompute="auto", min_bytes=0, **tuning)
+    assert offloader.tuning == tuning
+    [said] = [e["message"] for e in offloader.events if e["kind"] == "activations.tuning"]
+    for name in tuning:
+        assert f"{name}=" in said
+    assert "max_slowdown=0.2 recorded, no effect" in said and "vram_target" in said
+    assert offloader.policy == ["offload", "offload", "keep", "keep"]  # recompute="auto": none
+    assert _train(alone, 2) == _train(paged, 2)
+    offloader.remove()
+    auto = trainstream.ActivationOffloader(paged, paged.blocks)  # 0.6's default: "auto"
+    assert auto.tuning == {} and auto.policy == ["keep"] * 4
+    auto.remove()
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("calibrate_steps", 1, "an integer >= 2"), ("max_slowdown", -0.1, "a float >= 0"),
+    ("tune_window", 0, "an integer >= 1"), ("profile", "fast", "None or a HardwareProfile"),
+    ("reserved_link_bytes", -1, "bytes >= 0"), ("memory_pressure", "yes", "True or False"),
+])
+def test_a_bad_tuning_value_is_refused_naming_what_it_takes(name, value, allowed):
+    _, model = _twins("cpu")
+    with pytest.raises(trainstream.InvalidArgumentError,
+                       match=f"ActivationOffloader: {name}={value!r} must be {allowed}"):
+        trainstream.ActivationOffloader(model, model.blocks, **{name: value})
+
+
+def test_bad_choices_are_refused_with_the_reason():
     _, model = _twins("cpu")
     make = trainstream.ActivationOffloader
-    with pytest.raises(trainstream.InvalidArgumentError, match="no slowdown budget|takes no"):
-        make(model, model.blocks, max_slowdown=0.2)
     with pytest.raises(trainstream.InvalidArgumentError, match="names the last block"):
         make(model, model.blocks, offload=[3])
     with pytest.raises(trainstream.InvalidArgumentError, match="outside 0..3"):

@@ -160,15 +160,91 @@ def test_quantize_model_matches_a_base_quantized_by_the_daemon(client, tmp_path)
     net = frozen_net(1)
     safetensors_torch.save_file(base_weights(net), str(tmp_path / "model.safetensors"))
     local = copy.deepcopy(net)
-    assert sorted(trainstream.quantize_model(local, "nf4")) == sorted(
+    assert sorted(trainstream.quantize_model(local, "nf4")["layers"]) == sorted(
         f"blocks.{i}.{m}" for i in range(3) for m in ("up", "down"))
     shared = copy.deepcopy(net)
     trainstream.attach_base(shared, trainstream.load_base(str(tmp_path), format="nf4",
                                                           client=client, progress=False))
     x = torch.randn(4, 64)
     assert torch.equal(local(x), shared(x))
-    with pytest.raises(trainstream.InvalidArgumentError, match="format='fp4'"):
+    with pytest.raises(trainstream.InvalidArgumentError, match="quantize='fp4'"):
         trainstream.quantize_model(copy.deepcopy(net), "fp4")
+
+
+def test_quantize_model_takes_trainstream_06s_signature_and_returns_its_counts():
+    """quantize_model(model, quantize="nf4", *, blocks=None, block_size=64, pin_budget=None)
+    as TrainStream 0.6 has it: NF4 by default, the block stack's frozen linear weights only (a
+    frozen head outside it stays), {"tensors", "bytes_before", "bytes_after"} back; block=
+    (its name before 0.6) still sets block_size."""
+    net = frozen_net(1)
+    net.head.requires_grad_(False)
+    stack = [f"blocks.{i}.{m}" for i in range(3) for m in ("up", "down")]
+    before = sum(net.get_submodule(n).weight.numel() * 4 for n in stack)
+    done = trainstream.quantize_model(net)
+    assert done["tensors"] == 6 and sorted(done["layers"]) == sorted(stack)
+    layers = [net.get_submodule(n) for n in stack]
+    assert all(layer.stored.stored == "nf4" and layer.stored.block == 64 for layer in layers)
+    assert done["bytes_before"] == before
+    assert done["bytes_after"] == sum(layer.data.numel() + layer.scales.numel()
+                                      for layer in layers) < before / 4
+    assert type(net.head) is nn.Linear  # frozen, but no block's: as it was
+    other = frozen_net(1)
+    done = trainstream.quantize_model(other, "int8", blocks=[other.blocks[1]], block_size=32,
+                                      pin_budget=1 << 20)
+    assert sorted(done["layers"]) == ["blocks.1.down", "blocks.1.up"]
+    assert other.blocks[1].up.stored.block == 32 and type(other.blocks[0].up) is nn.Linear
+    old_name = frozen_net(1)
+    trainstream.quantize_model(old_name, "int8", block=16)
+    assert old_name.blocks[0].up.stored.block == 16
+    for bad, message in ((dict(quantize="fp4"), r"quantize='fp4' must be one of 'int8'"),
+                         (dict(block_size=3), "block_size=3 must be an even integer >= 2"),
+                         (dict(pin_budget=-1), "pin_budget=-1 must be None or bytes"),
+                         (dict(block=16, block_size=32), "give one of them"),
+                         (dict(blocks=["blocks.0"]), "blocks=.* must be None or a list")):
+        with pytest.raises(trainstream.InvalidArgumentError, match=message):
+            trainstream.quantize_model(frozen_net(1), **bad)
+
+
+def test_wrap_quantize_leaves_a_frozen_output_head_as_it_is(client):
+    """wrap(quantize=) quantizes the decoder layers' frozen weights and leaves a frozen lm_head
+    as it is, as TrainStream 0.6 does; memory_report() names the blocks quantized."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(4)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.requires_grad_(False)
+    model.model.norm.requires_grad_(True)  # something to train
+    model, opt = trainstream.wrap(model, lr=1e-3, device="cpu", quantize="int8")
+    assert type(model.lm_head) is nn.Linear
+    assert all(isinstance(layer.mlp.up_proj, trainstream.BaseLinear)
+               and isinstance(layer.self_attn.q_proj, trainstream.BaseLinear)
+               for layer in model.model.layers)
+    assert "14 frozen linear layers quantized to int8" in quantize_said(model)
+    assert "output head stays as it is" in quantize_said(model)
+    params = trainstream.memory_report(model)["params"]
+    assert params["quantized_blocks"] == [0, 1] and params["quantized_layers"] == 14
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_hidden_layers=-1), r"load_model: num_hidden_layers=-1 must be an integer >= 1"),
+    (dict(hidden_size="64"), r"load_model: hidden_size='64' must be an integer >= 1"),
+    (dict(dtype=torch.int8),
+     r"load_model: dtype=torch.int8 must be torch.bfloat16, torch.float16 or torch.float32"),
+    (dict(quantize="fp4"), r"load_model: quantize='fp4' must be one of 'auto', None"),
+    (dict(quant_block_size=3), r"load_model: quant_block_size=3 must be an even integer"),
+    (dict(device="tpu"), r"load_model: device='tpu' must be None, 'cpu', 'cuda'"),
+], ids=["layers", "hidden_size", "dtype", "quantize", "block", "device"])
+def test_load_model_refuses_a_bad_value_naming_it(tmp_path, bad, message):
+    """Issue 50: num_hidden_layers=-1 built a model with no layers and dtype=torch.int8 got
+    torch's error; each is an InvalidArgumentError naming the argument, the value and what it
+    takes, before anything is built."""
+    _tiny_qwen2_checkpoint(tmp_path)
+    with pytest.raises(trainstream.InvalidArgumentError, match=message):
+        trainstream.load_model(str(tmp_path), **{"random_weights": True, "device": "cpu",
+                                                 **bad})
 
 
 def test_wrap_quantizes_frozen_layers_when_asked(client, tmp_path):

@@ -167,9 +167,20 @@ def test_probe_measures_then_pages_or_recomputes_activations_bit_identically(dae
     assert policy[-1] == "keep" and set(policy[:-1]) <= {"keep", "offload", "recompute"}
     assert policy.count("keep") < len(policy)  # the budget forced a choice
     assert report["estimated_vram_bytes"] <= budget
+    # TrainStream 0.6's names: the VRAM target, not settled while the plan adapts.
+    assert report["target_vram"] == report["budget_bytes"] > 0 and report["settled"] is False
     losses += train(planned, p_opt, 5, device=DEVICE, start=1)
     assert losses == train(resident, r_opt, 6, device=DEVICE)
     assert not session.adapting  # settled after the steps that confirm the plan
+    final = trainstream.memory_report(planned)
+    assert final["plan"]["settled"] is True
+    activations = final["activations"]
+    for key, kind in (("offloaded_blocks", "offload"), ("recompute_blocks", "recompute")):
+        assert activations[key] == [i for i, p in enumerate(activations["policy"]) if p == kind]
+    decision = activations["decision"]
+    assert decision["by"] == "memory plan" and decision["reason"]
+    assert decision["measured"]["activation_bytes"] == final["plan"]["measured"][
+        "activation_bytes"]
     for kind in ("plan.probe", "plan.measured", "plan.applied", "plan.settled"):
         assert kind in kinds(planned), kind
     daemon_kinds = [e["kind"] for e in trainstream.memory_report(planned)["events"]]

@@ -59,6 +59,22 @@ def test_every_layer_reads_back_what_was_appended(resident):
     cache.close()
 
 
+def test_memory_and_stats_carry_trainstream_06s_keys_beside_ours():
+    """memory(): 0.6's device_bytes (resident layers and slots) and host_bytes (the pages);
+    .stats: 0.6's pages, prefetched and gathered beside h2d_bytes and d2h_bytes. On the CPU
+    nothing is filled ahead: every read of an offloaded layer is gathered when asked."""
+    cache = PagedKVCache(4, 16, resident_layers=2, page_tokens=4)
+    _feed(cache, 4, 20, "cpu")
+    memory, stats = cache.memory(), cache.stats
+    assert memory["device_bytes"] == memory["resident_bytes"] + memory["slot_bytes"] > 0
+    assert memory["host_bytes"] == memory["host_page_bytes"] > 0
+    # Two offloaded layers, each with extents of 16 and 16 positions: 8 pages of 4 apiece.
+    assert stats["pages"] == 2 * 8
+    assert stats["prefetched"] == 0 and stats["gathered"] == stats["prefetch_misses"] == 2 * 20
+    assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] == 2 * 2 * 25 * (2 * 3 * 8 * 4)
+    cache.close()
+
+
 def test_appends_that_straddle_two_extents_read_back_whole():
     cache = PagedKVCache(2, 4, resident_layers=0, page_tokens=2)
     g = torch.Generator().manual_seed(5)

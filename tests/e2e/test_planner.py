@@ -300,5 +300,43 @@ def test_profile_hardware_takes_trainstream_06s_signature(tmp_path, monkeypatch)
     assert ("no CUDA GPU" in text) == (not torch.cuda.is_available())
     assert trainstream.profile_hardware()["cached"] is True
     assert trainstream.profile_hardware(force=True, repeats=2, nbytes=8 << 20)["cached"] is False
-    with pytest.raises(trainstream.InvalidArgumentError, match="threads=4.*trainstreamd"):
-        trainstream.profile_hardware(threads=4)
+
+
+def test_profile_hardware_times_a_matmul_and_a_host_adamw_step(tmp_path, monkeypatch):
+    """As TrainStream 0.6's profile did: a matmul's throughput and a host AdamW step's (a torch
+    CPU AdamW step, on ``threads`` threads), cached with the copies; a profile cached before
+    they were measured gets them; threads and quick are checked."""
+    import json
+
+    import trainstream.hardware as hardware
+
+    monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    profile = trainstream.profile_hardware(threads=1, repeats=2, nbytes=8 << 20)
+    assert torch.get_num_threads() == threads  # set back after the step
+    matmul, adamw = profile["matmul"], profile["host_adamw"]
+    assert matmul["tflops"] > 0 and matmul["ms"] > 0
+    assert matmul["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert adamw["threads"] == 1 and adamw["elements"] == 1 << 20
+    assert adamw["gelems_per_s"] > 0 and "torch.optim.AdamW" in adamw["how"]
+    text = profile.summary()
+    assert f"matmul: {matmul['tflops']} TFLOPS" in text and "host AdamW: " in text
+    assert trainstream.profile_hardware(threads=1)["cached"] is True
+    # Other threads: the AdamW step is timed again on them.
+    assert trainstream.profile_hardware(threads=2, repeats=2)["host_adamw"]["threads"] == 2
+    # A profile cached without these figures (an older one) has them measured.
+    [path] = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
+    with open(path) as f:
+        old = json.load(f)
+    del old["matmul"], old["host_adamw"]
+    with open(path, "w") as f:
+        json.dump(old, f)
+    again = trainstream.profile_hardware(repeats=2)
+    assert again["cached"] is False and again["matmul"]["tflops"] > 0
+    assert again["host_copy_gbps"] == old["host_copy_gbps"]
+    for bad, message in ((dict(quick="yes"), "quick='yes' must be True or False"),
+                         (dict(force=1), "force=1 must be True or False"),
+                         (dict(threads=0), "threads=0 must be None or an integer >= 1"),
+                         (dict(threads=True), "threads=True must be None")):
+        with pytest.raises(trainstream.InvalidArgumentError, match=message):
+            trainstream.profile_hardware(**bad)

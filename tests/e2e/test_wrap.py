@@ -204,6 +204,8 @@ def test_wrapped_model_keeps_no_gradient_or_state_in_torch(daemon_socket):
     dict(vram_budget=-1), dict(gpu_state_blocks=-1), dict(max_grad_norm=0),
     dict(host_arena=-5), dict(device="cpu", gradient_dtype="bfloat16"),
     dict(optimizer="sgd"), dict(guard_params=False), dict(max_activation_slowdown=-0.1),
+    dict(min_offload_bytes=-5), dict(blocks=[torch.nn.Linear(4, 4)]), dict(lr="fast"),
+    dict(device="tpu"), dict(threads=0), dict(peer="always"),
 ], ids=lambda o: ",".join(o))
 def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket, options):
     """``except trainstream.TrainStreamError`` catches every option wrap() refuses, and so does
@@ -219,6 +221,83 @@ def test_every_bad_option_is_a_trainstream_error_and_a_value_error(daemon_socket
     assert named in str(raised.value), raised.value
     assert not hasattr(model, "_trainstream_session")
     assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
+
+
+@pytest.mark.parametrize("model, options, message", [
+    (TinyGPT, dict(min_offload_bytes=-5), r"min_offload_bytes=-5 must be an integer >= 0"),
+    (TinyGPT, dict(blocks=[torch.nn.Linear(4, 4)]),
+     r"blocks\[0\] \(a Linear\) is not a module of the model.*list of the model's own"),
+    (TinyGPT, dict(blocks="layers"), r"blocks='layers' must be None or a list of the model's"),
+    (TinyGPT, dict(lr="fast"), r"lr='fast' must be a float >= 0"),
+    (lambda: "x", {}, r"model='x' \(a str\) must be a torch.nn.Module"),
+    (TinyGPT, dict(device="tpu"), r"device='tpu' must be None, 'cpu', 'cuda', 'cuda:N'"),
+    (TinyGPT, dict(threads=0), r"^trainstream.wrap: threads=0 must be None or an integer >= 1"),
+    (TinyGPT, dict(peer="always"), r"peer='always' must be 'auto', False, None or bytes"),
+], ids=["min_offload_bytes", "blocks", "blocks-str", "lr", "model", "device", "threads",
+        "peer"])
+def test_a_bad_value_names_the_option_the_value_and_what_is_allowed(daemon_socket, model,
+                                                                      options, message):
+    """Issue 50: values that got through (min_offload_bytes=-5, blocks outside the model) or
+    got another library's error (lr='fast', a model that is no module, device='tpu'), and
+    threads=0, whose message named OffloadAdamW: each an InvalidArgumentError naming the option
+    as the user wrote it, before anything is set up."""
+    with pytest.raises(trainstream.InvalidArgumentError, match=message) as raised:
+        trainstream.wrap(model(), **options)
+    assert "OffloadAdamW" not in str(raised.value)
+
+
+def test_a_cuda_device_the_machine_lacks_is_refused_naming_what_it_has(daemon_socket):
+    """device='cuda' without a GPU (or 'cuda:N' past the GPUs there are) is refused by wrap()
+    and load_model() with what this machine takes, not torch's assertion."""
+    if torch.cuda.is_available():
+        device, allowed = f"cuda:{torch.cuda.device_count()}", "'cuda:0' to"
+    else:
+        device, allowed = "cuda", "None or 'cpu' on this machine"
+    with pytest.raises(trainstream.InvalidArgumentError, match=f"device='{device}' must be "
+                                                               f".*{allowed}"):
+        trainstream.wrap(TinyGPT(), device=device)
+    pytest.importorskip("transformers")
+    with pytest.raises(trainstream.InvalidArgumentError, match=f"load_model: device='{device}'"):
+        trainstream.load_model("/nonexistent", device=device)
+
+
+def test_peer_is_taken_and_an_event_says_why_it_is_off(daemon_socket):
+    """TrainStream 0.6's peer= ('auto', False, None, bytes): taken; on one GPU (or none) the
+    decision log says pooling across GPUs is off, and why."""
+    for peer in ("auto", 1 << 30):
+        model, _ = trainstream.wrap(TinyGPT(), peer=peer)
+        said = [e for e in model._trainstream_session.events if e["kind"] == "wrap.peer"]
+        assert len(said) == 1 and f"peer={peer!r}: peer-GPU pooling is off" in \
+            said[0]["message"] and "one process on one GPU" in said[0]["message"]
+        events = trainstream.memory_report(model)["events"]
+        assert any(e["kind"] == "client.wrap.peer" for e in events)
+        assert model._trainstream_session.peer is None
+        trainstream.unwrap(model)
+    model, _ = trainstream.wrap(TinyGPT(), peer=False)  # off as asked: nothing to say
+    assert not [e for e in model._trainstream_session.events if e["kind"] == "wrap.peer"]
+    trainstream.unwrap(model)
+
+
+def test_memory_report_has_trainstream_06s_plan_and_activation_keys(daemon_socket):
+    """memory_report() fills 0.6's plan.target_vram and plan.settled, activations'
+    offloaded_blocks, recompute_blocks and decision from what the run does: here a CPU run
+    (no VRAM plan: no target, settled) whose options page two blocks' activations and
+    recompute one."""
+    torch.manual_seed(2)
+    model, opt = trainstream.wrap(TinyGPT(layers=4), device="cpu", offload=True,
+                                  activation_offload=0.5, recompute=[3], min_offload_bytes=0)
+    train(model, opt, 1, device="cpu")
+    report = trainstream.memory_report(model)
+    assert report["plan"]["target_vram"] is None and report["plan"]["settled"] is True
+    activations = report["activations"]
+    assert activations["policy"] == ["offload", "offload", "keep", "recompute"]
+    assert activations["offloaded_blocks"] == [0, 1]
+    assert activations["recompute_blocks"] == [3]
+    decision = activations["decision"]
+    assert decision["by"] == "options" and "activation_offload=0.5" in decision["reason"]
+    assert decision["offloaded"] == [0, 1] and decision["recomputed"] == [3]
+    assert report["params"]["quantized_blocks"] == []
+    trainstream.unwrap(model)
 
 
 def test_misuse_gets_clear_errors(daemon_socket):

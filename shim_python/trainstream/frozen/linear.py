@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Linear layers whose frozen weight is a shared base's tensor (bf16 or quantized), and the
 functions that put them into a model: ``attach_base`` (weights from a daemon base, one host copy
-for every process) and ``quantize_model`` (weights quantized in this process).
+for every process) and ``quantize_layers`` (weights quantized in this process; the public
+``quantize_model``, memory/quantization.py, chooses which).
 
 A ``BaseLinear`` keeps the weight as stored; each forward turns it into the compute dtype (the
 CUDA kernel on a GPU, torch operations on the CPU), multiplies, and lets it go; backward does
@@ -334,24 +335,28 @@ def attached_base(model: nn.Module) -> tuple:
             getattr(model, "_trainstream_gpu_base", None))
 
 
-def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
-                   fp8_matmul: Any = "auto", outliers: Any = 0) -> list:
-    """Quantizes the frozen ``nn.Linear`` weights of ``model`` in this process (the daemon's
-    reference quantizer) into :class:`BaseLinear` layers on their device; returns their names.
-    Trainable layers, and those without frozen weights, stay as they are. For one host copy
-    shared by several processes, load the checkpoint with :func:`trainstream.load_base` and
-    :func:`attach_base` instead."""
+def quantize_layers(model: nn.Module, names: list, format: str, block: int = 0,
+                    fp8_matmul: Any = "auto", outliers: Any = 0) -> dict:
+    """Quantizes the frozen ``nn.Linear`` layers of ``model`` named in ``names`` in this process
+    (the daemon's reference quantizer) into :class:`BaseLinear` layers on their device; a name
+    that is not a frozen ``nn.Linear`` is left as it is. ``block``: values a scale (0: the
+    format's own). Returns ``{"layers": [names quantized], "bytes_before": ..., "bytes_after":
+    ...}`` (the weights' bytes as they were, and as stored with their scales).
+    :func:`trainstream.quantize_model` chooses the layers; for one host copy shared by several
+    processes, load the checkpoint with :func:`trainstream.load_base` and :func:`attach_base`
+    instead."""
     if format not in ("int8", "nf4", "fp8", "nvfp4"):
         raise InvalidArgumentError(f"format={format!r} is not one of int8, nf4, fp8, nvfp4")
     if outlier_fraction(outliers) and format != "fp8":
         raise InvalidArgumentError(
             f"outliers={outliers!r} splits FP8 tensor-core matmuls; {format} weights quantize "
             "no input here (use format='fp8', or outliers=0)")
-    done = []
+    done = {"layers": [], "bytes_before": 0, "bytes_after": 0}
+    wanted = set(names)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for name, module in list(model.named_modules()):
-            if (not isinstance(module, nn.Linear) or isinstance(module, BaseLinear)
-                    or module.weight.requires_grad):
+            if (name not in wanted or not isinstance(module, nn.Linear)
+                    or isinstance(module, BaseLinear) or module.weight.requires_grad):
                 continue
             w = module.weight.detach()
             data, scales, tensor_scale, block_used = _quantize_on_every_core(
@@ -366,7 +371,9 @@ def quantize_model(model: nn.Module, format: str = "int8", block: int = 0,
             layer = BaseLinear(stored, data.to(w.device), scales.to(w.device), bias,
                                compute_dtype=w.dtype, fp8_matmul=fp8_matmul, outliers=outliers)
             _replace(model, name, layer)
-            done.append(name)
+            done["layers"].append(name)
+            done["bytes_before"] += w.numel() * w.element_size()
+            done["bytes_after"] += data.numel() + scales.numel()
     return done
 
 

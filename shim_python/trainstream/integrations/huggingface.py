@@ -19,6 +19,7 @@ from ..frozen.store import load_base
 from ..errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError,
                       ResourceExhaustedError)
 from ..memory.blocks import find_blocks
+from ..options import check_device, check_load_model
 from ..wrap import wrap
 # Where TrainStream 0.6's users import them from, beside load_model.
 from .logprobs import causal_lm_logprobs, reference_logprobs
@@ -123,7 +124,6 @@ def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None,
             f"(hf download {name_or_path})") from e
 
 
-FORMATS = ("bf16", "int8", "nf4", "fp8", "nvfp4")
 # quantize="auto" weighs these, in this order: the first the daemon has room for.
 AUTO_FORMATS = ("bf16", "int8", "nf4")
 
@@ -193,13 +193,10 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:  # an optional dependency: only this function needs it
         raise FailedPreconditionError("load_model needs the transformers package") from e
+    check_load_model(quantize, dtype, ram_fraction, quant_block_size, config_overrides)
+    check_device("load_model", device)
     if quantize in (None, False, "none"):
         quantize = "bf16"
-    if quantize != "auto" and quantize not in FORMATS:
-        raise InvalidArgumentError(f"quantize={quantize!r} is not one of 'auto', None, 'none', "
-                                   "False, 'int8', 'nf4', 'fp8', 'nvfp4'")
-    if not (isinstance(ram_fraction, (int, float)) and 0 < ram_fraction <= 1):
-        raise InvalidArgumentError(f"load_model: ram_fraction={ram_fraction!r} must be in (0, 1]")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -216,11 +213,12 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
         model = model.to(dtype)
         model.requires_grad_(False)
         if quantize not in ("auto", "bf16"):
-            from ..frozen.linear import quantize_model
+            from ..memory.quantization import quantize_model
 
-            for layer in decoder_layers(model):  # as a base: the head and embeddings as they are
-                quantize_model(layer, quantize, quant_block_size, fp8_matmul=fp8_matmul,
-                               outliers=outliers)
+            # As a base: the decoder layers, the head and embeddings as they are.
+            quantize_model(model, quantize, blocks=decoder_layers(model),
+                           block_size=quant_block_size, fp8_matmul=fp8_matmul,
+                           outliers=outliers)
         model._trainstream_loaded = 0
         model.trainstream_format = "bf16" if quantize in ("auto", "bf16") else quantize
         return model

@@ -9,8 +9,9 @@ recompute their forward in backward instead.
 block saves, and the offloader then keeps in VRAM as many blocks' activations as the VRAM target
 holds, the latest first (backward reaches them first), and pages the earlier ones; those host
 memory cannot hold are recomputed. Without a VRAM target (on the CPU) nothing is paged. TrainStream
-0.6 tuned "auto" by the slowdown it measured instead; here, as in ``wrap()``, the target decides,
-and the seed's tuning arguments are refused with that said."""
+0.6 tuned "auto" by the slowdown it measured instead; here, as in ``wrap()``, the target decides.
+0.6's tuning arguments are accepted, checked and recorded (``.tuning``, and an event saying what
+each would have tuned), and change nothing."""
 
 from __future__ import annotations
 
@@ -24,7 +25,21 @@ from .blocks import has_forward
 # Working memory of the step beside the activations kept: a block's forward and the backward of
 # the block before it, each about one block's saved activations.
 _WORKING_BLOCKS = 2
-_SEED_TUNING = ("calibrate_steps", "max_slowdown", "tune_window", "profile")
+# TrainStream 0.6's tuning arguments: what each takes there, and why it changes nothing here.
+_SEED_TUNING = {
+    "calibrate_steps": ("an integer >= 2", "0.6 measured that many steps with nothing paged "
+                        "before tuning; here one probe step measures each block"),
+    "max_slowdown": ("a float >= 0", "0.6 paged until a step was that much slower; here what "
+                     "fits under vram_target stays in VRAM and the rest pages"),
+    "tune_window": ("an integer >= 1", "0.6 timed each setting over that many steps; here no "
+                    "setting is timed"),
+    "profile": ("None or a HardwareProfile", "0.6 sized its first guess from the link's "
+                "bandwidth; here the probe step's measurements decide"),
+    "reserved_link_bytes": ("bytes >= 0, or a pair of them", "0.6 counted the optimizer's "
+                            "PCIe traffic against the slowdown; here no slowdown is budgeted"),
+    "memory_pressure": ("True or False", "wrap() told 0.6 whether weights page; here "
+                        "weights_paged does, for the probe's event"),
+}
 
 
 def _host_available() -> int:
@@ -34,6 +49,33 @@ def _host_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _checked_tuning(options: dict) -> dict:
+    """TrainStream 0.6's tuning arguments given (see _SEED_TUNING), checked: {name: value}."""
+    for name, value in options.items():
+        if name not in _SEED_TUNING:
+            raise TypeError(f"ActivationOffloader() got an unexpected keyword argument "
+                            f"{name!r}")
+        if name in ("calibrate_steps", "tune_window"):
+            least = 2 if name == "calibrate_steps" else 1
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        elif name == "max_slowdown":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        elif name == "profile":
+            ok = value is None or isinstance(value, dict)
+        elif name == "reserved_link_bytes":
+            pair = value if isinstance(value, (tuple, list)) and len(value) == 2 else (value,)
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                     for v in pair)
+        else:  # memory_pressure
+            ok = value is True or value is False
+        if not ok:
+            raise InvalidArgumentError(
+                f"ActivationOffloader: {name}={value!r} must be {_SEED_TUNING[name][0]} "
+                f"(TrainStream 0.6's tuning argument; recorded here, with no effect: "
+                f"{_SEED_TUNING[name][1]})")
+    return dict(options)
 
 
 class ActivationOffloader:
@@ -46,26 +88,24 @@ class ActivationOffloader:
     are. ``prefetch_depth``: blocks brought back ahead of backward. ``max_inflight_bytes``: device
     memory held by copies still crossing to the host. ``vram_target``: the bytes the step may use
     on the device, for ``"auto"`` (default: what this process may use of the GPU, less 10%).
+    ``recompute="auto"`` (the default, as in 0.6): the blocks ``offload="auto"`` finds host
+    memory cannot hold recompute; with blocks named in ``offload``, none does.
     ``client``: a trainstream client whose daemon holds the host copies (counted there like any
-    buffer); default private pinned memory."""
+    buffer); default private pinned memory.
+
+    TrainStream 0.6's tuning arguments (``calibrate_steps``, ``max_slowdown``, ``tune_window``,
+    ``profile``, ``reserved_link_bytes``, ``memory_pressure``) are checked and recorded in
+    ``.tuning``, with an ``activations.tuning`` event saying what each tuned there; "auto" here
+    plans against the VRAM target instead, so they change nothing."""
 
     def __init__(self, model: torch.nn.Module, blocks: Iterable[torch.nn.Module],
                  offload: Any = "auto", *, min_bytes: int = 1 << 20, prefetch_depth: int = 1,
-                 max_inflight_bytes: int = 1 << 30, recompute: Any = False,
+                 max_inflight_bytes: int = 1 << 30, recompute: Any = "auto",
                  vram_target: int | None = None, client: Any = None, **seed_options: Any):
         from .pager import BlockPager
         from .recompute import Recompute
 
-        for name in seed_options:
-            if name not in _SEED_TUNING:
-                raise TypeError(f"ActivationOffloader() got an unexpected keyword argument "
-                                f"{name!r}")
-            if seed_options[name] is not None:
-                raise InvalidArgumentError(
-                    f"ActivationOffloader: {name}= tuned TrainStream 0.6's 'auto' by the "
-                    "slowdown it measured; here 'auto' keeps what fits under vram_target (what "
-                    "this process may use of the GPU by default) and pages the rest, so it "
-                    "takes no slowdown budget. Pass vram_target=, or name the blocks to page")
+        self.tuning = _checked_tuning(seed_options)
         self.blocks = list(blocks)
         count = len(self.blocks)
         if count < 2:
@@ -85,7 +125,8 @@ class ActivationOffloader:
                                            f"integer >= {1 if name == 'prefetch_depth' else 0}")
         self.adjustable = isinstance(offload, str) and offload == "auto"
         offloaded = [] if self.adjustable else self._chosen("offload", offload, count - 1)
-        recomputed = self._chosen("recompute", recompute, count)
+        recomputed = ([] if isinstance(recompute, str) and recompute == "auto"
+                      else self._chosen("recompute", recompute, count))
         both = sorted(set(offloaded) & set(recomputed))
         if both:
             raise InvalidArgumentError(
@@ -121,6 +162,10 @@ class ActivationOffloader:
         self.decision: dict = {"kept_blocks": []}
         self.block_bytes: int | None = None
         self.weights_paged = None  # wrap() sets it in TrainStream 0.6; nothing streams here
+        if self.tuning:
+            self._say("activations.tuning", "; ".join(
+                f"{name}={value!r} recorded, no effect: {_SEED_TUNING[name][1]}"
+                for name, value in self.tuning.items()))
         if self.adjustable:
             if self.vram_target is None:
                 self.decision.update(
@@ -162,7 +207,7 @@ class ActivationOffloader:
                     f"ActivationOffloader: offload={value!r} names the last block, whose "
                     "activations backward uses as soon as it starts: it keeps them")
             return picked
-        extra = "'auto', " if name == "offload" else ""
+        extra = "'auto', "
         raise InvalidArgumentError(f"ActivationOffloader: {name}={value!r} is not one of "
                                    f"{extra}True, False, a fraction 0.0-1.0 or block indices")
 

@@ -85,25 +85,17 @@ def paging_choice(model: torch.nn.Module, config: dict,
     is set up, so a bad choice costs nothing. None when nothing pages, recomputes or adapts."""
     from .blocks import find_blocks, has_forward
 
+    # Their kinds of value, and prefetch_depth, were checked with wrap()'s other options
+    # (options.py); which blocks a list names is checked here, against the stack.
     weights, acts, again = (config["param_offload"], config["activation_offload"],
                             config["recompute"])
     depth = config["prefetch_depth"]
-    if not isinstance(depth, int) or depth < 1:
-        raise InvalidArgumentError(f"trainstream.wrap: prefetch_depth={depth!r} must be >= 1")
 
     def is_auto(value: Any) -> bool:
         return isinstance(value, str) and value == "auto"
 
     def is_off(value: Any) -> bool:  # by identity: 0 and 1 are not False and True here
         return value is None or value is False or is_auto(value)
-
-    for name, value in (("param_offload", weights), ("activation_offload", acts),
-                        ("recompute", again)):
-        if not (is_off(value) or value is True or isinstance(value, (float, list, tuple))):
-            lists = "" if name == "activation_offload" else " or a list of block indices"
-            raise InvalidArgumentError(
-                f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
-                f"False, a fraction 0.0-1.0{lists}")
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == device)
     budget = vram_budget(device, config, on_device)
@@ -126,19 +118,13 @@ def paging_choice(model: torch.nn.Module, config: dict,
                 "need a repeated block stack; none was found (pass blocks=[...])")
         return None
 
-    def chosen(name: str, value: Any, count: int, allow_list: bool) -> list:
+    def chosen(name: str, value: Any, count: int) -> list:
         if is_off(value):
             return []
         if value is True:
             return list(range(count))
         if isinstance(value, float):
-            if not 0.0 <= value <= 1.0:
-                raise InvalidArgumentError(f"trainstream.wrap: {name}={value} must be in [0, 1]")
             return list(range(round(value * count)))
-        if not allow_list:
-            raise InvalidArgumentError(
-                f"trainstream.wrap: {name}={value!r} is not one of 'auto', True, "
-                "False or a fraction")
         picked = sorted(set(int(i) for i in value))
         if picked and not (0 <= picked[0] and picked[-1] < len(blocks)):
             raise InvalidArgumentError(
@@ -146,7 +132,7 @@ def paging_choice(model: torch.nn.Module, config: dict,
                 f"0..{len(blocks) - 1}")
         return picked
 
-    paged = chosen("param_offload", weights, len(blocks), True)
+    paged = chosen("param_offload", weights, len(blocks))
     events = []
     if is_auto(weights) and budget is not None:
         paged = weight_plan(model, blocks, budget, depth,
@@ -156,8 +142,8 @@ def paging_choice(model: torch.nn.Module, config: dict,
                                         f"weights: the weights do not fit in the "
                                         f"{budget / 2**30:.2f} GiB VRAM budget otherwise"))
     # The last block's activations are used as soon as backward starts: they always stay.
-    offloaded = chosen("activation_offload", acts, len(blocks) - 1, False)
-    recomputed = chosen("recompute", again, len(blocks), True)
+    offloaded = chosen("activation_offload", acts, len(blocks) - 1)
+    recomputed = chosen("recompute", again, len(blocks))
     both = sorted((set(paged) | set(offloaded)) & set(recomputed))
     if both:
         raise InvalidArgumentError(

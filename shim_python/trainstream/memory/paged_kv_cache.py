@@ -140,8 +140,11 @@ class PagedKVCache:
         self._indirect_extents = 0  # extents the pointer copies may not reach (see _Extent)
         self._copy_stream = None
         self._shape: tuple | None = None  # (batch, heads, head_dim, dtype, device)
-        self.stats = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
-                      "prefetch_misses": 0, "reallocations": 0, "pageable_extents": 0}
+        # What .stats reports (with TrainStream 0.6's names beside these); "prefetched": slots
+        # filled ahead of the layer that reads them.
+        self._counts = {"extents": 0, "d2h_bytes": 0, "h2d_bytes": 0, "prefetch_hits": 0,
+                        "prefetch_misses": 0, "reallocations": 0, "pageable_extents": 0,
+                        "prefetched": 0}
 
     # -- decisions -----------------------------------------------------------------------
 
@@ -191,7 +194,7 @@ class PagedKVCache:
                                 2 * (kv[0].shape[axis] if kv is not None else 0)), device,
                             position_major)
         if kv is not None:
-            self.stats["reallocations"] += 1
+            self._counts["reallocations"] += 1
             for old, new in zip(kv, grown):
                 new.narrow(axis, 0, old.shape[axis]).copy_(old)
         return grown
@@ -223,11 +226,11 @@ class PagedKVCache:
         # session opened without registration) through torch's, which then stage through
         # pageable memory and hold the CPU for each copy: said once, in stats.
         dma = device.type == "cuda" and buffer.cuda_registered
-        self.stats["pageable_extents"] += device.type == "cuda" and not dma
+        self._counts["pageable_extents"] += device.type == "cuda" and not dma
         extent = _Extent(have, positions, row, buffer, dtype, (batch, heads, dim), dma)
         self._indirect_extents += not extent.direct
         extents.append(extent)
-        self.stats["extents"] += 1
+        self._counts["extents"] += 1
 
     def _to_host(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copies positions ``start`` onward (``keys``, ``values``, position-major and
@@ -240,7 +243,7 @@ class PagedKVCache:
             if lo < hi:
                 extent.write(lo - extent.first, keys[lo - start:hi - start],
                              values[lo - start:hi - start])
-        self.stats["d2h_bytes"] += 2 * keys.numel() * keys.element_size()
+        self._counts["d2h_bytes"] += 2 * keys.numel() * keys.element_size()
 
     def _from_host(self, layer: int, tokens: int, slot: tuple) -> None:
         """The layer's first ``tokens`` positions into ``slot``, on the current stream: one
@@ -251,7 +254,7 @@ class PagedKVCache:
                 break
             extent.read(n, slot[0][extent.first:extent.first + n],
                         slot[1][extent.first:extent.first + n])
-        self.stats["h2d_bytes"] += 2 * tokens * slot[0][0].numel() * slot[0].element_size()
+        self._counts["h2d_bytes"] += 2 * tokens * slot[0][0].numel() * slot[0].element_size()
 
     # -- the cache -----------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class PagedKVCache:
         self._slots[index] = slot
         filled = self._filled.pop(index, None)
         if filled is not None and filled[:2] == (layer, start) and not resized:
-            self.stats["prefetch_hits"] += 1
+            self._counts["prefetch_hits"] += 1
             if cuda:
                 # Recorded after every earlier copy on the copy stream: the rows of the layers
                 # before, which that stream reads from the slot, are out too.
@@ -314,7 +317,7 @@ class PagedKVCache:
                 # (a prefetch); this layer's writes come after.
                 current.wait_stream(self._copy_stream)
             if start:
-                self.stats["prefetch_misses"] += 1
+                self._counts["prefetch_misses"] += 1
                 self._from_host(layer, start, slot)
         # Position-major, straight into the slot (the copy reorders them); host memory takes
         # them from the slot's rows.
@@ -348,6 +351,7 @@ class PagedKVCache:
                     _, done = self._slot_events(target[2])
                     done.record(stream)
                     self._filled[target[2]] = (target[0], target[1], done)
+                    self._counts["prefetched"] += 1
             else:
                 with torch.cuda.stream(stream):
                     self._to_host(layer, start, slot[0][start:start + count],
@@ -382,7 +386,7 @@ class PagedKVCache:
                 at = (lo - extent.first) * row
                 pieces.append((extent.keys_address + at, keys + lo * row, (hi - lo) * row))
                 pieces.append((extent.values_address + at, values + lo * row, (hi - lo) * row))
-        self.stats["d2h_bytes"] += 2 * count * row
+        self._counts["d2h_bytes"] += 2 * count * row
         return pieces
 
     def _fill_pieces(self, layer: int, tokens: int, index: int, slot: tuple) -> list:
@@ -398,7 +402,7 @@ class PagedKVCache:
             at = extent.first * row
             pieces.append((keys + at, extent.keys_address, n * row))
             pieces.append((values + at, extent.values_address, n * row))
-        self.stats["h2d_bytes"] += 2 * tokens * row
+        self._counts["h2d_bytes"] += 2 * tokens * row
         return pieces
 
     def _prefetch_target(self, layer: int) -> tuple | None:
@@ -428,6 +432,7 @@ class PagedKVCache:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         self._filled[index] = (nxt, tokens, done)
+        self._counts["prefetched"] += 1
 
     def _drop_storage(self) -> None:
         if self._copy_stream is not None:
@@ -457,12 +462,30 @@ class PagedKVCache:
         self._filled.clear()
 
     def memory(self) -> dict:
-        """Bytes held: VRAM (resident layers and the slots) and the daemon's host extents."""
+        """Bytes held: VRAM (resident layers and the slots) and the daemon's host extents;
+        with TrainStream 0.6's names beside them: ``device_bytes`` (the resident layers and the
+        slots together, on the device the keys live on) and ``host_bytes`` (the host pages)."""
         def size(kv: Any) -> int:
             return 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
 
         host = sum(b.nbytes for b in self._buffers) if self._buffers else 0
+        resident = sum(size(kv) for kv in self._device_kv.values())
+        slots = sum(size(s) for s in self._slots)
         return {"resident_layers": len(self.resident), "offloaded_layers": len(self.offloaded),
-                "resident_bytes": sum(size(kv) for kv in self._device_kv.values()),
-                "slot_bytes": sum(size(s) for s in self._slots),
-                "host_page_bytes": host, "tokens": max(self._lengths)}
+                "resident_bytes": resident, "slot_bytes": slots,
+                "host_page_bytes": host, "tokens": max(self._lengths),
+                "device_bytes": resident + slots, "host_bytes": host}
+
+    @property
+    def stats(self) -> dict:
+        """Counts since the cache was made: ``extents`` (host extents taken), ``d2h_bytes`` and
+        ``h2d_bytes``, ``prefetch_hits`` and ``prefetch_misses`` (an offloaded layer's slot
+        filled ahead, or filled when the layer asked), ``reallocations``, ``pageable_extents``;
+        and TrainStream 0.6's names: ``pages`` (host pages of ``page_tokens`` positions held),
+        ``prefetched`` (slots filled ahead of time) and ``gathered`` (slots filled on
+        demand)."""
+        counts = dict(self._counts)
+        counts["pages"] = sum(extent.positions // self.page_tokens
+                              for extents in self._extents.values() for extent in extents)
+        counts["gathered"] = counts["prefetch_misses"]
+        return counts

@@ -1,7 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``wrap(quantize="auto")``: whether the frozen linear weights are stored quantized, decided
-before the memory plan from their sizes, the VRAM budget and the host memory the daemon has
-free.
+"""Which frozen linear weights are stored quantized, and in what format.
+
+``quantize_model()`` (TrainStream 0.6's signature) quantizes the frozen linear layers of the
+block stack in this process; a frozen output head and the embeddings stay as they are, as in
+0.6 (a model without a stack: every frozen linear layer but its output head).
+``quantizable_layers()`` names them, for it and for the choice below.
+
+``wrap(quantize="auto")``: whether those weights are stored quantized, decided before the memory
+plan from their sizes, the VRAM budget and the host memory the daemon has free.
 
 Candidates, in order: the weights as they are, int8, NF4. ``prefer="exact"`` (the default) takes
 the first the run fits with: as they are, blocks may stream their weights from host memory,
@@ -13,11 +19,14 @@ first that keeps every block in VRAM, and falls back to the rule above when none
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
-from ..frozen.linear import BaseLinear
+from ..errors import InvalidArgumentError
+from ..frozen.fp8_matmul import outlier_fraction
+from ..frozen.linear import BaseLinear, quantize_layers
+from .blocks import find_blocks
 from .weight_plan import weight_plan_for_sizes
 from .planner import MemoryPlanError, size
 
@@ -56,11 +65,94 @@ class Candidate:
             self.fmt is None or self.streamed == 0)
 
 
-def _frozen_linear(module: nn.Module) -> list:
-    # A BaseLinear is stored as its base keeps it already (and has no weight of its own).
-    return [m.weight for m in module.modules()
-            if isinstance(m, nn.Linear) and not isinstance(m, BaseLinear)
+FORMATS = ("int8", "nf4", "fp8", "nvfp4")
+
+
+def _output_head(model: nn.Module) -> Any:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def quantizable_layers(model: nn.Module, blocks: Any = None) -> list:
+    """The names (as ``model.named_modules()`` gives them) of the frozen ``nn.Linear`` layers
+    :func:`quantize_model` quantizes: those inside ``blocks`` (default: the stack
+    :func:`trainstream.find_blocks` finds); for a model without a stack, every frozen one but
+    its output head (``get_output_embeddings()``). A ``BaseLinear`` is stored as its base keeps
+    it already, and is not named."""
+    stack = list(blocks) if blocks is not None else find_blocks(model)
+    if stack:
+        inside = {id(m) for block in stack for m in block.modules()}
+    else:
+        head = _output_head(model)
+        inside = {id(m) for m in model.modules() if m is not head}
+    return [name for name, m in model.named_modules()
+            if id(m) in inside and isinstance(m, nn.Linear) and not isinstance(m, BaseLinear)
             and not m.weight.requires_grad]
+
+
+def quantize_model(model: nn.Module, quantize: str = "nf4", *, blocks: Any = None,
+                   block_size: int = 64, pin_budget: int | None = None,
+                   fp8_matmul: Any = "auto", outliers: Any = 0,
+                   block: int | None = None) -> dict:
+    """Quantizes the frozen linear weights of ``model``'s block stack in place, in this process
+    (the daemon's reference quantizer, every core), into :class:`trainstream.BaseLinear` layers
+    on their device, before ``wrap()``; TrainStream 0.6's signature and defaults.
+
+    ``quantize``: ``"int8"``, ``"nf4"`` (the default), ``"fp8"`` or ``"nvfp4"``. ``blocks``:
+    the layer stack (default: :func:`trainstream.find_blocks`'); a frozen output head and the
+    embeddings stay as they are; a model without a stack has every frozen linear layer but its
+    output head quantized. Trainable layers stay as they are. ``block_size``: values per scale
+    for int8 and NF4, an even number >= 2, or 0 for the format's own (64); FP8 and NVFP4 use
+    their fixed 32 and 16. ``block`` is its name before 0.6. ``pin_budget`` (None or bytes) is
+    checked and has no effect: the quantized bytes are ordinary tensors on the weights' device,
+    and the page-locked host copies of blocks that stream are the daemon's, within its budget.
+    ``fp8_matmul`` and ``outliers``: see :class:`trainstream.BaseLinear`.
+
+    Returns ``{"tensors": count, "bytes_before": ..., "bytes_after": ..., "layers": [names]}``:
+    the weights quantized, their bytes before and as stored (scales included), and their
+    names. For one host copy shared by several processes, load the checkpoint with
+    :func:`trainstream.load_base` and :func:`trainstream.attach_base` instead."""
+    if quantize not in FORMATS:
+        raise InvalidArgumentError(
+            f"quantize_model: quantize={quantize!r} must be one of {', '.join(map(repr, FORMATS))}")
+    if block is not None:
+        if block_size not in (64, block):
+            raise InvalidArgumentError(
+                f"quantize_model: block={block!r} and block_size={block_size!r}: block is "
+                "block_size's name before 0.6; give one of them")
+        block_size = block
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool)
+            and block_size >= 0 and block_size % 2 == 0):
+        raise InvalidArgumentError(
+            f"quantize_model: block_size={block_size!r} must be an even integer >= 2 (values "
+            "per scale), or 0 for the format's own")
+    if pin_budget is not None and not (isinstance(pin_budget, int)
+                                       and not isinstance(pin_budget, bool) and pin_budget >= 0):
+        raise InvalidArgumentError(
+            f"quantize_model: pin_budget={pin_budget!r} must be None or bytes >= 0")
+    if outlier_fraction(outliers) and quantize != "fp8":
+        raise InvalidArgumentError(
+            f"quantize_model: outliers={outliers!r} splits FP8 tensor-core matmuls; {quantize} "
+            "weights quantize no input here (use quantize='fp8', or outliers=0)")
+    if blocks is not None and not all(isinstance(b, nn.Module) for b in blocks):
+        raise InvalidArgumentError(
+            f"quantize_model: blocks={blocks!r} must be None or a list of the model's layer "
+            "modules")
+    names = quantizable_layers(model, blocks)
+    # FP8 and NVFP4 scale fixed blocks of their own (32 and 16 values).
+    done = quantize_layers(model, names, quantize, block_size if quantize in ("int8", "nf4")
+                           else 0, fp8_matmul=fp8_matmul, outliers=outliers)
+    return {"tensors": len(done["layers"]), "bytes_before": done["bytes_before"],
+            "bytes_after": done["bytes_after"], "layers": done["layers"]}
+
+
+def _frozen_linear(model: nn.Module, blocks: Any = None) -> list:
+    """The weights :func:`quantize_model` would quantize."""
+    names = set(quantizable_layers(model, blocks))
+    return [m.weight for name, m in model.named_modules() if name in names]
 
 
 def _frozen_bytes(module: nn.Module) -> int:
@@ -96,7 +188,7 @@ def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: b
     weights = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in weights.values())
     block_ids = [{id(p) for p in blk.parameters()} for blk in blocks]
-    frozen = _frozen_linear(model)
+    frozen = _frozen_linear(model, blocks)
     tied = _shared(model)
     room = None
     out = []
@@ -159,6 +251,7 @@ def explain(options: list, chosen: Candidate, budget: int, blocks: int, prefer: 
             + "; ".join(said) + ")")
 
 
-def frozen_linear_count(model: nn.Module) -> int:
-    return len(_frozen_linear(model))
+def frozen_linear_count(model: nn.Module, blocks: Any = None) -> int:
+    """How many frozen linear layers :func:`quantize_model` would quantize."""
+    return len(quantizable_layers(model, blocks))
 
