@@ -36,6 +36,32 @@ std::optional<uint32_t> JobOptimizer::RankOfSenderLocked(const std::string& sess
 void JobOptimizer::OnGradientReady(const std::string& session_id,
                                    const ipc::DoorbellMessage& message) {
   absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kGradientReady, session_id, message})) return;
+  GradientReadyLocked(session_id, message);
+}
+
+void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kReduced, session_id, message})) return;
+  ReducedLocked(session_id, message);
+}
+
+void JobOptimizer::OnNormContribution(const std::string& session_id,
+                                      const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kNormContribution, session_id, message})) return;
+  NormContributionLocked(session_id, message);
+}
+
+void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
+  absl::MutexLock lock(&mu_);
+  // After the session's messages that are waiting, as they came.
+  if (DeferLocked({Deferred::Kind::kSessionEnded, session_id, {}, clean})) return;
+  SessionEndedLocked(session_id, clean);
+}
+
+void JobOptimizer::GradientReadyLocked(const std::string& session_id,
+                                       const ipc::DoorbellMessage& message) {
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank) return;
   if (!failure_.empty()) {
@@ -188,8 +214,8 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
   }
 }
 
-void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::ReducedLocked(const std::string& session_id,
+                                 const ipc::DoorbellMessage& message) {
   last_activity_ = absl::Now();
   auto leader = rank_sessions_.find(0);
   if (settings_.machines < 2 || leader == rank_sessions_.end() || leader->second != session_id) {
@@ -223,9 +249,8 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
   }
 }
 
-void JobOptimizer::OnNormContribution(const std::string& session_id,
-                                      const ipc::DoorbellMessage& message) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::NormContributionLocked(const std::string& session_id,
+                                          const ipc::DoorbellMessage& message) {
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank || !failure_.empty()) return;
   const double sum_squares = std::bit_cast<double>(message.value);
@@ -327,8 +352,7 @@ bool JobOptimizer::InProgressLocked() const {
   return false;
 }
 
-void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::SessionEndedLocked(const std::string& session_id, bool clean) {
   std::optional<uint32_t> rank;
   for (const auto& [r, s] : rank_sessions_) {
     if (s == session_id) rank = r;
@@ -398,8 +422,8 @@ void JobOptimizer::RunOnPoolLocked(std::function<void()> task) {
   });
 }
 
-void JobOptimizer::AwaitTasksLocked() {
-  mu_.Await(absl::Condition(this, &JobOptimizer::NoTasksLocked));
+void JobOptimizer::AwaitQuietLocked() {
+  mu_.Await(absl::Condition(this, &JobOptimizer::QuietLocked));
 }
 
 void JobOptimizer::SendToAll(const ipc::DoorbellMessage& message) {
