@@ -166,6 +166,8 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   }
   registered_ = true;
   rank_sessions_[rank] = session_id;
+  departed_.erase(rank);  // back (a restarted process)
+  finished_ = false;
   if (!result.initialize && params_.size() > before) {
     uint64_t added = 0;
     for (size_t i = before; i < params_.size(); ++i) added += params_[i].desc.numel;

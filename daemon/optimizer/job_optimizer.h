@@ -84,6 +84,9 @@ struct OptimizerReport {
 // and its kUpdateDone points at the value already in place. So every tensor steps once per
 // iteration, as in a run without the failure, but such a tensor's step used the gradient of the
 // failed attempt, not the redone one (identical when the ranks' gradients are reproducible).
+// A rank that closes its session between iterations is done, not failed: the ranks of a job
+// that ends close one after another. The job fails only if another rank steps on without it;
+// once every rank has closed its session so, with no failure, the job is "finished".
 // The lock is never held through a checkpoint's file I/O: the doorbell thread, which serves
 // every job, takes it for each message. While a checkpoint is written from or read into the
 // state, the job's doorbell messages (and its sessions' ends) wait in order in the job's own
@@ -122,7 +125,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // part of the step's global norm.
   void OnNormContribution(const std::string& session_id, const ipc::DoorbellMessage& message);
 
-  // A session of the job ended: a rank that leaves mid-job fails it.
+  // A session of the job ended (`clean`: closed by its client): a rank that dies while others
+  // are attached, or leaves mid-iteration, fails the job; one that closes its session between
+  // iterations fails it only when another rank posts a gradient without it.
   void OnSessionEnded(const std::string& session_id, bool clean);
 
   // New hyper-parameters (a scheduler's lr, ...). Between iterations they apply at once.
@@ -317,6 +322,12 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   std::optional<Retune> next_groups_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
+  // Ranks that closed their sessions between iterations while others stayed attached, and have
+  // not registered again: a gradient posted without them fails the job.
+  std::set<uint32_t> departed_ ABSL_GUARDED_BY(mu_);
+  // Every rank closed its session between iterations, with no failure, and none has registered
+  // since (Report's "finished").
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
   size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool

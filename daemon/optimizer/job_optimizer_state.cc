@@ -28,6 +28,7 @@ OptimizerReport JobOptimizer::Report() const {
   r.last_step = last_report_;
   r.state = !failure_.empty() ? "failed: " + failure_
             : InProgressLocked() ? "stepping"
+            : finished_          ? "finished"
                                  : "ready";
   return r;
 }

@@ -69,6 +69,11 @@ void JobOptimizer::GradientReadyLocked(const std::string& session_id,
                               kFailedPreconditionCode));
     return;
   }
+  if (!departed_.empty()) {
+    FailLocked(absl::StrFormat("rank %d left the job; the other ranks cannot step without it",
+                               *departed_.begin()));
+    return;
+  }
   if (message.id >= params_.size()) {
     FailLocked(absl::StrFormat("rank %d posted a gradient for parameter %d; the job has %d",
                                *rank, message.id, params_.size()));
@@ -365,8 +370,12 @@ void JobOptimizer::SessionEndedLocked(const std::string& session_id, bool clean)
     FailLocked(absl::StrFormat("rank %d %s at iteration %d; the job cannot go on without it",
                                *rank, clean ? "left" : "died", iteration_ + 1));
   } else if (others) {
-    FailLocked(absl::StrFormat("rank %d left the job; the other ranks cannot step without it",
-                               *rank));
+    // Failing the others now would list every job whose ranks end one after another (all of
+    // them) as failed. They are told if they step again (GradientReadyLocked).
+    departed_.insert(*rank);
+  } else {
+    departed_.clear();  // the next ranks to register start the job over
+    finished_ = clean && failure_.empty();
   }
 }
 
