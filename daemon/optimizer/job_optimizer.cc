@@ -91,9 +91,10 @@ absl::Status JobOptimizer::SetGroups(const std::vector<GroupHyperParameters>& gr
     return absl::FailedPreconditionError(
         "clipping can be retuned but not switched on or off after creation");
   }
-  if (InProgressLocked()) {
+  if (StepPendingLocked()) {
     // Some tensors of this iteration may have stepped already (updates start as gradients
     // land): the rest step with the same values, and the new ones wait for the next iteration.
+    // Gradients that wait for a checkpoint's I/O count: they came first.
     next_groups_ = Retune{groups, max_grad_norm};
     deps_.events->Emit("optimizer.groups_deferred",
                        absl::StrFormat("job '%s': new hyper-parameters arrived during iteration "
@@ -113,8 +114,9 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   absl::MutexLock lock(&mu_);
   // The failed iteration's tasks finish first: one still queued when the progress is reset
   // below would count its chunk against the iteration that follows (and hang it), or write a
-  // tensor that a new update is writing.
-  if (!failure_.empty()) AwaitTasksLocked();
+  // tensor that a new update is writing. So does a checkpoint in flight, whose arrays are the
+  // parameter list this may change.
+  AwaitQuietLocked();
   // Every refusal comes before anything changes, and what this call allocates is given back if a
   // later allocation fails: a registration that returns an error leaves the job as it was.
   RETURN_IF_ERROR(CheckRegistrationLocked(session_id, rank, params));
@@ -164,6 +166,8 @@ absl::StatusOr<RegistrationResult> JobOptimizer::Register(
   }
   registered_ = true;
   rank_sessions_[rank] = session_id;
+  departed_.erase(rank);  // back (a restarted process)
+  finished_ = false;
   if (!result.initialize && params_.size() > before) {
     uint64_t added = 0;
     for (size_t i = before; i < params_.size(); ++i) added += params_[i].desc.numel;
@@ -370,7 +374,7 @@ absl::Time JobOptimizer::last_activity() const {
 
 bool JobOptimizer::IdleFor(absl::Duration retention, absl::Time now) const {
   if (!mu_.TryLock()) return false;
-  const bool idle = rank_sessions_.empty() && now - last_activity_ > retention;
+  const bool idle = !file_io_ && rank_sessions_.empty() && now - last_activity_ > retention;
   mu_.Unlock();
   return idle;
 }

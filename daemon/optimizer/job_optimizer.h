@@ -84,6 +84,13 @@ struct OptimizerReport {
 // and its kUpdateDone points at the value already in place. So every tensor steps once per
 // iteration, as in a run without the failure, but such a tensor's step used the gradient of the
 // failed attempt, not the redone one (identical when the ranks' gradients are reproducible).
+// A rank that closes its session between iterations is done, not failed: the ranks of a job
+// that ends close one after another. The job fails only if another rank steps on without it;
+// once every rank has closed its session so, with no failure, the job is "finished".
+// The lock is never held through a checkpoint's file I/O: the doorbell thread, which serves
+// every job, takes it for each message. While a checkpoint is written from or read into the
+// state, the job's doorbell messages (and its sessions' ends) wait in order in the job's own
+// queue, and run when the I/O is over, on the thread that did it.
 // Thread-safe; update tasks keep the object alive (shared_from_this). Its definitions are split by
 // responsibility: job_optimizer.cc (creation, registration), job_optimizer_step.cc (gradients in,
 // iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes) and
@@ -118,7 +125,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // part of the step's global norm.
   void OnNormContribution(const std::string& session_id, const ipc::DoorbellMessage& message);
 
-  // A session of the job ended: a rank that leaves mid-job fails it.
+  // A session of the job ended (`clean`: closed by its client): a rank that dies while others
+  // are attached, or leaves mid-iteration, fails the job; one that closes its session between
+  // iterations fails it only when another rank posts a gradient without it.
   void OnSessionEnded(const std::string& session_id, bool clean);
 
   // New hyper-parameters (a scheduler's lr, ...). Between iterations they apply at once.
@@ -133,18 +142,23 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // After importing state: the completed iterations and each parameter's step count.
   absl::Status SetSteps(uint64_t iteration, const std::vector<uint64_t>& param_steps);
 
-  // Checkpoints (see checkpoint.h). FAILED_PRECONDITION while a step is in progress.
+  // Checkpoints (see checkpoint.h). FAILED_PRECONDITION while a step is in progress. A second
+  // checkpoint of the job waits for the one in flight; the job's messages wait for either.
   absl::StatusOr<uint64_t> Save(const std::string& path);
   // Into a file the client opened and handed over (`name` for errors).
   absl::StatusOr<uint64_t> SaveTo(int fd, const std::string& name);
+  // What Save and SaveTo do, with `write` (checkpoint.h's writers, or a test's) given the state
+  // in place and called without the job's lock; returns what `write` returns.
+  using CheckpointWriter = std::function<absl::StatusOr<uint64_t>(const CheckpointContents&)>;
+  absl::StatusOr<uint64_t> SaveWith(const CheckpointWriter& write);
   absl::Status Load(const std::string& path, const FileSource& source = Filesystem());
 
   OptimizerReport Report() const;
   bool has_sessions() const;
   absl::Time last_activity() const;
   // Whether no session has used the job for `retention` (at `now`). Never waits: a job whose
-  // lock is held (writing a checkpoint, say) is busy, not idle. The registry asks this under its
-  // own lock, which the doorbell thread needs for every job's gradients.
+  // lock is held is busy, not idle, and so is one writing or reading a checkpoint. The registry
+  // asks this under its own lock, which the doorbell thread needs for every job's gradients.
   bool IdleFor(absl::Duration retention, absl::Time now) const;
 
  private:
@@ -185,8 +199,45 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     size_t chunks_left = 0;
   };
 
+  // A doorbell message, or a session's end, that came while a checkpoint's I/O was in flight.
+  struct Deferred {
+    enum class Kind { kGradientReady, kReduced, kNormContribution, kSessionEnded };
+    Kind kind;
+    std::string session_id;
+    ipc::DoorbellMessage message{};
+    bool clean = false;  // kSessionEnded
+  };
+
   JobOptimizer(const JobKey& job, const OptimizerSettings& settings, uint32_t world_size,
                Deps deps);
+
+  // What the public handlers do, with the lock held and no checkpoint I/O in flight
+  // (job_optimizer_step.cc).
+  void GradientReadyLocked(const std::string& session_id, const ipc::DoorbellMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReducedLocked(const std::string& session_id, const ipc::DoorbellMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NormContributionLocked(const std::string& session_id, const ipc::DoorbellMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SessionEndedLocked(const std::string& session_id, bool clean)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Checkpoint I/O without the lock (job_optimizer_state.cc). Deferring: true when `deferred`
+  // must wait for the I/O in flight (it is queued then, or, past a bound that no rank keeping
+  // to the protocol reaches, dropped with the job failed).
+  bool DeferLocked(Deferred deferred) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (releasing mu_) until no checkpoint I/O is in flight and, after a failure, the failed
+  // iteration's tasks are done (none may run after the progress is reset or the state restored).
+  void AwaitQuietLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool QuietLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !file_io_ && (failure_.empty() || tasks_in_flight_ == 0);
+  }
+  // The I/O is over: runs what waited for it, in the order it came.
+  void EndFileIoLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A step is under way, or a message that may start one waits for the I/O in flight.
+  bool StepPendingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return InProgressLocked() || !deferred_.empty();
+  }
 
   // Registration (job_optimizer.cc).
   absl::Status AllocateParameterLocked(Parameter& p, uint32_t index)
@@ -231,10 +282,6 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunOnPoolLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t ChunkElementsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A failed job submits no new task; this waits (releasing mu_) until the ones it had are
-  // done, so none of them runs after the progress is reset or the state restored.
-  void AwaitTasksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool NoTasksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return tasks_in_flight_ == 0; }
 
   // The updates (job_optimizer_update.cc).
   std::vector<const void*> GradientsLocked(const Parameter& p) const
@@ -275,6 +322,12 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   std::optional<Retune> next_groups_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint32_t, std::string> rank_sessions_ ABSL_GUARDED_BY(mu_);
+  // Ranks that closed their sessions between iterations while others stayed attached, and have
+  // not registered again: a gradient posted without them fails the job.
+  std::set<uint32_t> departed_ ABSL_GUARDED_BY(mu_);
+  // Every rank closed its session between iterations, with no failure, and none has registered
+  // since (Report's "finished").
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
   size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool
@@ -300,6 +353,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   StepReport pending_report_ ABSL_GUARDED_BY(mu_);
   StepReport last_report_ ABSL_GUARDED_BY(mu_);
   absl::Time last_activity_ ABSL_GUARDED_BY(mu_);
+  // A checkpoint is being written from, or read into, the state with mu_ released: no update
+  // may run, and the job's messages wait in deferred_ until it is over.
+  bool file_io_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Deferred> deferred_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace trainstream::daemon

@@ -67,7 +67,9 @@ TEST_F(JobOptimizerTest, ARankDyingMidIterationResetsProgressAndLosesNothing) {
   EXPECT_EQ(opt->Report().iteration, 1u);
 }
 
-TEST_F(JobOptimizerTest, ARankLeavingCleanlyBetweenStepsStillFailsTheOthers) {
+// A rank that closes its session between steps fails the job only when another steps on
+// without it: the ranks of a job that ends close one after another.
+TEST_F(JobOptimizerTest, ARankLeavingCleanlyBetweenStepsFailsTheOthersWhenTheyStep) {
   auto opt = Make(Settings(), 2);
   ASSERT_NE(opt, nullptr);
   const std::vector<ParameterDescription> params = {Param("a", 8)};
@@ -76,11 +78,62 @@ TEST_F(JobOptimizerTest, ARankLeavingCleanlyBetweenStepsStillFailsTheOthers) {
   ASSERT_NE(r0, nullptr);
   ASSERT_NE(r1, nullptr);
   End(*opt, *r1, /*clean=*/true);
+  EXPECT_FALSE(Pending(*r0));
+  EXPECT_EQ(opt->Report().state, "ready");
+  Post(*opt, *r0, 0, RandomFloats(8, 1), 1);
   std::vector<DoorbellMessage> m = Receive(*r0, 1);
   ASSERT_EQ(m.size(), 1u);
   EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
   EXPECT_TRUE(absl::StrContains(opt->Report().state, "rank 1 left the job"))
       << opt->Report().state;
+}
+
+// Every rank closes its session after the last step (torchrun's ranks at the end of a run):
+// the job is finished, not failed, and a restart's ranks step it on from where it was.
+TEST_F(JobOptimizerTest, AJobWhoseRanksAllLeaveCleanlyIsFinished) {
+  auto opt = Make(Settings(), 2);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 8)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  std::unique_ptr<Rank> r1 = Join(*opt, 1, params, 2);
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  Post(*opt, *r0, 0, RandomFloats(8, 1), 1);
+  Post(*opt, *r1, 0, RandomFloats(8, 2), 1);
+  UpdatesDone(*r0, 1, 1);
+  UpdatesDone(*r1, 1, 1);
+  End(*opt, *r0, /*clean=*/true);
+  End(*opt, *r1, /*clean=*/true);
+  EXPECT_FALSE(Pending(*r1));
+  EXPECT_EQ(opt->Report().state, "finished");
+  EXPECT_FALSE(HasEvent(*events_, "optimizer.failed"));
+
+  r1 = Join(*opt, 1, params, 2, "-again");  // any rank may come back first
+  r0 = Join(*opt, 0, params, 2, "-again");
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  EXPECT_EQ(r0->registration.iteration, 1u);
+  EXPECT_EQ(opt->Report().state, "ready");
+  Post(*opt, *r0, 0, RandomFloats(8, 3), 2);
+  Post(*opt, *r1, 0, RandomFloats(8, 4), 2);
+  UpdatesDone(*r0, 1, 2);
+  UpdatesDone(*r1, 1, 2);
+  EXPECT_EQ(opt->Report().iteration, 2u);
+}
+
+// The last rank's process dying is not a clean end: the job is kept for a restart ("ready"), not
+// "finished".
+TEST_F(JobOptimizerTest, AJobWhoseLastRankDiesIsNotFinished) {
+  auto opt = Make(Settings(), 2);
+  ASSERT_NE(opt, nullptr);
+  const std::vector<ParameterDescription> params = {Param("a", 8)};
+  std::unique_ptr<Rank> r0 = Join(*opt, 0, params, 2);
+  std::unique_ptr<Rank> r1 = Join(*opt, 1, params, 2);
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  End(*opt, *r0, /*clean=*/true);
+  End(*opt, *r1, /*clean=*/false);
+  EXPECT_EQ(opt->Report().state, "ready");
 }
 
 // A second session for a rank that is attached is refused before anything changes, even when its

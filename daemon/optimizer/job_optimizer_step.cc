@@ -36,11 +36,42 @@ std::optional<uint32_t> JobOptimizer::RankOfSenderLocked(const std::string& sess
 void JobOptimizer::OnGradientReady(const std::string& session_id,
                                    const ipc::DoorbellMessage& message) {
   absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kGradientReady, session_id, message})) return;
+  GradientReadyLocked(session_id, message);
+}
+
+void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kReduced, session_id, message})) return;
+  ReducedLocked(session_id, message);
+}
+
+void JobOptimizer::OnNormContribution(const std::string& session_id,
+                                      const ipc::DoorbellMessage& message) {
+  absl::MutexLock lock(&mu_);
+  if (DeferLocked({Deferred::Kind::kNormContribution, session_id, message})) return;
+  NormContributionLocked(session_id, message);
+}
+
+void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
+  absl::MutexLock lock(&mu_);
+  // After the session's messages that are waiting, as they came.
+  if (DeferLocked({Deferred::Kind::kSessionEnded, session_id, {}, clean})) return;
+  SessionEndedLocked(session_id, clean);
+}
+
+void JobOptimizer::GradientReadyLocked(const std::string& session_id,
+                                       const ipc::DoorbellMessage& message) {
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank) return;
   if (!failure_.empty()) {
     SendToRank(*rank, Message(ipc::DoorbellKind::kError, message.id, message.step,
                               kFailedPreconditionCode));
+    return;
+  }
+  if (!departed_.empty()) {
+    FailLocked(absl::StrFormat("rank %d left the job; the other ranks cannot step without it",
+                               *departed_.begin()));
     return;
   }
   if (message.id >= params_.size()) {
@@ -188,8 +219,8 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
   }
 }
 
-void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellMessage& message) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::ReducedLocked(const std::string& session_id,
+                                 const ipc::DoorbellMessage& message) {
   last_activity_ = absl::Now();
   auto leader = rank_sessions_.find(0);
   if (settings_.machines < 2 || leader == rank_sessions_.end() || leader->second != session_id) {
@@ -223,9 +254,8 @@ void JobOptimizer::OnReduced(const std::string& session_id, const ipc::DoorbellM
   }
 }
 
-void JobOptimizer::OnNormContribution(const std::string& session_id,
-                                      const ipc::DoorbellMessage& message) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::NormContributionLocked(const std::string& session_id,
+                                          const ipc::DoorbellMessage& message) {
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank || !failure_.empty()) return;
   const double sum_squares = std::bit_cast<double>(message.value);
@@ -327,8 +357,7 @@ bool JobOptimizer::InProgressLocked() const {
   return false;
 }
 
-void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
-  absl::MutexLock lock(&mu_);
+void JobOptimizer::SessionEndedLocked(const std::string& session_id, bool clean) {
   std::optional<uint32_t> rank;
   for (const auto& [r, s] : rank_sessions_) {
     if (s == session_id) rank = r;
@@ -341,8 +370,12 @@ void JobOptimizer::OnSessionEnded(const std::string& session_id, bool clean) {
     FailLocked(absl::StrFormat("rank %d %s at iteration %d; the job cannot go on without it",
                                *rank, clean ? "left" : "died", iteration_ + 1));
   } else if (others) {
-    FailLocked(absl::StrFormat("rank %d left the job; the other ranks cannot step without it",
-                               *rank));
+    // Failing the others now would list every job whose ranks end one after another (all of
+    // them) as failed. They are told if they step again (GradientReadyLocked).
+    departed_.insert(*rank);
+  } else {
+    departed_.clear();  // the next ranks to register start the job over
+    finished_ = clean && failure_.empty();
   }
 }
 
@@ -398,8 +431,8 @@ void JobOptimizer::RunOnPoolLocked(std::function<void()> task) {
   });
 }
 
-void JobOptimizer::AwaitTasksLocked() {
-  mu_.Await(absl::Condition(this, &JobOptimizer::NoTasksLocked));
+void JobOptimizer::AwaitQuietLocked() {
+  mu_.Await(absl::Condition(this, &JobOptimizer::QuietLocked));
 }
 
 void JobOptimizer::SendToAll(const ipc::DoorbellMessage& message) {

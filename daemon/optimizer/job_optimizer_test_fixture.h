@@ -224,10 +224,10 @@ class JobOptimizerTest : public ::testing::Test {
 
   // A session of `rank` with a doorbell, attached from the client's side.
   std::unique_ptr<Rank> Attach(uint32_t rank, const std::string& session_id,
-                               uint32_t world_size = 1) {
+                               uint32_t world_size = 1, const JobKey& job = {kUid, "job"}) {
     auto session = std::make_shared<Session>();
     session->id = session_id;
-    session->job = {kUid, "job"};
+    session->job = job;
     session->rank = rank;
     session->world_size = world_size;
     absl::StatusOr<DoorbellGrant> grant = doorbells_->Add(session);

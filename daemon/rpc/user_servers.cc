@@ -10,8 +10,19 @@
 
 namespace trainstream::daemon {
 namespace {
-constexpr char kHealthServiceName[] = "trainstream.v1.TrainStream";
+
+// The health service answers for our service by name and for the server as a whole (""), which
+// is what Kubernetes' gRPC probes and grpc_health_probe ask unless told otherwise: a drain must
+// show in both.
+constexpr const char* kHealthServiceNames[] = {"", "trainstream.v1.TrainStream"};
+
+void SetHealth(grpc::Server& server, bool serving) {
+  for (const char* name : kHealthServiceNames) {
+    server.GetHealthCheckService()->SetServingStatus(name, serving);
+  }
 }
+
+}  // namespace
 
 grpc::Server* UserServers::ServerFor(const PeerCredentials& peer) {
   absl::MutexLock lock(&mu_);
@@ -58,16 +69,14 @@ UserServers::Entry UserServers::Build(const PeerCredentials& identity) {
         {}, "", identity.uid);
     return {};
   }
-  entry.server->GetHealthCheckService()->SetServingStatus(kHealthServiceName, serving_);
+  SetHealth(*entry.server, serving_);
   return entry;
 }
 
 void UserServers::SetServing(bool serving) {
   absl::MutexLock lock(&mu_);
   serving_ = serving;
-  for (auto& [uid, entry] : servers_) {
-    entry.server->GetHealthCheckService()->SetServingStatus(kHealthServiceName, serving);
-  }
+  for (auto& [uid, entry] : servers_) SetHealth(*entry.server, serving);
 }
 
 void UserServers::Shutdown() {

@@ -45,6 +45,8 @@ RANK = textwrap.dedent("""
                 opt.iteration += 1  # posts iteration 3 while the job is at 2
             opt.step(grads)
         torch.save([opt.master(i).clone() for i in range(len(shapes))], out)
+        if mode == "close":
+            c.close()
         print("ok", flush=True)
     except trainstream.TrainStreamError as e:
         print("error:", type(e).__name__, e, flush=True)
@@ -99,7 +101,27 @@ def test_ranks_equal_one_process_on_the_global_batch(daemon, tmp_path, world):
         assert len(state) == 1
 
 
-def test_a_rank_that_dies_fails_the_job_cleanly(daemon, tmp_path):
+def optimizer_state(tsctl_binary, socket, job):
+    """The job's optimizer state as `tsctl optimizers --json` lists it."""
+    listed = subprocess.run([tsctl_binary, f"--socket={socket}", "--json", "optimizers"],
+                            capture_output=True, text=True, check=True).stdout
+    (info,) = [o for o in json.loads(listed).get("optimizers", []) if o["job_id"] == job]
+    return info["state"]
+
+
+# "exit": each rank's process ends without closing its session, as a torchrun script does;
+# "close": each closes it first.
+@pytest.mark.parametrize("ending", ["exit", "close"])
+def test_a_job_whose_ranks_all_end_cleanly_is_listed_as_finished(daemon, tmp_path, ending,
+                                                                  tsctl_binary):
+    outs = run_ranks(daemon, tmp_path, 2, modes={0: ending, 1: ending}, job=f"ends-{ending}")
+    for rc, out, err in outs:
+        assert rc == 0, (out, err)
+    # Kept for the retention (a restart may re-attach), and not a failure.
+    assert optimizer_state(tsctl_binary, daemon.socket, f"ends-{ending}") == "finished"
+
+
+def test_a_rank_that_dies_fails_the_job_cleanly(daemon, tmp_path, tsctl_binary):
     start = time.monotonic()
     outs = run_ranks(daemon, tmp_path, 2, modes={1: "die"}, job="dies")
     assert outs[1][0] == -signal.SIGKILL
@@ -107,6 +129,9 @@ def test_a_rank_that_dies_fails_the_job_cleanly(daemon, tmp_path):
     assert rc == 3, (out, err)
     assert "rank 1 died" in out
     assert time.monotonic() - start < 30  # reported, not a hang until the timeout
+    # The other rank then ended cleanly: the job stays failed, with why.
+    state = optimizer_state(tsctl_binary, daemon.socket, "dies")
+    assert state.startswith("failed: ") and "rank 1 died" in state, state
 
 
 def test_a_rank_that_diverges_is_reported_to_all(daemon, tmp_path):

@@ -82,14 +82,15 @@ def test_attach_base_refuses_a_pool_off_the_gpu(client, tmp_path):
         trainstream.attach_base(model, base, device="cpu", gpu_pool="yes")
 
 
-def test_tsctl_pools_says_what_there_is(daemon):
-    out = subprocess.run(["tsctl", "--socket", daemon.socket, "pools"], capture_output=True,
+def test_tsctl_pools_says_what_there_is(daemon, tsctl_binary):
+    out = subprocess.run([tsctl_binary, "--socket", daemon.socket, "pools"], capture_output=True,
                          text=True, check=True).stdout
     with trainstream.connect(daemon.socket, job_id="observer") as observer:
         note = trainstream.gpu_pools(observer)["note"]
     assert out.strip() == ("no GPU pools" + (f": {note}" if note else ""))
-    listed = json.loads(subprocess.run(["tsctl", "--socket", daemon.socket, "--json", "pools"],
-                                       capture_output=True, text=True, check=True).stdout)
+    listed = json.loads(subprocess.run([tsctl_binary, "--socket", daemon.socket, "--json",
+                                        "pools"], capture_output=True, text=True,
+                                       check=True).stdout)
     assert listed.get("pools", []) == []
 
 

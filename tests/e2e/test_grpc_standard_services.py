@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The daemon's gRPC endpoint answers the standard services with the standard Python clients:
-health (grpcio-health-checking), SERVING until a drain starts and NOT_SERVING from then on, and
-server reflection (grpcio-reflection), through which a generic client such as grpcurl learns the
-API without our .proto files."""
+health (grpcio-health-checking), SERVING until a drain starts and NOT_SERVING from then on, for
+our service by name and for the server as a whole (service ""), and server reflection
+(grpcio-reflection), through which a generic client such as grpcurl learns the API without our
+.proto files."""
 
 from __future__ import annotations
 
@@ -23,20 +24,24 @@ from conftest import wait_until  # noqa: E402
 SERVICE = "trainstream.v1.TrainStream"
 
 
-def _status(channel) -> int:
+def _status(channel, service: str) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
-    return stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-def test_health_is_serving_then_not_serving_from_the_start_of_a_drain(daemon):
+# "" is the server as a whole: what Kubernetes' gRPC probes and grpc_health_probe ask by default.
+@pytest.mark.parametrize("service", ["", SERVICE], ids=["server", "service"])
+def test_health_is_serving_then_not_serving_from_the_start_of_a_drain(daemon, service):
     import trainstream
 
     with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
-        assert _status(channel) == health_pb2.HealthCheckResponse.SERVING
+        assert _status(channel, service) == health_pb2.HealthCheckResponse.SERVING
         session = trainstream.connect(daemon.socket)  # keeps the drain waiting
         daemon.process.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: _status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
-                          5)
+        assert wait_until(
+            lambda: _status(channel, service) == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+        # Still draining (the session is open): NOT_SERVING is the drain's, not the exit's.
+        assert daemon.process.poll() is None
         session.close()
     assert daemon.process.wait(10) == 0
 

@@ -104,7 +104,8 @@ SHARER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path, processes):
+def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path, processes,
+                                                      tsctl_binary):
     d = start_daemon("--memory_budget=512M", "--base_keep_warm_s=0")
     # Big enough that a second copy would show: 2 x 8M fp32 values, held as 32 MB of bf16.
     safetensors_torch.save_file({f"model.layers.{i}.w": torch.randn(4096, 2048) for i in range(2)},
@@ -135,7 +136,7 @@ def test_processes_of_a_user_share_one_copy_of_a_base(start_daemon, tmp_path, pr
         for r in results:
             assert r["rss"] >= stored
         assert 0.95 * stored <= sum(r["pss"] for r in results) <= 1.05 * stored
-        out = subprocess.run(["tsctl", "--socket", d.socket, "bases"], capture_output=True,
+        out = subprocess.run([tsctl_binary, "--socket", d.socket, "bases"], capture_output=True,
                              text=True, check=True, env=env).stdout
         row = next(line for line in out.splitlines() if tmp_path.name[:20] in line)
         assert "bf16" in row and f" {processes} " in row and "ready" in row, out

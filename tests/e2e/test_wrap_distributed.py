@@ -83,7 +83,8 @@ def _ranks(two, field):
 
 
 @pytest.mark.parametrize("shared_memory", ["1", "0"])
-def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path, shared_memory):
+def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path, shared_memory,
+                                                              tsctl_binary):
     # TRAINSTREAM_SHM=0: each rank keeps its own copy of the state in the daemon and the
     # ranks all-reduce their gradients over gloo; the same training either way.
     env = dict(os.environ, TRAINSTREAM_SOCKET=daemon.socket, OMP_NUM_THREADS="1",
@@ -93,6 +94,13 @@ def test_torchrun_two_processes_equal_one_on_the_global_batch(daemon, tmp_path, 
         assert jobs["0"].endswith("-rank0") and jobs["1"].endswith("-rank1"), jobs
     else:
         assert jobs["0"] == jobs["1"], jobs
+    # The run ended cleanly: tsctl lists its job as finished, not failed (issue 50).
+    listed = json.loads(subprocess.run([tsctl_binary, f"--socket={daemon.socket}", "--json",
+                                        "optimizers"], capture_output=True, text=True,
+                                       check=True).stdout)
+    states = {o["job_id"]: o["state"] for o in listed.get("optimizers", [])}
+    assert {job: states.get(job) for job in set(jobs.values())} == {
+        job: "finished" for job in set(jobs.values())}, states
 
 
 def test_torchrun_with_no_daemon_running_shares_one_private_daemon(tmp_path):
