@@ -35,7 +35,8 @@ py="$VENV/bin/python"
 need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
 for mod in pytest grpc_tools grpc_health grpc_reflection scikit_build_core pybind11 numpy \
-           safetensors transformers peft accelerate kubernetes_validate; do
+           safetensors transformers peft accelerate kubernetes_validate \
+           mkdocs material mkdocstrings mkdocstrings_handlers.python; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then
@@ -49,6 +50,9 @@ if ((${#need_pip[@]})); then
       scikit_build_core) pkgs+=(scikit-build-core) ;;
       # The Kubernetes API's schemas, offline: the DaemonSet's check (tests/deploy).
       kubernetes_validate) pkgs+=(kubernetes-validate) ;;
+      # The documentation site, built strictly by tests/docs/test_docs.py.
+      material) pkgs+=(mkdocs-material) ;;
+      mkdocstrings|mkdocstrings_handlers.python) pkgs+=("mkdocstrings[python]") ;;
       *) pkgs+=("$m") ;;
     esac
   done
