@@ -464,8 +464,10 @@ def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch)
     # as that copy's own plan read it (its peak less what else the process held), which is
     # what the watchdog reads too.
     probe, p_opt = trainstream.wrap(copy.deepcopy(model), offload=True, lr=1e-3)
-    for s in range(6):
+    for s in range(40):  # settling, and the whole-plan trial where the plan pages or recomputes
         step(probe, p_opt, s, 8)
+        if not probe._trainstream_session.adapting:
+            break
     settled = [e for e in probe._trainstream_session.events if e["kind"] == "plan.settled"]
     assert settled, [e["kind"] for e in probe._trainstream_session.events]
     settled_peak = settled[-1]["numbers"]["peak_bytes"]
@@ -517,3 +519,46 @@ def test_settling_corrects_a_plan_by_what_its_estimate_missed():
     # A peak under an estimate (the plan overestimated) still adds the overshoot itself.
     assert settling_correction(over, budget, budget, 0) == over - budget
 
+
+
+@pytest.mark.gpu
+def test_whole_plans_are_timed_and_the_fastest_runs_on(daemon_socket):
+    # Issue 53: once the step model's plan settles, the plans that handle the blocks VRAM
+    # cannot keep otherwise (never paging, paging first, every block recomputed) each settle
+    # and are timed; the fastest runs on, the events say each time, and training is exact
+    # whichever plan runs.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: whole plans are timed on the device")
+    torch.manual_seed(29)
+    resident = TinyGPT(dim=256, heads=8, layers=8).to("cuda")
+    planned = copy.deepcopy(resident)
+    act = saved_by_one_block(resident)
+    budget = nbytes(resident.parameters()) * 4 + 3 * act
+    resident, r_opt = trainstream.wrap(resident, lr=3e-3, **RESIDENT)
+    planned, p_opt = trainstream.wrap(planned, lr=3e-3, offload=True, vram_budget=budget,
+                                      min_offload_bytes=0)
+    session = planned._trainstream_session
+    steps, planned_losses = 0, []
+    while session.adapting and steps < 80:
+        planned_losses += train(planned, p_opt, 1, device="cuda", start=steps)
+        steps += 1
+    assert not session.adapting, kinds(planned)
+    policy = trainstream.memory_report(planned)["activations"]["policy"]
+    trial = [e for e in session.events if e["kind"] == "plan.trial"]
+    report = trainstream.memory_report(planned)["plan"]
+    if len(trial) == 0:  # every choice made the same plan: nothing to time
+        assert set(policy) == {"keep"} or report["plan_trial"] == {}
+        pytest.skip(f"the budget left one plan only ({policy}); nothing was timed")
+    assert trial[0]["message"].startswith("timing ")
+    assert "runs on, the fastest of the whole plans timed" in trial[-1]["message"]
+    result = report["plan_trial"]
+    times = result["step_ms"]
+    assert len(times) + len(result["skipped"]) >= 2 and times
+    assert times[result["winner"]] == min(times.values())
+    assert report["activation_choice"] == result["winner"]
+    assert trial[-1]["numbers"][f"{result['winner']}_ms"] == pytest.approx(times[result["winner"]])
+    # Exact whichever plans ran: the same losses and weights as the resident twin.
+    assert train(resident, r_opt, steps, device="cuda") == planned_losses
+    a = [p.detach().clone() for p in trainstream.unwrap(resident).parameters()]
+    b = [p.detach().clone() for p in trainstream.unwrap(planned).parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -37,6 +37,8 @@ _WATCHDOG_SLACK = 0.02
 # added once more and the plan settles (the watchdog still watches): a plan that each step
 # overshoots by a different amount would otherwise stream one more block every step.
 _MAX_CORRECTIONS = 4
+# Corrections a plan the whole-plan trial applies may take before it is left out of the trial.
+_TRIAL_CORRECTIONS = 2
 
 
 def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) -> int:
@@ -294,7 +296,11 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
     def _trial_choices(self) -> list:
         """The choice running now, then each other one whose plan decides otherwise."""
         choices, seen = [self._activation_choice], [self._decisions(self.plan)]
-        inputs = self._plan_inputs(fresh=True)
+        if all(p == "keep" for p in self.plan.activation_policy):
+            return choices  # every block keeps its activations: nothing to page or recompute
+        # Each plan is made with the probe's working memory: what settling added was this
+        # plan's, and each plan on trial settles on its own (_TRIAL_CORRECTIONS).
+        inputs = replace(self._plan_inputs(fresh=True), working_bytes=self._working)
         for choice in ACTIVATION_CHOICES:
             if choice == self._activation_choice:
                 continue
@@ -323,40 +329,46 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                       f"steps each: {', '.join(choices)} (the first runs now)",
                       plans=len(choices))
         torch.cuda.synchronize(self.device)
-        self._whole_trial_plans[trial.current] = self.plan
+        self._whole_trial_plans[trial.current] = (self.plan, self.extra_working,
+                                                  self.corrections)
         return self._trial_went_on(trial, trial.settled_step(self._plans_applied))
 
     def _trial_went_on(self, trial: WholePlanTrial, step: Any) -> bool:
         """Applies the plans ``step`` asks for until one runs (True) or the trial ends."""
         while step.action == "apply":
             self._activation_choice = step.choice
+            self._trial_working = (self.extra_working, self.corrections)
+            self.extra_working, self.corrections = 0, 0
             try:
-                inputs = self._plan_inputs(fresh=True)
-                plan = plan_memory(inputs)
+                plan = plan_memory(self._plan_inputs(fresh=True))
                 best = min(trial.seconds.values(), default=0.0)
                 # Its paging crosses both ways at once: half of it over the one-way rate is
                 # a lower bound of its step.
                 link_s = plan.pcie_bytes_per_step / (2 * self._link) if self._link > 0 else 0.0
                 if best and link_s >= best:
                     # Its paging alone over the measured link outlasts a plan timed already.
+                    self.extra_working, self.corrections = self._trial_working
                     step = trial.skip(f"its {size(plan.pcie_bytes_per_step)} over PCIe a step "
                                       f"take {1e3 * link_s:.0f} ms at the measured rate, more "
                                       f"than the {1e3 * best:.0f} ms step measured already")
                     continue
-                self._trial_working = (self.extra_working, self.corrections)
                 if self._replan(fresh=True):
                     return True
+                self.extra_working, self.corrections = self._trial_working
                 step = trial.skip("the same decisions as the plan timed before it")
             except Exception as e:  # noqa: BLE001 - that plan is left out of the trial
+                self.extra_working, self.corrections = self._trial_working
                 step = trial.skip(f"could not be planned or applied: {e}")
         if step.action == "time":
             return True
         return self._end_whole_trial(trial, step.choice)
 
     def _trial_candidate_running(self) -> bool:
-        """A plan the trial applied (not the one that ran before it) is settling."""
+        """A plan the trial applied (not the one that ran before it) went over the budget
+        after as many settling corrections as a plan on trial gets."""
         trial = self._whole_trial
-        return trial is not None and trial.current != trial.order[0]
+        return (trial is not None and trial.current != trial.order[0]
+                and self.corrections >= _TRIAL_CORRECTIONS)
 
     def _trial_candidate_overshot(self, peak: int, fragmented: int) -> None:
         trial = self._whole_trial
@@ -378,7 +390,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self._whole_trial, self._whole_trial_done = None, True
         running = self._activation_choice
         winner = winner or trial.order[0]
-        plan = self._whole_trial_plans.get(winner)
+        plan, extra, corrections = self._whole_trial_plans.get(winner, (None, 0, 0))
         numbers = {f"{choice}_ms": 1e3 * s for choice, s in trial.seconds.items()}
         self.trial_result = {"winner": winner, "step_ms": {c: 1e3 * s for c, s in
                                                            trial.seconds.items()},
@@ -386,6 +398,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         if plan is not None and plan is not self.plan:
             try:
                 self._activation_choice = winner
+                self.extra_working, self.corrections = extra, corrections
                 self._apply_plan(plan)
             except Exception as e:  # noqa: BLE001 - the plan that runs now goes on
                 self._activation_choice = running
