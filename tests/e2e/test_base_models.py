@@ -196,10 +196,14 @@ def test_quantize_model_takes_trainstream_06s_signature_and_returns_its_counts()
     old_name = frozen_net(1)
     trainstream.quantize_model(old_name, "int8", block=16)
     assert old_name.blocks[0].up.stored.block == 16
+    older = frozen_net(1)  # 0.4's keyword for the format
+    assert trainstream.quantize_model(older, format="int8")["tensors"] == 6
+    assert older.blocks[0].up.stored.stored == "int8"
     for bad, message in ((dict(quantize="fp4"), r"quantize='fp4' must be one of 'int8'"),
                          (dict(block_size=3), "block_size=3 must be an even integer >= 2"),
                          (dict(pin_budget=-1), "pin_budget=-1 must be None or bytes"),
                          (dict(block=16, block_size=32), "give one of them"),
+                         (dict(format="int8", quantize="fp8"), "give one of them"),
                          (dict(blocks=["blocks.0"]), "blocks=.* must be None or a list")):
         with pytest.raises(trainstream.InvalidArgumentError, match=message):
             trainstream.quantize_model(frozen_net(1), **bad)

@@ -96,6 +96,9 @@ def test_training_keeps_no_key_value_cache():
     assert "wrap.use_cache" in [e["kind"] for e in session.events]
     x = torch.randint(0, model.config.vocab_size, (1, 8))
     assert model(input_ids=x).past_key_values is None  # training: no cache
+    model.eval()  # gradients on in eval mode (dropout off) is training too
+    assert model(input_ids=x).past_key_values is None
+    model.train()
     with torch.no_grad():
         assert model(input_ids=x).past_key_values is not None  # not training: as before
     _train(model, opt, "tiny-qwen2", 4, use_cache=True)  # asked for: the recompute drops it

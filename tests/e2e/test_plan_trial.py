@@ -44,6 +44,12 @@ def test_every_block_recomputed_is_refused_where_weights_stream():
         plan_memory(inputs(16 * GiB, activation_choice="recompute_all", param_offload=[0]))
 
 
+def test_every_block_recomputed_is_refused_where_it_would_still_stream_weights():
+    # 8.5 GiB of weights: under 9 GiB even every block recomputed needs some to stream.
+    with pytest.raises(MemoryPlanError, match="not checkpointing's plan"):
+        plan_memory(inputs(9 * GiB, activation_choice="recompute_all"))
+
+
 def test_an_unknown_choice_is_refused():
     with pytest.raises(ValueError, match="activation_choice='fast'"):
         plan_memory(inputs(16 * GiB, activation_choice="fast"))

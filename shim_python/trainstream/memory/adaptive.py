@@ -138,7 +138,8 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self._whole_trial: WholePlanTrial | None = None
         self._whole_trial_done = False
         self._whole_trial_plans: dict = {}
-        self._trial_working = (0, 0)  # working memory and corrections before a trial's plan
+        # The choice, working memory and corrections of the plan before a trial's plan.
+        self._trial_working = ("model", 0, 0)
         self.trial_result: dict = {}
         self.cuda = pager.cuda
         self.device = pager.device
@@ -177,6 +178,13 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         try:
             self._after_step()
         except Exception as e:  # noqa: BLE001 - training goes on; the reason is reported
+            if self._whole_trial is not None:
+                # A plan on trial failed: the fastest timed (or the one before the trial)
+                # runs, not the plan that failed.
+                trial = self._whole_trial
+                if trial.current != trial.order[0]:
+                    self._restore_trial_working()
+                self._end_whole_trial(trial, trial.winner if trial.seconds else "")
             self.adapting = False
             self.steps_since_plan = max(self.steps_since_plan, 0)
             self._trial, self._trial_done = None, True  # no trial of a plan that failed
@@ -246,6 +254,12 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                 raise
             if last:
                 self.adapting = False
+                if self._whole_trial is not None:
+                    # Only the plan before the trial takes this many corrections (one on trial
+                    # is left out sooner): it runs on, and no other is timed.
+                    self._whole_trial, self._whole_trial_done = None, True
+                    self._say("plan.trial", "the trial of whole plans stops: the plan it "
+                              "started from took its last settling correction")
                 self._say("plan.settled", f"plan settled after {self.corrections} corrections, "
                           f"with {size(self.extra_working)} more working memory than measured "
                           "(the watchdog still re-plans if a later step grows)",
@@ -336,9 +350,11 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
     def _trial_went_on(self, trial: WholePlanTrial, step: Any) -> bool:
         """Applies the plans ``step`` asks for until one runs (True) or the trial ends."""
         while step.action == "apply":
+            self._trial_working = (self._activation_choice, self.extra_working,
+                                   self.corrections)
             self._activation_choice = step.choice
-            self._trial_working = (self.extra_working, self.corrections)
             self.extra_working, self.corrections = 0, 0
+            applying = False
             try:
                 plan = plan_memory(self._plan_inputs(fresh=True))
                 best = min(trial.seconds.values(), default=0.0)
@@ -347,21 +363,30 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                 link_s = plan.pcie_bytes_per_step / (2 * self._link) if self._link > 0 else 0.0
                 if best and link_s >= best:
                     # Its paging alone over the measured link outlasts a plan timed already.
-                    self.extra_working, self.corrections = self._trial_working
+                    self._restore_trial_working()
                     step = trial.skip(f"its {size(plan.pcie_bytes_per_step)} over PCIe a step "
                                       f"take {1e3 * link_s:.0f} ms at the measured rate, more "
                                       f"than the {1e3 * best:.0f} ms step measured already")
                     continue
+                applying = True
                 if self._replan(fresh=True):
                     return True
-                self.extra_working, self.corrections = self._trial_working
+                self._restore_trial_working()
                 step = trial.skip("the same decisions as the plan timed before it")
             except Exception as e:  # noqa: BLE001 - that plan is left out of the trial
-                self.extra_working, self.corrections = self._trial_working
+                self._restore_trial_working()
+                if applying:
+                    # Part of it may be in place (streamed weights): the plan that ran before
+                    # it is applied again whole.
+                    self._apply_plan(self.plan)
                 step = trial.skip(f"could not be planned or applied: {e}")
         if step.action == "time":
             return True
         return self._end_whole_trial(trial, step.choice)
+
+    def _restore_trial_working(self) -> None:
+        """The choice, working memory and corrections of the plan before the one on trial."""
+        self._activation_choice, self.extra_working, self.corrections = self._trial_working
 
     def _trial_candidate_running(self) -> bool:
         """A plan the trial applied (not the one that ran before it) went over the budget
@@ -372,21 +397,22 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
 
     def _trial_candidate_overshot(self, peak: int, fragmented: int) -> None:
         trial = self._whole_trial
-        self.extra_working, self.corrections = self._trial_working
+        self._restore_trial_working()
         why = (f"its step peak {size(peak)} went over the {size(self.budget)} budget"
                if peak > self.budget else
                f"the allocator reserved {size(fragmented)} more than it may")
         self._say("plan.trial", f"{trial.current}: {why}; left out of the trial",
                   peak_bytes=peak)
         if not self._trial_went_on(trial, trial.skip(why)):
-            # The trial ended: the winner runs (or the plan before the trial, re-applied).
+            # The trial ended with the plan in place (it was timed already): settled.
             self.adapting = False
             self._say("plan.settled", "plan settled after the trial of whole plans",
                       budget_bytes=self.budget)
 
     def _end_whole_trial(self, trial: WholePlanTrial, winner: str) -> bool:
         """The fastest plan timed runs on (applied again unless it is the one running); with
-        none timed, the plan that ran before the trial."""
+        none timed, the plan that ran before the trial. Returns whether it applied a plan
+        (which then settles as any plan does)."""
         self._whole_trial, self._whole_trial_done = None, True
         running = self._activation_choice
         winner = winner or trial.order[0]
@@ -407,9 +433,13 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                           **numbers)
                 self.trial_result["winner"] = running
                 return False
+            applied = True
+        else:
+            applied = False
+            self._activation_choice = winner
         self._say("plan.trial", f"{winner} runs on, the fastest of the whole plans timed: "
                   f"{trial.summary()}", **numbers)
-        return False
+        return applied
 
     def _start_measuring(self, reason: str) -> None:
         self.pager.measured.pop(self.probe_block, None)

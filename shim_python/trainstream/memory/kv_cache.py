@@ -45,7 +45,7 @@ def without_cache(kwargs: dict) -> dict:
 
 class CacheSwitch:
     """Makes every transformers model in ``model`` whose config has ``use_cache`` on build no
-    cache in a training forward (gradients on, the module in training mode), unless the call
+    cache in a forward with gradients on (training, in train or eval mode), unless the call
     asks for one: a forward pre-hook passes ``use_cache=False`` where the call left it out.
     The config itself is never written: models that share it (a reference model, a policy
     that generates during training) and generation with the wrapped model under ``no_grad``
@@ -77,6 +77,6 @@ class CacheSwitch:
 
 
 def _no_cache_in_training(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+    if torch.is_grad_enabled() and kwargs.get("use_cache") is None:
         return args, {**kwargs, "use_cache": False}
     return None

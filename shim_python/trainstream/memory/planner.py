@@ -531,6 +531,10 @@ def _plan(inputs: PlanInputs, streamed_guess: frozenset, gpu_blocks: int = 0,
             say(f"block {i} streams its weights ({size(inputs.blocks[i].weight_bytes)}) "
                 "from host memory: VRAM does not hold them all")
 
+    if forced == "recompute_all" and paged:
+        raise MemoryPlanError(
+            f"every block recomputed still needs {len(paged)} blocks to stream their weights "
+            "to fit, which a recompute would fetch a third time: not checkpointing's plan")
     need = vram()
     if need > inputs.vram_budget:
         state = (f" and the AdamW state of {gpu_blocks} blocks in VRAM "

@@ -96,7 +96,7 @@ def quantizable_layers(model: nn.Module, blocks: Any = None) -> list:
 def quantize_model(model: nn.Module, quantize: str = "nf4", *, blocks: Any = None,
                    block_size: int = 64, pin_budget: int | None = None,
                    fp8_matmul: Any = "auto", outliers: Any = 0,
-                   block: int | None = None) -> dict:
+                   block: int | None = None, format: str | None = None) -> dict:
     """Quantizes the frozen linear weights of ``model``'s block stack in place, in this process
     (the daemon's reference quantizer, every core), into :class:`trainstream.BaseLinear` layers
     on their device, before ``wrap()``; TrainStream 0.6's signature and defaults.
@@ -106,7 +106,8 @@ def quantize_model(model: nn.Module, quantize: str = "nf4", *, blocks: Any = Non
     embeddings stay as they are; a model without a stack has every frozen linear layer but its
     output head quantized. Trainable layers stay as they are. ``block_size``: values per scale
     for int8 and NF4, an even number >= 2, or 0 for the format's own (64); FP8 and NVFP4 use
-    their fixed 32 and 16. ``block`` is its name before 0.6. ``pin_budget`` (None or bytes) is
+    their fixed 32 and 16. ``block`` and ``format`` are ``block_size``'s and ``quantize``'s names
+    before 0.6 (0.4's list of names is ``result["layers"]`` now). ``pin_budget`` (None or bytes) is
     checked and has no effect: the quantized bytes are ordinary tensors on the weights' device,
     and the page-locked host copies of blocks that stream are the daemon's, within its budget.
     ``fp8_matmul`` and ``outliers``: see :class:`trainstream.BaseLinear`.
@@ -115,6 +116,12 @@ def quantize_model(model: nn.Module, quantize: str = "nf4", *, blocks: Any = Non
     the weights quantized, their bytes before and as stored (scales included), and their
     names. For one host copy shared by several processes, load the checkpoint with
     :func:`trainstream.load_base` and :func:`trainstream.attach_base` instead."""
+    if format is not None:
+        if quantize not in ("nf4", format):
+            raise InvalidArgumentError(
+                f"quantize_model: format={format!r} and quantize={quantize!r}: format is "
+                "quantize's name before 0.6; give one of them")
+        quantize = format
     if quantize not in FORMATS:
         raise InvalidArgumentError(
             f"quantize_model: quantize={quantize!r} must be one of {', '.join(map(repr, FORMATS))}")
