@@ -92,23 +92,44 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "/").replace("\n", " ")
 
 
+def _engine(row: dict) -> str:
+    return str(row.get("mode") or row.get("engine_name") or "")
+
+
 def current() -> dict:
-    """{(bench, case): (file name, data, [rows of that case])}, the newest file of each."""
-    table: dict = {}
-    for _, name, data in _files():
+    """{(bench, case): (file names, data, [rows of that case])}: the newest file of each, with
+    the rows of other engines that files of the same day and machine hold for that case (one
+    benchmark run split over several device calls), the newest row of each engine."""
+    found: dict = {}
+    for date, name, data in _files():
         bench = data.get("bench") or name.split("_2")[0]
+        machine = (MACHINE.search(name) or [None, ""])[1]
         by_case: dict = {}
         for row in _rows(data):
             by_case.setdefault(_case(row), []).append(row)
         for case, rows in by_case.items():
-            table[(bench, case)] = (name, data, rows)  # later files overwrite earlier ones
+            found.setdefault((bench, case), []).append((date, machine, name, data, rows))
+    table: dict = {}
+    for key, entries in found.items():
+        date, machine, name, data, newest = entries[-1]  # the newest file
+        same = [e for e in entries if e[0] == date and e[1] == machine]
+        if not all(_engine(r) for e in same for r in e[4]):
+            table[key] = ([name], data, newest)  # rows without an engine: that file alone
+            continue
+        by_engine: dict = {}
+        for _, _, _, _, rows in same:  # oldest first: a later file's row of an engine wins
+            for row in rows:
+                by_engine[_engine(row)] = row
+        names = [e[2] for e in same if any(r in by_engine.values() for r in e[4])]
+        table[key] = (names, data, list(by_engine.values()))
     return table
 
 
 def render() -> str:
     lines = ["| benchmark | case | figure by engine | bound | machine | commit | date | file |",
              "|---|---|---|---|---|---|---|---|"]
-    for (bench, case), (name, data, rows) in sorted(current().items()):
+    for (bench, case), (names, data, rows) in sorted(current().items()):
+        name = names[-1]
         figures = []
         for row in rows:
             figure = _metric(row)
@@ -131,7 +152,7 @@ def render() -> str:
         commit = str(data.get("commit") or "").split(" ")[0]
         lines.append("| " + " | ".join(_cell(c) for c in (
             bench, case, "; ".join(figures[:4]), bound, machine, commit,
-            data.get("date") or "", f"`{name}`")) + " |")
+            data.get("date") or "", ", ".join(f"`{n}`" for n in names))) + " |")
     return "\n".join(lines) + "\n"
 
 
