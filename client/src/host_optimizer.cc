@@ -36,6 +36,7 @@ void ToProto(const OptimizerOptions& options, v1::OptimizerSpec* spec) {
   spec->set_threads(options.threads);
   spec->set_chunk_elements(options.chunk_elements);
   spec->set_defer_updates(options.defer_updates);
+  spec->set_eager_updates(options.eager_updates);
   for (const OptimizerGroup& g : options.groups) ToProto(g, spec->add_groups());
 }
 

@@ -11,6 +11,19 @@
 #include "trainstream/status_macros.h"
 
 namespace trainstream::daemon {
+namespace {
+
+const char* UpdatesStartWhen(const OptimizerSettings& s) {
+  if (s.defer_updates) return "after the last gradient (eager=False)";
+  if (!s.may_roll_back()) return "as each gradient lands";
+  return s.eager_updates ? "as each gradient lands, speculatively: undone and redone when "
+                           "clipping or a check says so"
+                         : "as each gradient lands after a step that needed no clipping "
+                           "(speculatively: undone and redone when it does), else after the "
+                           "last gradient";
+}
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> JobOptimizer::Create(
     const JobKey& job, const OptimizerSettings& settings, uint32_t world_size, Deps deps) {
@@ -22,8 +35,7 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> JobOptimizer::Create(
                       settings.decoupled_weight_decay ? "AdamW" : "Adam", job.job_id,
                       settings.groups.size(), kernels::ScalarTypeName(settings.moment_type),
                       kernels::IsaName(kernels::BestIsa()),
-                      settings.deferred() ? "after the last gradient (clipping or checks)"
-                                          : "as each gradient lands"),
+                      UpdatesStartWhen(settings)),
       {{"world_size", world_size},
        {"threads", static_cast<double>(deps.pool->size())},
        {"accumulation_steps", settings.accumulation_steps},
@@ -61,7 +73,9 @@ absl::Status JobOptimizer::CheckSame(const OptimizerSettings& s, uint32_t world_
   else if (s.max_grad_norm != mine.max_grad_norm) difference = "max_grad_norm";
   else if (s.threads != mine.threads) difference = "threads";
   else if (s.chunk_elements != mine.chunk_elements) difference = "chunk_elements";
-  else if (s.defer_updates != mine.defer_updates) difference = "eager";
+  else if (s.defer_updates != mine.defer_updates || s.eager_updates != mine.eager_updates) {
+    difference = "eager";
+  }
   else if ((world_size == 0 ? 1 : world_size) != world_size_) difference = "world_size";
   if (!difference.empty()) {
     return absl::FailedPreconditionError(absl::StrFormat(

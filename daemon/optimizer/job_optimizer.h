@@ -54,6 +54,8 @@ struct StepReport {
   double seconds = 0;
   double update_seconds = 0;
   double gbps = 0;
+  uint32_t speculated_tensors = 0;  // updated before the step's norm was known
+  bool rolled_back = false;         // and restored, then redone or skipped, by the decision
 };
 
 struct OptimizerReport {
@@ -68,14 +70,24 @@ struct OptimizerReport {
   StepReport last_step;
   std::string state;
   std::vector<uint64_t> param_steps;
+  uint64_t speculated_steps = 0;
+  uint64_t rolled_back_steps = 0;
 };
 
 // One job's optimizer state and its step machine. Each rank posts a gradient per parameter per
 // (micro-)step on its doorbell; when every rank's gradient for a parameter is in, the update
 // (summing the ranks' slots in the same pass) runs on the thread pool while backward goes on,
 // and every rank is told when that parameter's new value is in place. With clipping, norm
-// reporting or non-finite checks, the gradients' statistics are gathered as they land and the
-// updates start the moment the last one arrives. A rank that posts out of turn, or leaves
+// reporting or non-finite checks, the gradients' statistics are gathered as they land. Where
+// they decide the updates (clipping, 'skip', 'error'), updates speculate: each tensor's state is
+// copied aside and updated unclipped as its gradient lands, and the decision, once the last
+// statistics are in, either publishes them or restores the copies and redoes the updates with
+// the clipped gradient (or leaves them restored, for a skipped step), so the result is the one
+// of updating after the last gradient, bit for bit. A tensor without room for its copy waits
+// for the decision. By default a step speculates only when the step before it needed no
+// scaling (a run that clips every step never speculates); eager_updates speculates on every
+// step, defer_updates on none. With the norm only reported, updates start at once and nothing
+// is copied. A rank that posts out of turn, or leaves
 // mid-job, fails the job with a message to every rank rather than leaving them waiting.
 // After a failure, each tensor is either stepped for the failed iteration or untouched, never
 // part-way: an update once started runs to its end (a failure stops none), and Register, Load
@@ -93,8 +105,9 @@ struct OptimizerReport {
 // queue, and run when the I/O is over, on the thread that did it.
 // Thread-safe; update tasks keep the object alive (shared_from_this). Its definitions are split by
 // responsibility: job_optimizer.cc (creation, registration), job_optimizer_step.cc (gradients in,
-// iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes) and
-// job_optimizer_state.cc (report, checkpoints).
+// iterations, failures), job_optimizer_update.cc (statistics, decisions, AdamW passes),
+// job_optimizer_speculation.cc (copies aside, commits and rollbacks) and job_optimizer_state.cc
+// (report, checkpoints).
 class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
  public:
   struct Deps {
@@ -102,6 +115,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     ThreadPool* pool = nullptr;
     DoorbellDispatcher* doorbells = nullptr;
     EventLog* events = nullptr;
+    // At most this many bytes of copies aside for speculative updates per job (pageable memory,
+    // made once per tensor and kept); a copy is also refused when it would leave the machine
+    // less than a tenth of its memory available.
+    uint64_t speculation_bytes = ~uint64_t{0};
   };
   static absl::StatusOr<std::shared_ptr<JobOptimizer>> Create(const JobKey& job,
                                                               const OptimizerSettings& settings,
@@ -168,8 +185,16 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     kCrossMachine,  // the machine's sum is out for the all-reduce across machines
     kStatsPending,
     kStatsDone,
+    kSpeculating,  // statistics, copy aside and unclipped update, in one pass
+    kSpeculated,   // updated, not yet published: the step's decision commits or undoes it
     kUpdating,
     kDone
+  };
+  // The AdamW passes over a tensor (StartPassLocked).
+  enum class Pass {
+    kUpdate,     // the update, published when done
+    kSpeculate,  // statistics, then the copy aside (if the tensor has one), then the update
+    kRedo,       // the copy put back, then the update with the decided scale
   };
   struct Parameter {
     ParameterDescription desc;
@@ -197,6 +222,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     bool machine_gradient = false;  // multi-machine jobs: some rank here had one this iteration
     kernels::GradientStats stats;
     size_t chunks_left = 0;
+    // Speculation (job_optimizer_speculation.cc): room for the master, moments and parameter
+    // slot as they were before a speculative update, made once and kept for the job's life;
+    // `backed_up`: this iteration's update is speculative and its copy aside is in `backup`.
+    std::unique_ptr<std::byte[]> backup;
+    bool backed_up = false;
   };
 
   // A doorbell message, or a session's end, that came while a checkpoint's I/O was in flight.
@@ -291,18 +321,51 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // `scanned` runs under the lock once the last chunk has been counted.
   void ScanGradientsLocked(uint32_t index, std::function<void(JobOptimizer&, Parameter&)> scanned)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tensor's gradients are final for this iteration: update it, speculate, or gather its
+  // statistics for the decision.
+  void GradientsFinalLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether this iteration's statistics are gathered (they decide, are reported, or updates wait
+  // for the last gradient anyway: eager=False).
+  bool GathersStatsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return settings_.gathers_stats() || settings_.defer_updates;
+  }
   void StartStatsLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeDecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One AdamW pass over a tensor on the pool, in chunks (see Pass).
+  void StartPassLocked(uint32_t index, float grad_scale, Pass pass)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PassDoneLocked(uint32_t index, Pass pass) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A tensor's update ran to its end, or a speculated one was decided right: it is the
+  // tensor's step for this iteration and, unless the job failed, the ranks are told.
+  void PublishLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kGuard: the tensor's gradients are read once (in chunks, on the pool) before anything of it
   // is written; once any tensor's held a non-finite value, no later one is updated.
   void CheckThenUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyUpdateLocked(uint32_t index, float grad_scale) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StartPassLocked(index, grad_scale, Pass::kUpdate);
+  }
   // A redone iteration's tensor that was stepped for it before the failure: done, as it is.
   void KeepEarlierUpdateLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool SteppedThisIterationLocked(const Parameter& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return p.updated_in == iteration_ + 1;
   }
+
+  // Speculation (job_optimizer_speculation.cc).
+  // Whether this iteration speculates (decided at its first gradient; see the class comment).
+  bool SpeculatesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tensor's room for its copy aside: made if the budget and the machine allow.
+  bool EnsureBackupLocked(Parameter& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts a speculated tensor's copy back on the pool; then, unless the job failed, the tensor is
+  // done for this iteration, skipped.
+  void RestoreLocked(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job failed: every speculated update not yet decided is undone (a tensor is stepped for
+  // a failed iteration, or untouched).
+  void RollBackOnFailureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The decision's bookkeeping: counts, the report, the next step's policy, and an event when
+  // speculated updates were undone.
+  void NoteDecisionLocked(bool scaled, float coef, double norm)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Checkpoints (job_optimizer_state.cc): the state as checkpoint arrays over the live buffers.
   CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -350,6 +413,15 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   bool guard_tripped_ ABSL_GUARDED_BY(mu_) = false;
   std::string guard_first_ ABSL_GUARDED_BY(mu_);
   size_t guard_tensors_before_ ABSL_GUARDED_BY(mu_) = 0;
+  // Speculation: this iteration's choice, whether the last decided step was scaled or skipped
+  // (the default policy speculates only after one that was not), the totals, and the bytes of
+  // copies aside made.
+  bool speculating_ ABSL_GUARDED_BY(mu_) = false;
+  bool last_step_scaled_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t speculated_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t rolled_back_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t backup_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool backup_refusal_said_ ABSL_GUARDED_BY(mu_) = false;
   StepReport pending_report_ ABSL_GUARDED_BY(mu_);
   StepReport last_report_ ABSL_GUARDED_BY(mu_);
   absl::Time last_activity_ ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu/adamw.h"
 #include "ipc/doorbell_ring.h"
 
 namespace trainstream::daemon::job_optimizer_internal {
@@ -21,6 +22,13 @@ inline ipc::DoorbellMessage Message(ipc::DoorbellKind kind, uint64_t id, uint64_
                                     uint64_t value = 0, uint32_t flags = 0) {
   return {static_cast<uint32_t>(kind), flags, id, step, value};
 }
+
+// The bytes a tensor's copy aside takes: its master, both moments and its parameter slot.
+uint64_t CopyAsideBytes(const kernels::AdamWTensor& tensor);
+// Elements [begin, end) of the tensor's state into `backup` (or, `restore`, back from it).
+// Disjoint ranges may run on different threads.
+void CopyAside(const kernels::AdamWTensor& tensor, std::byte* backup, size_t begin, size_t end,
+               bool restore);
 
 }  // namespace trainstream::daemon::job_optimizer_internal
 

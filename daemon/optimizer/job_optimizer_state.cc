@@ -26,6 +26,8 @@ OptimizerReport JobOptimizer::Report() const {
     r.param_steps.push_back(p.param_step);
   }
   r.last_step = last_report_;
+  r.speculated_steps = speculated_steps_;
+  r.rolled_back_steps = rolled_back_steps_;
   r.state = !failure_.empty() ? "failed: " + failure_
             : InProgressLocked() ? "stepping"
             : finished_          ? "finished"

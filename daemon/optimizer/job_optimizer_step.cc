@@ -104,6 +104,7 @@ void JobOptimizer::GradientReadyLocked(const std::string& session_id,
   if (!iteration_started_) {
     iteration_started_ = true;
     iteration_start_ = absl::Now();
+    speculating_ = SpeculatesLocked();
   }
   p.arrived.insert(*rank);
   if (message.flags & ipc::kFlagNoGradient) p.absent.insert(*rank);
@@ -140,11 +141,7 @@ void JobOptimizer::AfterGradientsInLocked(uint32_t index) {
     LeaveWithoutGradientLocked(index);  // no rank had a gradient for it this iteration
     return;
   }
-  if (settings_.deferred()) {
-    StartStatsLocked(index);
-  } else {
-    StartUpdateLocked(index, MeanScaleLocked());
-  }
+  GradientsFinalLocked(index);
 }
 
 void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
@@ -157,7 +154,7 @@ void JobOptimizer::LeaveWithoutGradientLocked(uint32_t index) {
   // its ranks must still copy the value in place.
   SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1, 0,
                     SteppedThisIterationLocked(params_[index]) ? 0 : ipc::kFlagNoGradient));
-  if (settings_.deferred()) MaybeDecideLocked();
+  if (GathersStatsLocked()) MaybeDecideLocked();
   MaybeFinishIterationLocked();
 }
 
@@ -202,11 +199,7 @@ void JobOptimizer::StartAccumulateLocked(uint32_t index, bool final_micro) {
         return;
       }
       if (final_micro) {
-        if (self->settings_.deferred()) {
-          self->StartStatsLocked(index);
-        } else {
-          self->StartUpdateLocked(index, self->MeanScaleLocked());
-        }
+        self->GradientsFinalLocked(index);
         return;
       }
       ++q.micro;
@@ -247,11 +240,7 @@ void JobOptimizer::ReducedLocked(const std::string& session_id,
     return;
   }
   p.any_gradient = true;
-  if (settings_.deferred()) {
-    StartStatsLocked(index);
-  } else {
-    StartUpdateLocked(index, MeanScaleLocked());
-  }
+  GradientsFinalLocked(index);
 }
 
 void JobOptimizer::NormContributionLocked(const std::string& session_id,
@@ -259,7 +248,7 @@ void JobOptimizer::NormContributionLocked(const std::string& session_id,
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank || !failure_.empty()) return;
   const double sum_squares = std::bit_cast<double>(message.value);
-  if (!settings_.deferred()) {
+  if (!settings_.gathers_stats()) {
     FailLocked(absl::StrFormat(
         "rank %d sent a gradient norm contribution, but job '%s' neither clips nor reports its "
         "gradient norm",
@@ -292,7 +281,7 @@ void JobOptimizer::MaybeFinishIterationLocked() {
   pending_report_.update_seconds = update_busy_s_;
   const double wall = update_bytes_ > 0 ? absl::ToDoubleSeconds(now - updates_start_) : 0;
   pending_report_.gbps = wall > 0 ? static_cast<double>(update_bytes_) / wall / 1e9 : 0;
-  if (!settings_.deferred()) {
+  if (!GathersStatsLocked()) {
     pending_report_.nonfinite = update_nonfinite_;
     if (guard_tripped_) {
       pending_report_.skipped = true;
@@ -329,8 +318,10 @@ void JobOptimizer::ResetProgressLocked() {
     p.machine_gradient = false;
     p.stats = {};
     p.chunks_left = 0;
+    p.backed_up = false;
   }
   iteration_started_ = false;
+  speculating_ = false;
   params_done_ = 0;
   params_with_stats_ = 0;
   contributed_sum_squares_ = 0;
@@ -382,6 +373,7 @@ void JobOptimizer::SessionEndedLocked(const std::string& session_id, bool clean)
 void JobOptimizer::FailLocked(const std::string& why) {
   if (!failure_.empty()) return;
   failure_ = why;
+  RollBackOnFailureLocked();
   deps_.events->Emit("optimizer.failed", absl::StrFormat("job '%s': %s", job_.job_id, why),
                      {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
   SendToAll(Message(ipc::DoorbellKind::kError, ~uint64_t{0}, iteration_ + 1,

@@ -62,6 +62,20 @@ void JobOptimizer::ScanGradientsLocked(
   }
 }
 
+void JobOptimizer::GradientsFinalLocked(uint32_t index) {
+  Parameter& p = params_[index];
+  if (!GathersStatsLocked()) {
+    StartUpdateLocked(index, MeanScaleLocked());
+  } else if (!speculating_ || SteppedThisIterationLocked(p) ||
+             (settings_.may_roll_back() && !EnsureBackupLocked(p))) {
+    StartStatsLocked(index);  // waits for the decision
+  } else {
+    p.backed_up = settings_.may_roll_back();
+    ++pending_report_.speculated_tensors;
+    StartPassLocked(index, MeanScaleLocked(), Pass::kSpeculate);
+  }
+}
+
 void JobOptimizer::StartStatsLocked(uint32_t index) {
   params_[index].phase = Phase::kStatsPending;
   ScanGradientsLocked(index, [](JobOptimizer& self, Parameter& q) {
@@ -86,32 +100,41 @@ void JobOptimizer::MaybeDecideLocked() {
   const double norm = std::sqrt(sum_squares) * mean;
   pending_report_.grad_norm = norm;
   pending_report_.nonfinite = nonfinite;
-  if (nonfinite > 0 && settings_.nonfinite != NonFinitePolicy::kIgnore) {
-    // kGuard deferred by clipping sees every gradient before any update: the whole step skips.
-    if (settings_.nonfinite == NonFinitePolicy::kSkipStep ||
-        settings_.nonfinite == NonFinitePolicy::kGuard) {
-      pending_report_.skipped = true;
-      deps_.events->Emit("optimizer.step_skipped",
-                         absl::StrFormat("iteration %d of job '%s' skipped: %d non-finite gradient "
-                                         "values, first in '%s'",
-                                         iteration_ + 1, job_.job_id, nonfinite, first_bad),
-                         {{"nonfinite", static_cast<double>(nonfinite)}}, "", job_.uid);
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].phase == Phase::kDone) continue;
-        params_[i].phase = Phase::kDone;
-        ++params_done_;
-        // A tensor stepped for this iteration before a failure keeps that step (see the class
-        // comment): its rank must still copy the value in place.
-        SendToAll(Message(ipc::DoorbellKind::kUpdateDone, i, iteration_ + 1, 0,
-                          SteppedThisIterationLocked(params_[i]) ? 0 : ipc::kFlagSkipped));
-      }
-      MaybeFinishIterationLocked();
-      return;
-    }
+  // 'guard' with the norm gathered sees every gradient before anything is published: the whole
+  // step skips, as with 'skip'.
+  const bool drop = nonfinite > 0 && settings_.nonfinite != NonFinitePolicy::kIgnore &&
+                    (settings_.decides() || settings_.nonfinite == NonFinitePolicy::kGuard);
+  if (drop && settings_.nonfinite == NonFinitePolicy::kError) {
+    NoteDecisionLocked(/*scaled=*/true, 1.0f, norm);
     FailLocked(absl::StrFormat(
         "%d non-finite gradient values at iteration %d, first in '%s'; nothing was updated (use "
         "nonfinite='skip' to skip such steps)",
         nonfinite, iteration_ + 1, first_bad));
+    return;
+  }
+  if (drop) {
+    pending_report_.skipped = true;
+    NoteDecisionLocked(/*scaled=*/true, 1.0f, norm);
+    deps_.events->Emit("optimizer.step_skipped",
+                       absl::StrFormat("iteration %d of job '%s' skipped: %d non-finite gradient "
+                                       "values, first in '%s'",
+                                       iteration_ + 1, job_.job_id, nonfinite, first_bad),
+                       {{"nonfinite", static_cast<double>(nonfinite)}}, "", job_.uid);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Parameter& q = params_[i];
+      if (q.phase == Phase::kDone) continue;
+      if (q.phase == Phase::kSpeculated) {
+        RestoreLocked(static_cast<uint32_t>(i));  // done, skipped, once its copy is back
+        continue;
+      }
+      q.phase = Phase::kDone;
+      ++params_done_;
+      // A tensor stepped for this iteration before a failure keeps that step (see the class
+      // comment): its rank must still copy the value in place.
+      SendToAll(Message(ipc::DoorbellKind::kUpdateDone, i, iteration_ + 1, 0,
+                        SteppedThisIterationLocked(q) ? 0 : ipc::kFlagSkipped));
+    }
+    MaybeFinishIterationLocked();
     return;
   }
   float coef = 1.0f;
@@ -121,12 +144,22 @@ void JobOptimizer::MaybeDecideLocked() {
                               (static_cast<float>(norm) + 1e-6f));
   }
   pending_report_.clip_coef = coef;
+  NoteDecisionLocked(/*scaled=*/coef != 1.0f, coef, norm);
+  // Clipping scales the averaged gradient, as torch clips the (already averaged) .grad.
+  const float scale = coef == 1.0f ? mean : mean * coef;
   for (size_t i = 0; i < params_.size(); ++i) {
+    const uint32_t index = static_cast<uint32_t>(i);
     if (params_[i].phase == Phase::kStatsDone) {
-      // Clipping scales the averaged gradient, as torch clips the (already averaged) .grad.
-      StartUpdateLocked(static_cast<uint32_t>(i), coef == 1.0f ? mean : mean * coef);
+      StartUpdateLocked(index, scale);
+    } else if (params_[i].phase == Phase::kSpeculated) {
+      if (coef == 1.0f) {
+        PublishLocked(index);
+      } else {
+        StartPassLocked(index, scale, Pass::kRedo);
+      }
     }
   }
+  MaybeFinishIterationLocked();  // every update may have been committed
 }
 
 void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
@@ -134,7 +167,7 @@ void JobOptimizer::StartUpdateLocked(uint32_t index, float grad_scale) {
     KeepEarlierUpdateLocked(index);
     return;
   }
-  if (settings_.nonfinite == NonFinitePolicy::kGuard && !settings_.deferred()) {
+  if (settings_.nonfinite == NonFinitePolicy::kGuard && !GathersStatsLocked()) {
     CheckThenUpdateLocked(index, grad_scale);
   } else {
     ApplyUpdateLocked(index, grad_scale);
@@ -166,9 +199,9 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
   });
 }
 
-void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
+void JobOptimizer::StartPassLocked(uint32_t index, float grad_scale, Pass pass) {
   Parameter& p = params_[index];
-  p.phase = Phase::kUpdating;
+  p.phase = pass == Pass::kSpeculate ? Phase::kSpeculating : Phase::kUpdating;
   const GroupHyperParameters& g = settings_.groups[p.desc.group];
   kernels::AdamWStep step;
   step.lr = g.lr;
@@ -178,6 +211,8 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
   step.weight_decay = g.weight_decay;
   step.decoupled_weight_decay = settings_.decoupled_weight_decay;
   step.grad_scale = grad_scale;
+  // A speculated update and its redo have the same step number and rounding seed: the tensor's
+  // step count moves only when an update is published.
   kernels::SetStepNumber(&step, p.param_step + 1);
   step.rounding_seed = kernels::RoundingSeed(index, p.param_step + 1);
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
@@ -199,16 +234,27 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
       4 * kernels::ElementSize(settings_.moment_type) +
       (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
+  // The copy aside, written before a speculated update and put back before its redo.
+  std::byte* backup = pass != Pass::kUpdate && p.backed_up ? p.backup.get() : nullptr;
   p.update_failed = false;
+  if (pass == Pass::kSpeculate) p.stats = {};
   if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
   const size_t chunk = ChunkElementsLocked();
   const size_t chunks = Chunks(p.desc.numel, chunk);
   p.chunks_left = chunks;
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
-    SubmitLocked([self, index, c, chunk, grads, tensor, step, bytes_per_element] {
+    SubmitLocked([self, index, c, chunk, grads, tensor, step, bytes_per_element, pass, backup] {
       const size_t b = c * chunk, e = std::min<size_t>(tensor.numel, b + chunk);
       const absl::Time start = absl::Now();
+      kernels::GradientStats stats;
+      if (pass == Pass::kSpeculate) {
+        stats = kernels::ComputeGradientStats(tensor.grads, tensor.num_grads, tensor.grad_type,
+                                              b, e, kernels::BestIsa());
+      }
+      if (backup != nullptr) {
+        job_optimizer_internal::CopyAside(tensor, backup, b, e, /*restore=*/pass == Pass::kRedo);
+      }
       uint64_t nonfinite = 0;
       absl::Status updated =
           kernels::AdamWUpdate(tensor, b, e, step, kernels::BestIsa(), &nonfinite);
@@ -218,25 +264,49 @@ void JobOptimizer::ApplyUpdateLocked(uint32_t index, float grad_scale) {
       self->update_busy_s_ += busy;
       self->update_bytes_ += (e - b) * bytes_per_element;
       Parameter& q = self->params_[index];
+      q.stats.sum_squares += stats.sum_squares;
+      q.stats.nonfinite += stats.nonfinite;
       if (!updated.ok()) {
         q.update_failed = true;
         self->FailLocked(std::string(updated.message()));
       }
       if (--q.chunks_left != 0) return;
-      // Counted even when the job failed while it ran: every chunk did run, so the tensor is
-      // stepped for this iteration, and a redone iteration must not step it again.
-      q.phase = Phase::kDone;
-      ++self->params_done_;
-      if (!q.update_failed) {
-        ++q.param_step;
-        q.updated_in = self->iteration_ + 1;
-        ++self->params_updated_;
-      }
-      if (!self->failure_.empty()) return;
-      self->SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self->iteration_ + 1));
-      self->MaybeFinishIterationLocked();
+      self->PassDoneLocked(index, pass);
     });
   }
+}
+
+void JobOptimizer::PassDoneLocked(uint32_t index, Pass pass) {
+  Parameter& q = params_[index];
+  if (pass == Pass::kSpeculate) {
+    q.phase = Phase::kSpeculated;
+    ++params_with_stats_;
+    if (!q.backed_up) {
+      PublishLocked(index);  // nothing can undo it (the norm is only reported): published now
+    } else if (!failure_.empty()) {
+      RestoreLocked(index);
+    }
+    if (!failure_.empty()) return;
+    MaybeDecideLocked();
+    MaybeFinishIterationLocked();
+    return;
+  }
+  PublishLocked(index);
+  if (failure_.empty()) MaybeFinishIterationLocked();
+}
+
+void JobOptimizer::PublishLocked(uint32_t index) {
+  Parameter& q = params_[index];
+  // Counted even when the job failed while it ran: every chunk did run, so the tensor is
+  // stepped for this iteration, and a redone iteration must not step it again.
+  q.phase = Phase::kDone;
+  ++params_done_;
+  if (!q.update_failed) {
+    ++q.param_step;
+    q.updated_in = iteration_ + 1;
+    ++params_updated_;
+  }
+  if (failure_.empty()) SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, iteration_ + 1));
 }
 
 void JobOptimizer::KeepEarlierUpdateLocked(uint32_t index) {

@@ -79,6 +79,11 @@ absl::Status ValidateSettings(const OptimizerSettings& s) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "chunk_elements %d is not a multiple of 256 between 4096 and 2^30", s.chunk_elements));
   }
+  if (s.defer_updates && s.eager_updates) {
+    return absl::InvalidArgumentError(
+        "eager updates and deferred updates were both asked for; choose one (eager=True or "
+        "eager=False)");
+  }
   return ValidateGroups(s.groups);
 }
 

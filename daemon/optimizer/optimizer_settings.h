@@ -36,14 +36,25 @@ struct OptimizerSettings {
   std::vector<GroupHyperParameters> groups;
   uint32_t threads = 0;         // > 0: at most this many of the pool's workers at once
   uint64_t chunk_elements = 0;  // > 0: elements per task (else kDefaultChunkElements)
-  bool defer_updates = false;   // wait for every gradient even without a reason below
+  // eager=False: updates wait for every gradient of the step, never speculating.
+  bool defer_updates = false;
+  // eager=True: where the step's statistics decide its updates, every step speculates (see
+  // JobOptimizer), not only those after a step that needed no scaling.
+  bool eager_updates = false;
   friend bool operator==(const OptimizerSettings&, const OptimizerSettings&) = default;
 
-  // Updates wait for the whole job's gradients (to clip, report the norm, or check them all
-  // before touching any state) instead of starting as each gradient lands.
-  bool deferred() const {
-    return defer_updates || max_grad_norm > 0 || report_grad_norm ||
-           nonfinite == NonFinitePolicy::kSkipStep || nonfinite == NonFinitePolicy::kError;
+  // The step's gradient statistics decide how its updates apply: clipping scales them, and
+  // 'skip' and 'error' drop them all on a non-finite value.
+  bool decides() const {
+    return max_grad_norm > 0 || nonfinite == NonFinitePolicy::kSkipStep ||
+           nonfinite == NonFinitePolicy::kError;
+  }
+  // The step's norm and non-finite count are gathered from every gradient.
+  bool gathers_stats() const { return decides() || report_grad_norm; }
+  // Whether a step's statistics can undo updates made before they were known: a decision, or
+  // 'guard' with the norm gathered (the whole step is then skipped, as when deciding).
+  bool may_roll_back() const {
+    return decides() || (report_grad_norm && nonfinite == NonFinitePolicy::kGuard);
   }
   // Gradients are summed into an fp32 buffer per parameter before the update (micro-steps, or
   // the machine's ranks ahead of the cross-machine all-reduce).

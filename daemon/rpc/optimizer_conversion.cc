@@ -56,6 +56,7 @@ absl::StatusOr<OptimizerSettings> FromProto(const v1::OptimizerSpec& spec) {
   s.threads = spec.threads();
   s.chunk_elements = spec.chunk_elements();
   s.defer_updates = spec.defer_updates();
+  s.eager_updates = spec.eager_updates();
   RETURN_IF_ERROR(ValidateSettings(s));
   return s;
 }
@@ -94,6 +95,7 @@ void ToProto(const OptimizerSettings& s, v1::OptimizerSpec* out) {
   out->set_threads(s.threads);
   out->set_chunk_elements(s.chunk_elements);
   out->set_defer_updates(s.defer_updates);
+  out->set_eager_updates(s.eager_updates);
   for (const GroupHyperParameters& g : s.groups) {
     v1::ParamGroup* pg = out->add_groups();
     pg->set_lr(g.lr);
@@ -122,6 +124,10 @@ void ToProto(const OptimizerReport& r, uint32_t threads, v1::OptimizerInfo* out)
   s->set_seconds(r.last_step.seconds);
   s->set_update_seconds(r.last_step.update_seconds);
   s->set_gbps(r.last_step.gbps);
+  s->set_speculated_tensors(r.last_step.speculated_tensors);
+  s->set_rolled_back(r.last_step.rolled_back);
+  out->set_speculated_steps(r.speculated_steps);
+  out->set_rolled_back_steps(r.rolled_back_steps);
   out->set_isa(kernels::IsaName(kernels::BestIsa()));
   out->set_threads(threads);
   out->set_state(r.state);

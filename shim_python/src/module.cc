@@ -92,6 +92,7 @@ trainstream::client::OptimizerOptions OptimizerOptionsFrom(const py::dict& spec)
   options.threads = spec["threads"].cast<uint32_t>();
   options.chunk_elements = spec["chunk_elements"].cast<uint64_t>();
   options.defer_updates = spec["defer_updates"].cast<bool>();
+  options.eager_updates = spec["eager_updates"].cast<bool>();
   options.groups.clear();
   for (py::handle g : spec["groups"].cast<py::list>()) {
     py::dict d = g.cast<py::dict>();

@@ -73,10 +73,6 @@ def test_wrap_passes_threads_on(two_workers):
     (dict(chunk_elems=1000), trainstream.InvalidArgumentError,
      "chunk_elements 1000 is not a multiple of 256 between 4096 and 2"),
     (dict(eager="yes"), trainstream.InvalidArgumentError, "eager='yes' must be None, True"),
-    (dict(eager=True, max_grad_norm=1.0), trainstream.InvalidArgumentError,
-     "eager=True, but max_grad_norm"),
-    (dict(eager=True, compute_grad_norm=True), trainstream.InvalidArgumentError,
-     "eager=True, but max_grad_norm"),
     (dict(pin_moments=False), trainstream.InvalidArgumentError,
      "pin_moments=False: the moments live in trainstreamd's memory"),
 ])
@@ -97,3 +93,50 @@ def test_eager_true_and_pinned_moments_are_the_default_behaviour(two_workers):
     train_steps(ours, opt, 2)
     assert max_param_diff(ref, ours) <= 1e-5
     assert not opt.stats()["spec"].get("defer_updates", False)
+
+
+def _speculation(opt) -> tuple:
+    stats = opt.stats()
+    return int(stats.get("speculated_steps", 0)), int(stats.get("rolled_back_steps", 0))
+
+
+@pytest.mark.parametrize("max_grad_norm, rolled_back", [(0.05, 6), (1e6, 0)])
+def test_clipping_speculates_and_matches_updating_after_the_last_gradient(
+        two_workers, max_grad_norm, rolled_back):
+    # eager=False clips after the step's last gradient; eager=True updates each tensor as its
+    # gradient lands and, when the norm says so, puts its state back and updates it again: the
+    # weights must be the same bits.
+    torch.manual_seed(7)
+    ref = TinyGPT()
+    runs = {}
+    for eager in (False, None, True):
+        model = copy.deepcopy(ref)
+        opt = trainstream.OffloadAdamW(model.parameters(), lr=3e-3, eager=eager,
+                                       max_grad_norm=max_grad_norm)
+        train_steps(model, opt, 6)
+        runs[eager] = (model, _speculation(opt), opt.last_grad_norm)
+    barrier = runs[False][0]
+    for eager in (None, True):
+        for a, b in zip(barrier.parameters(), runs[eager][0].parameters()):
+            assert torch.equal(a, b), f"eager={eager} differs from eager=False"
+        assert runs[eager][2] == runs[False][2]
+    assert runs[False][1] == (0, 0)
+    assert runs[True][1] == (6, rolled_back)
+    if rolled_back:
+        # The default speculates only after a step that needed no clipping: the first step.
+        assert runs[None][1] == (1, 1)
+    else:
+        assert runs[None][1] == (6, 0)
+
+
+def test_eager_true_with_a_reported_norm_follows_stock_adamw(two_workers):
+    torch.manual_seed(8)
+    ref = TinyGPT()
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = trainstream.OffloadAdamW(ours.parameters(), lr=3e-3, eager=True,
+                                   compute_grad_norm=True)
+    train_steps(ref, ref_opt, 3)
+    train_steps(ours, opt, 3)
+    assert max_param_diff(ref, ours) <= 1e-5
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0

@@ -53,6 +53,9 @@ struct OptimizerOptions {
   uint32_t threads = 0;         // > 0: at most this many of the daemon's workers at once
   uint64_t chunk_elements = 0;  // > 0: elements per task of the daemon's pass
   bool defer_updates = false;   // updates wait for every gradient of the step
+  // Where clipping or a check decides the step, updates speculate on every step (not only after
+  // one that needed no clipping); not with defer_updates.
+  bool eager_updates = false;
 };
 
 struct ParameterInfo {

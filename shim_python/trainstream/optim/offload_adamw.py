@@ -82,8 +82,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                  chunk_elems: int | None = None, eager: bool | None = None,
                  pin_moments: bool | None = None):
         check_mode(mode)
-        check_pass_options(threads, chunk_elems, eager, pin_moments, needs_all=bool(
-            max_grad_norm) or compute_grad_norm or nonfinite in ("skip", "error"))
+        check_pass_options(threads, chunk_elems, eager, pin_moments)
         if distributed:
             rank, world_size, job_id = this_machines_ranks(job_id)
         if moment_dtype not in MOMENT_DTYPES:
@@ -147,7 +146,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             moment_dtype=MOMENT_DTYPES[moment_dtype], max_grad_norm=max_grad_norm or 0.0,
             report_grad_norm=compute_grad_norm, nonfinite=nonfinite,
             accumulation_steps=self.accumulation_steps if self._cuda else 1, machines=machines,
-            threads=threads or 0, chunk_elements=chunk_elems or 0, defer_updates=eager is False)
+            threads=threads or 0, chunk_elements=chunk_elems or 0, defer_updates=eager is False,
+            eager_updates=eager is True)
         # Several machines: this machine's rank 0 all-reduces the machine's summed gradients
         # with the other machines' rank 0s (machine_group) before each update.
         self._machines = int(machines)

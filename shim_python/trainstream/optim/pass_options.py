@@ -3,10 +3,11 @@
 daemon is asked (it checks them again): ``threads`` (at most this many of the daemon's AdamW
 workers run this job's pass at once; default all), ``chunk_elems`` (elements per task of that
 pass, a multiple of 256 from 4096; default the daemon's 262144), ``eager`` (``None``: each
-tensor's update starts as its last gradient lands, unless clipping, the norm or a non-finite
-check needs them all first; ``False``: updates always wait for every gradient; ``True``:
-refused where they must wait) and ``pin_moments`` (``None`` or ``True``: the daemon's memory
-is page-locked for every job)."""
+tensor's update starts as its last gradient lands; where clipping or ``nonfinite='skip'`` /
+``'error'`` decide the step, speculatively, after a step that needed no clipping, rolled back
+exactly when the step's norm says so, and otherwise after the last gradient; ``True``:
+speculate on every step; ``False``: updates always wait for every gradient) and
+``pin_moments`` (``None`` or ``True``: the daemon's memory is page-locked for every job)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 
 
-def check_pass_options(threads: Any, chunk_elems: Any, eager: Any, pin_moments: Any,
-                        needs_all: bool) -> None:
+def check_pass_options(threads: Any, chunk_elems: Any, eager: Any, pin_moments: Any) -> None:
     """TrainStream 0.6's knobs of the host pass, checked before the daemon is asked."""
     for name, value in (("threads", threads), ("chunk_elems", chunk_elems)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -25,11 +25,6 @@ def check_pass_options(threads: Any, chunk_elems: Any, eager: Any, pin_moments: 
                 f"OffloadAdamW: {name}={value!r} must be None or an integer >= 1")
     if eager not in (None, True, False):
         raise InvalidArgumentError(f"OffloadAdamW: eager={eager!r} must be None, True or False")
-    if eager is True and needs_all:
-        raise InvalidArgumentError(
-            "OffloadAdamW: eager=True, but max_grad_norm, compute_grad_norm and "
-            "nonfinite='skip'/'error' need every gradient of the step before any update; "
-            "leave eager=None")
     if pin_moments not in (None, True):
         raise InvalidArgumentError(
             f"OffloadAdamW: pin_moments={pin_moments!r}: the moments live in trainstreamd's "

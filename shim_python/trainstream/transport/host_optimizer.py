@@ -63,13 +63,15 @@ def _group(g: dict) -> dict:
 
 def _spec(kind: str, moment_dtype: Any, max_grad_norm: float, report_grad_norm: bool,
           nonfinite: str, accumulation_steps: int, machines: int, groups: Sequence[dict],
-          threads: int = 0, chunk_elements: int = 0, defer_updates: bool = False) -> dict:
+          threads: int = 0, chunk_elements: int = 0, defer_updates: bool = False,
+          eager_updates: bool = False) -> dict:
     """The optimizer as the native module passes it to the daemon."""
     return {"kind": kind, "moment_dtype": _dtype_code(moment_dtype),
             "max_grad_norm": float(max_grad_norm), "report_grad_norm": bool(report_grad_norm),
             "nonfinite": _NONFINITE[nonfinite], "accumulation_steps": int(accumulation_steps),
             "machines": int(machines), "groups": list(groups), "threads": int(threads),
-            "chunk_elements": int(chunk_elements), "defer_updates": bool(defer_updates)}
+            "chunk_elements": int(chunk_elements), "defer_updates": bool(defer_updates),
+            "eager_updates": bool(eager_updates)}
 
 
 def estimate_host_memory(client: Client, params: Sequence[ParameterSpec],
@@ -105,7 +107,8 @@ class HostOptimizer:
                  max_grad_norm: float = 0.0, report_grad_norm: bool = False,
                  nonfinite: str = "ignore", accumulation_steps: int = 1,
                  machines: int = 1, timeout_s: float = 120.0, threads: int = 0,
-                 chunk_elements: int = 0, defer_updates: bool = False):
+                 chunk_elements: int = 0, defer_updates: bool = False,
+                 eager_updates: bool = False):
         import torch
 
         if kind not in _KINDS:
@@ -121,7 +124,7 @@ class HostOptimizer:
         self._max_grad_norm = float(max_grad_norm or 0.0)
         spec = _spec(kind, moment_dtype, self._max_grad_norm, report_grad_norm, nonfinite,
                      accumulation_steps, machines, self._groups, threads, chunk_elements,
-                     defer_updates)
+                     defer_updates, eager_updates)
         from .. import _trainstream
 
         self._native = _trainstream.HostOptimizer(client.native_session, spec,
