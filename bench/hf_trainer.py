@@ -58,7 +58,7 @@ def worker(mode: str, case: dict) -> dict:
     model, _ = hf_models.build(case["preset"], case["tune"], dtype,
                                device="cpu" if ours or not cuda else "cuda",
                                init_device="cuda" if cuda else "cpu")
-    if cuda and mode.endswith("capped") and case["cap_gib"]:
+    if cuda and "capped" in mode and case["cap_gib"]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, case["cap_gib"] * 2**30 / total))
     if cuda:

@@ -142,6 +142,25 @@ def test_a_host_bound_step_keeps_the_first_blocks_optimizer_state_in_vram():
     assert "kept in VRAM and updated there at step()" in plan.history[0]
 
 
+def test_a_pass_after_backward_keeps_more_state_in_vram_than_one_that_overlaps_it():
+    # A host pass of 0.1 s hides under a 480 ms step while it overlaps backward: no state moves.
+    # When clipping makes it wait for backward's last gradient, it adds to the step instead, and
+    # every block whose state VRAM can hold (without streaming weights) shortens the step.
+    quick = dict(vram=40 * GiB, host=200 * GiB, block_forward_s=0.020, link_bytes_per_s=50e9,
+                 host_update_s=0.1, gpu_state="auto")
+    overlapping = plan_memory(inputs(**quick))
+    after = plan_memory(inputs(host_after_backward=True, **quick))
+    assert overlapping.gpu_state_blocks == 0
+    assert after.gpu_state_blocks >= 3 and after.paged_blocks == []
+    # The pass starts when the compute ends, and covers what stays on the host.
+    compute = after.step_s["compute"]
+    trainable = GiB // 8 + 8 * GiB // 4
+    assert after.step_s["host"] == pytest.approx(
+        compute + 0.1 * (trainable - after.gpu_state_elements) / trainable)
+    assert max(after.step_s.values()) < max(
+        plan_memory(inputs(host_after_backward=True, **{**quick, "gpu_state": 0})).step_s.values())
+
+
 def test_optimizer_state_stays_on_the_host_when_the_host_keeps_up_or_was_not_measured():
     quick = plan_memory(inputs(vram=40 * GiB, host=200 * GiB, block_forward_s=0.020,
                                link_bytes_per_s=50e9, host_update_s=0.1, gpu_state="auto"))

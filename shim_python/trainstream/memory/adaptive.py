@@ -25,7 +25,7 @@ from .allocator_split import LargeBlocksWhole
 from .plan_apply import PlanApplication
 from .plan_probe import ProbeStep
 from .plan_trial import TRIAL_STEPS, WholePlanTrial
-from .planner import ACTIVATION_CHOICES, MemoryPlan, plan_memory, size
+from .planner import ACTIVATION_CHOICES, MemoryPlan, MemoryPlanError, plan_memory, size
 from .staging_trial import StagingTrial
 from .step_measures import RESERVED_MARGIN, StepMeasures
 
@@ -84,7 +84,8 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                  host_pass: Callable[[], tuple] | None = None,
                  other_trainable: int = 0, update_transfer: tuple = (4, 4),
                  staged_state: object = 0, staged_vram: int = 768 << 20,
-                 staged_grad_bytes: int = 0):
+                 staged_grad_bytes: int = 0,
+                 updates_after_backward: Callable[[], bool] | None = None):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
@@ -113,6 +114,9 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
         self._set_gpu_state = set_gpu_state
         self._host_pass = host_pass
+        # Whether the host's updates wait for backward's last gradient now (clipping that
+        # scaled the last step: see OffloadAdamW.updates_after_backward).
+        self._updates_after_backward = updates_after_backward or (lambda: False)
         # Elements outside the stack whose state may move (fp32 trained ones), and what each
         # updated on the host moves over PCIe a step (the updated weight in, its gradient out).
         self._other_trainable = int(other_trainable)
@@ -129,6 +133,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         # Staging the planner chose ("auto") is kept only if it measures faster: the settled
         # steps are timed with it, then without, and the faster plan stays (the planner's model
         # of a step cannot see how the staged copies and backward slow each other).
+        self._fragmentation_kept_said = False  # _correction_streams said so once
         self._trial: dict | None = None  # the side being timed, and each side's step time
         self._trial_done = False
         self._plans_applied = 0  # a plan applied mid-window restarts that side's timing
@@ -193,6 +198,35 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
             if self.cuda:
                 self._reset_peak()
 
+    def _correction_streams(self, peak: int, fragmented: int) -> bool:
+        """Whether the settling correction for a step whose allocated peak fit the budget, but
+        whose reserved peak crowded the process's limit, would stream weights the plan keeps in
+        VRAM now. The correction is then left out, said once: the allocator's cached blocks go
+        back after such steps (_reserved_over), and it hands its free blocks back by itself
+        before it fails an allocation, where streaming a block's weights costs every step its
+        copies (a 2.6B full fine-tune's fifth correction streamed four blocks: 0.65 s steps
+        became 2.1 s, H100 2026-12-07)."""
+        grew = settling_correction(peak, self.plan.vram_bytes if self.plan is not None
+                                   else self.budget, self.budget, fragmented)
+        self.extra_working += grew
+        try:
+            streamed = set(plan_memory(self._plan_inputs()).paged_blocks)
+        except MemoryPlanError:
+            streamed = set(range(len(self.blocks)))
+        finally:
+            self.extra_working -= grew
+        more = sorted(streamed - set(self.pager.paged))
+        if more and not self._fragmentation_kept_said:
+            self._fragmentation_kept_said = True
+            self._say("plan.settling", f"the allocator's reserved peak came within "
+                      f"{100 * RESERVED_MARGIN:.0f}% of the process's limit while the step's "
+                      f"peak ({size(peak)}) fit the {size(self.budget)} budget; planning for "
+                      f"{size(grew)} more working memory would stream the weights of "
+                      f"{len(more)} more block(s), so the plan stays and the allocator's cached "
+                      "blocks go back after such steps", peak_bytes=peak,
+                      fragmented_bytes=fragmented, blocks=len(more))
+        return bool(more)
+
     def _after_step(self) -> None:
         if self.steps_since_plan < 0:
             self._plan_from_probe()
@@ -215,6 +249,10 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         # peak left under the process's limit.
         needed = max(peak, self.budget + fragmented if fragmented else 0)
         limit = self.budget * (1 + (_WATCHDOG_SLACK if not self.adapting else 0))
+        if (fragmented and peak <= self.budget and self.adapting
+                and not self._trial_candidate_running()
+                and self._correction_streams(peak, fragmented)):
+            needed = peak  # the cached blocks went back (_reserved_over); the plan stays
         if needed > limit and self.adapting and self._trial_candidate_running():
             # A plan on trial that does not fit as planned is left out, not corrected: the
             # corrections would grow the working memory every later plan is made with.

@@ -411,7 +411,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         update_transfer=update_transfer, staged_state=staged_option,
                         staged_vram=slots_bytes(),
                         # Micro-steps add up in a staged parameter's own gradient.
-                        staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0)
+                        staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0,
+                        updates_after_backward=offload.updates_after_backward)
     handle = _room_for_probe(model, plan, loss_bytes)
     if handle is not None:
         offload.add_hook(handle)  # unwrap() before any step removes it

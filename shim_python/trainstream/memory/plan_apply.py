@@ -28,6 +28,7 @@ class PlanApplication:
             blocks=tuple(facts), other_weight_bytes=self._other_weights,
             other_trainable=self._other_trainable, host_state_planned=True,
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
+            host_after_backward=bool(self._updates_after_backward()),
             gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
             staged_state=self._staged_option,
             staged_vram=self._staged_vram, staged_grad_bytes=self._staged_grad_bytes,

@@ -59,6 +59,10 @@ class PlanInputs:
     # blocks whose gradients come last, the first ones, and of the parameters outside the stack
     # is better kept in VRAM and updated there.
     host_update_s: float = 0.0
+    # The host's pass waits for backward's last gradient (clipping that scales the step): it
+    # then follows the step's compute instead of overlapping it, and every block whose state
+    # VRAM can hold shortens the step.
+    host_after_backward: bool = False
     gpu_state: object = 0            # "auto", or that many leading blocks kept so (0: none)
     gpu_state_bytes: int = 12        # VRAM per element so kept: fp32 moments, the gradient
     update_transfer: tuple = (4, 4)  # per element updated on the host: bytes to, from the GPU
@@ -313,9 +317,9 @@ def _plan_twice(inputs: PlanInputs, gpu_blocks: int, staged: int = 0) -> MemoryP
 def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu: int,
                    staged: int = 0) -> dict:
     """Each resource's busy time a step under ``plan`` (0 where not measured). The host's pass
-    starts with the first gradient, after the forward, and ends the step when it is last; the
-    host's memory serves that pass and the staged moments' copies (``staged`` of the
-    ``on_gpu`` elements) all step long."""
+    starts with the first gradient, after the forward (or, ``host_after_backward``, after the
+    step's compute), and ends the step when it is last; the host's memory serves that pass and
+    the staged moments' copies (``staged`` of the ``on_gpu`` elements) all step long."""
     link = inputs.link_bytes_per_s
     forward = inputs.block_forward_s
     compute = ((inputs.step_compute_s or _compute_s(inputs))
@@ -331,7 +335,8 @@ def _step_estimate(inputs: PlanInputs, plan: MemoryPlan, transfer: tuple, on_gpu
     host = memory = 0.0
     if inputs.host_update_s > 0 and trainable:
         per_element = inputs.host_update_s / trainable
-        host = max(forward_s, forward_d2h) + per_element * (trainable - on_gpu)
+        start = compute if inputs.host_after_backward else max(forward_s, forward_d2h)
+        host = start + per_element * (trainable - on_gpu)
         memory = per_element * ((trainable - on_gpu) * inputs.host_traffic[0]
                                 + staged * inputs.host_traffic[1])
     return {"compute": compute,

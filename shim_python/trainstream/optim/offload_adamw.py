@@ -173,6 +173,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._max_grad_norm = float(max_grad_norm or 0.0)
         self._nonfinite = nonfinite
+        self._eager = eager
         self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
         self._pushed = [daemon_group(g) for g in self.param_groups]
         self._backwards = [0] * len(self._params)

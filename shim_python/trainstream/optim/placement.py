@@ -72,6 +72,19 @@ class StatePlacement:
                       "which exists only after backward, and staged updates run during it")
         return reason
 
+    def updates_after_backward(self) -> bool:
+        """Whether the daemon's updates of the next step wait for backward's last gradient:
+        ``eager=False``, or clipping (or ``nonfinite='skip'``/``'error'``) whose last step was
+        scaled or skipped. The daemon then waits for the norm (by default it speculates only
+        after a step that needed no scaling), or with ``eager=True`` redoes what it
+        speculated: either way the host's pass follows backward instead of overlapping it."""
+        if self._eager is False:
+            return True
+        if not (self._max_grad_norm > 0 or self._nonfinite in ("skip", "error")):
+            return False
+        last = self._host.info().get("last_step", {})
+        return float(last.get("clip_coef", 1.0)) < 1.0 or bool(last.get("skipped", False))
+
     def gpu_update_refusal(self) -> str | None:
         """Why optimizer_mode="gpu" cannot update this job's parameters on the GPU."""
         if self._gpu_optimizer is not None:
