@@ -46,7 +46,9 @@ kept across every reset of the peak counters), and for a row that did not train,
 (oom, refused, import_error, not_applicable, needs_cuda, timeout, crashed, error, skipped)
 and reason. The table gives, for each case, the fastest other engine that fits under the cap
 and our step's ratio to it, and the lower bound of wrap() rows: max(stock's step in the same
-run, the bytes wrap() moved over PCIe a step / the pinned bandwidth measured in the same run).
+run, the bytes wrap() moved over PCIe a step / the pinned bandwidth measured in the same run,
+and for full fine-tunes the host pass: 16 bytes a trained parameter, its fp32 moments read and
+written once, / the host memory bandwidth measured in the same run).
 
 Peers are imported from their own folders, prepended to sys.path only in their engine's
 process: --peers DIR holds bnb/, ds/ and ao/ (wheels, unpacked by this script into a
@@ -569,6 +571,33 @@ def _train(row: dict, mode: str, spec: dict, case: dict, preset: str, args) -> N
     row["nonfinite_losses"] = sum(not math.isfinite(v) for v in losses)
 
 
+def host_stream_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
+    """Host memory bandwidth, GB/s, of an in-place pass over fp32 values on every core (each
+    byte read and written once, as the host AdamW pass does): the bound of a full fine-tune's
+    optimizer state that lives in host memory."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        x.mul_(1.0)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x.mul_(1.0)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return round(2 * x.numel() * 4 / statistics.median(times) / 1e9, 2)
+
+
+# Host memory bytes a full fine-tune's step moves per trained parameter at least, where its
+# AdamW state lives in host memory: both fp32 moments read and written once (the master weight
+# may stay on the GPU, updated there from staged moments).
+HOST_BYTES_PER_PARAMETER = 16
+
+
 def _worker_bandwidth() -> dict:
     """The pinned host<->device bandwidth the benches measure their PCIe bounds against
     (step_bench.pinned_bandwidth), in a process of its own."""
@@ -577,6 +606,7 @@ def _worker_bandwidth() -> dict:
     from step_bench import pinned_bandwidth
 
     out = pinned_bandwidth()
+    out["host_stream_gbps"] = host_stream_bandwidth()
     out["gpu"] = torch.cuda.get_device_name(0)
     out["torch"] = torch.__version__
     out["cuda"] = torch.version.cuda
@@ -734,8 +764,15 @@ def _analyse(rows: list, bandwidth: dict | None, cap: float) -> None:
                 compute = stock.get("step_s")
                 row["bound"] = {"pcie_s": round(max(h2d, d2h, both), 4), "compute_s": compute,
                                 "h2d_gbps": bandwidth["h2d_gbps"]}
+                host = 0.0
+                if row.get("tune") == "full" and bandwidth.get("host_stream_gbps"):
+                    # A full fine-tune's state beyond the cap: its moments cross host memory.
+                    host = (row.get("trainable", 0) * HOST_BYTES_PER_PARAMETER
+                            / (bandwidth["host_stream_gbps"] * 1e9))
+                    row["bound"].update(host_s=round(host, 4),
+                                        host_gbps=bandwidth["host_stream_gbps"])
                 row["bound"]["lower_bound_s"] = round(max(compute or 0.0,
-                                                          row["bound"]["pcie_s"]), 4)
+                                                          row["bound"]["pcie_s"], host), 4)
                 if row["bound"]["lower_bound_s"]:
                     row["step_over_bound"] = round(row["step_s"] /
                                                    row["bound"]["lower_bound_s"], 3)
@@ -779,7 +816,10 @@ def _table(rows: list, bandwidths: list, cap: float) -> str:
             if bound:
                 line += (f"; bound {bound['lower_bound_s']:.4f} s (stock "
                          f"{bound['compute_s']} s, PCIe {bound['pcie_s']} s at "
-                         f"{bound['h2d_gbps']} GB/s)")
+                         f"{bound['h2d_gbps']} GB/s" + (
+                             f", host memory {bound['host_s']} s: {HOST_BYTES_PER_PARAMETER} "
+                             f"bytes a parameter at {bound['host_gbps']} GB/s"
+                             if "host_s" in bound else "") + ")")
             out.append(line)
     for bw in bandwidths:
         if bw:
@@ -789,7 +829,8 @@ def _table(rows: list, bandwidths: list, cap: float) -> str:
     out.append(f"(cap {cap} GiB a process; alloc/resv: peak GiB over the whole run; dloss: "
                "largest step-wise loss difference from stock's; /best: our step over the "
                "fastest other engine of the same base that fits; /bound: over max(stock's "
-               "step, wrap()'s PCIe bytes a step / the pinned bandwidth))")
+               "step, wrap()'s PCIe bytes a step / the pinned bandwidth, a full fine-tune's "
+               f"{HOST_BYTES_PER_PARAMETER} bytes a parameter / the host memory bandwidth))")
     return "\n".join(out)
 
 
