@@ -34,6 +34,8 @@ absl::Status RunOptimizers(const Invocation& invocation) {
                {"LAST STEP", Align::kRight},
                {"UPDATE GB/S", Align::kRight},
                {"GRAD NORM", Align::kRight},
+               // Steps whose updates were undone by the norm, of those that speculated.
+               {"ROLLED BACK", Align::kRight},
                {"ISA"},
                {"STATE"}});
   for (const v1::OptimizerInfo& o : reply.optimizers()) {
@@ -47,6 +49,9 @@ absl::Status RunOptimizers(const Invocation& invocation) {
                   last.step() == 0 ? "-" : HumanDuration(last.seconds()),
                   last.step() == 0 ? "-" : absl::StrFormat("%.1f", last.gbps()),
                   last.grad_norm() == 0 ? "-" : absl::StrFormat("%.4g", last.grad_norm()),
+                  o.speculated_steps() == 0
+                      ? "-"
+                      : absl::StrCat(o.rolled_back_steps(), "/", o.speculated_steps()),
                   absl::StrCat(o.isa(), " x", o.threads()), o.state()});
   }
   std::cout << table.Render();

@@ -56,6 +56,29 @@ def test_optimizers_shows_each_jobs_figures(daemon, tsctl_binary):
         (info,) = listed["optimizers"]
         assert int(info["step"]) == 1 and int(info["params"]) == 1000
         assert float(info["last_step"]["gbps"]) > 0
+        assert "ROLLED BACK" in table.stdout
+
+
+def test_optimizers_counts_the_steps_that_rolled_back(daemon, tsctl_binary):
+    import torch
+
+    from trainstream import HostOptimizer, ParameterSpec
+
+    with trainstream.connect(daemon.socket, job_id="clipped") as client:
+        # Clipped every step (norm 31.6 over a limit of 1), speculating every step.
+        opt = HostOptimizer(client, [ParameterSpec("w", (1000,))], max_grad_norm=1.0,
+                            eager_updates=True)
+        opt.load_weights([torch.zeros(1000)])
+        for _ in range(3):
+            opt.step([torch.ones(1000)])
+        sock = f"--socket={daemon.socket}"
+        listed = json.loads(tsctl(tsctl_binary, sock, "optimizers", "--json").stdout)
+        (info,) = listed["optimizers"]
+        assert int(info["speculated_steps"]) == 3 and int(info["rolled_back_steps"]) == 3
+        assert info["last_step"]["rolled_back"] is True
+        row = next(line for line in tsctl(tsctl_binary, sock, "optimizers").stdout.splitlines()
+                   if line.startswith("clipped"))
+        assert " 3/3 " in row
 
 
 def test_both_binaries_say_their_release_and_their_flags(tsctl_binary, trainstreamd_binary):
