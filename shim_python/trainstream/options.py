@@ -25,6 +25,7 @@ ACCEPTED = {
     "accumulation_steps": "an integer >= 1",
     "threads": "None or an integer >= 1: at most this many of the daemon's AdamW workers run "
                "this job's pass at once (default: all of them, its --threads)",
+    "eager": (None, True, False),
     "device": "None, 'cpu', 'cuda', 'cuda:N' or a torch.device",
     "distributed": (None, True, False),
     "verbose": (True, False),

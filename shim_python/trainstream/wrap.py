@@ -105,7 +105,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     if session_of(model) is not None:
         raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
-              "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "device": None,
+              "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "eager": None,
+              "device": None,
               "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "guard",
               "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
               "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
@@ -297,7 +298,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   machine_group=topology.machine_group, rank=rank, world_size=world,
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names, initial=initial, threads=config["threads"],
-                  mode=config["optimizer_mode"])
+                  eager=config["eager"], mode=config["optimizer_mode"])
     # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory).
     frozen_streamed = [max(p.numel() * p.element_size(), 1) for p in
                        (paging.paged_params() if paging else ()) if not p.requires_grad]

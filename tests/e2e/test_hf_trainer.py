@@ -104,6 +104,40 @@ def test_equals_the_stock_trainer_step_for_step(preset, tmp_path):
     trainstream.unwrap(trainer.model)
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU on this machine")])])
+def test_speculated_clipping_trains_the_same_bits_as_clipping_after_the_last_gradient(
+        device, tmp_path):
+    """50 Trainer steps, max_grad_norm between the norms the steps have (some clip, some do
+    not): the daemon's updates speculated (the default, and eager=True on every step) against
+    updates that wait for each step's last gradient (eager=False). Rolled-back steps must leave
+    the weights exactly as waiting would have."""
+    runs = {}
+    for eager in (False, None, True):
+        model, _ = hf_models.build("tiny-qwen2", "full")
+        options = {"eager": eager}
+        if device == "cuda":
+            options["offload"] = True  # the daemon's pass, not torch's fused AdamW in VRAM
+        trainer = TrainStreamTrainer(
+            model=model, args=_args(str(tmp_path / f"eager-{eager}"), device, max_steps=50,
+                                    max_grad_norm=2.0, logging_steps=50),
+            train_dataset=Rows("tiny-qwen2"), trainstream=options)
+        trainer.train()
+        stats = trainer.optimizer.optimizer.stats()
+        runs[eager] = (_trained(trainer.model), int(stats.get("speculated_steps", 0)),
+                       int(stats.get("rolled_back_steps", 0)))
+        trainstream.unwrap(trainer.model)
+    want = runs[False][0]
+    assert runs[False][1:] == (0, 0)
+    for eager in (None, True):
+        have, speculated, rolled_back = runs[eager]
+        assert all(torch.equal(want[n], have[n]) for n in want), (
+            eager, max((want[n] - have[n]).abs().max().item() for n in want))
+        # Both kinds of step happened: some kept what they speculated, some rolled it back.
+        assert 0 < rolled_back < speculated, (eager, speculated, rolled_back)
+
+
 @pytest.mark.parametrize("tune", ["full", "lora"])
 def test_the_chunked_loss_trains_like_the_model_own(tune, tmp_path):
     """The default: the loss from the final hidden states in chunks of 7 positions (the head
