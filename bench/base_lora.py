@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """LoRA r=16 on a Qwen2.5-14B-shaped model whose frozen weights come from a shared base held by
 trainstreamd, per quantized format, under a 24 GB VRAM cap, trained through wrap(). fp8 runs
-with fp8_matmul="auto" (FP8 tensor cores where they time faster, see trainstream.fp8_matmul);
-"fp8:dequantize" is the same base always dequantized, the alternative beside it.
+with fp8_matmul="auto" (FP8 tensor cores where they time faster, see
+trainstream.frozen.fp8_matmul); "fp8:dequantize" is the same base always dequantized, the
+alternative beside it.
 
     python bench/base_lora.py [--formats nf4 int8 fp8 fp8:dequantize nvfp4] [--seq 512]
                               [--dir DIR] [--json out.json]

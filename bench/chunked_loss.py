@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from trainstream import chunked_loss
+    from trainstream.integrations import chunked_loss
 
     def torch_chunks(logits, labels, vocab):
         kernels = chunked_loss._kernels

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from trainstream.bases import BaseTensor, dequantize, dequantize_cuda
+from trainstream.frozen.store import BaseTensor, dequantize, dequantize_cuda
 
 BLOCKS = {"int8": 64, "nf4": 64, "fp8": 32, "nvfp4": 16}
 

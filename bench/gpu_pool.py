@@ -82,7 +82,7 @@ def worker(folder: str, mode: str, fmt: str) -> None:
     sys.stdin.readline()
     # What the pool could change: how fast the kernels read the base. Every frozen projection
     # dequantized once, timed on the GPU, with the other processes idle.
-    from trainstream.base_linear import BaseLinear, _weight
+    from trainstream.frozen.linear import BaseLinear, _weight
 
     layers = [m for m in model.modules() if isinstance(m, BaseLinear)]
     stored = sum(m.data.numel() * m.data.element_size() + m.scales.numel() for m in layers)

@@ -39,11 +39,11 @@ def worker(mode: str) -> dict:
     from qwen_shape import DecoderConfig, add_lora, build, lm_loss
 
     import trainstream
-    import trainstream.recompute
+    import trainstream.memory.recompute
 
     torch.set_num_threads(1)
     if mode == "non_reentrant":
-        trainstream.recompute._recomputed = (
+        trainstream.memory.recompute._recomputed = (
             lambda module, run, args, kwargs: torch.utils.checkpoint.checkpoint(
                 run, *args, use_reentrant=False, **kwargs))
     config = DecoderConfig(vocab=256, dim=64, layers=LAYERS, heads=4, kv_heads=2, mlp=128)

@@ -129,7 +129,7 @@ SHARER = textwrap.dedent("""
         int(data[::4096].sum()) if data.numel() else 0
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base: measure now
-    from trainstream.bases import mapped_segments
+    from trainstream.frozen.store import mapped_segments
     seg = mapped_segments()
     print(json.dumps({"segment_rss": seg["resident_bytes"],
                       "segment_pss": seg["proportional_bytes"]}), flush=True)

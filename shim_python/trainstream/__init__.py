@@ -7,8 +7,6 @@ none answers); buffers in the daemon's shared memory appear as torch tensors wit
 
 # torch before the native module: with the native module's libraries (gRPC, Abseil, protobuf)
 # loaded first, importing torch 2.11 aborts in free() on Ubuntu 24.04; torch first works.
-import sys
-
 import torch  # noqa: F401  (import order only)
 
 from .transport.client import VERSION as __version__, Buffer, Client, Notice, connect
@@ -43,10 +41,6 @@ from .errors import (
     ResourceExhaustedError,
     TrainStreamError,
 )
-
-from . import _moved  # noqa: E402  (last: every module it aliases is importable by now)
-
-_moved.install(sys.modules[__name__])
 
 
 __all__ = [

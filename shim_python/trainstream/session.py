@@ -22,7 +22,7 @@ class TrainStreamSession:
     events: list = field(default_factory=list)
     pager: Any = None  # memory.pager.BlockPager when blocks page weights or activations
     recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
-    plan: Any = None   # trainstream.adaptive_plan.AdaptivePlan when the memory plan adapts
+    plan: Any = None   # trainstream.memory.adaptive.AdaptivePlan when the memory plan adapts
     frozen: Any = None  # host copies of frozen weights that stream
     cache_switch: Any = None  # the hooks that keep training forwards from building a cache
     loss_switch: Any = None   # the models whose causal-LM loss wrap() computes in chunks

@@ -304,8 +304,8 @@ def test_quantize_auto_quantizes_only_when_the_run_needs_it(client, budget, pref
 
 
 def test_quantize_auto_needs_host_room_for_streamed_frozen_copies(daemon):
-    from trainstream.blocks import find_blocks
-    from trainstream.quantize_choice import candidates, choose
+    from trainstream.memory.blocks import find_blocks
+    from trainstream.memory.quantization import candidates, choose
 
     net = frozen_net(4)
     blocks = find_blocks(net)

@@ -154,7 +154,8 @@ def test_doorbell_round_trip(daemon):
             assert client.ping() < 1.0
         client.ring(77, id=5)  # nobody handles kind 77: the daemon answers with an error
         notice = client.wait(2000)
-        assert notice.kind == trainstream.client.ERROR and notice.id == 5 and notice.value == 3
+        error = trainstream.transport.client.ERROR
+        assert notice.kind == error and notice.id == 5 and notice.value == 3
 
 
 def test_reported_events_are_limited_per_user_not_per_session(daemon):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import trainstream
-from trainstream import chunked_loss
+from trainstream.integrations import chunked_loss
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers is not installed (scripts/bootstrap.sh "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import trainstream
-from trainstream import fp8_matmul
+from trainstream.frozen import fp8_matmul
 
 torch = pytest.importorskip("torch")
 nn = torch.nn

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import trainstream
-from trainstream import chunked_loss
+from trainstream.integrations import chunked_loss
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
@@ -229,7 +229,7 @@ GPU_CASES = [("small-qwen2", "full", 1, 512, 0, 0.45), ("small-qwen2", "full", 0
 def test_the_users_allocator_settings_are_theirs(monkeypatch, variable, conf, chosen):
     """The split limit is the plan's to set only where the user chose nothing that decides how
     blocks are split (a limit of their own, expandable segments, another backend)."""
-    from trainstream import allocator_split
+    from trainstream.memory import allocator_split
 
     for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(v, raising=False)

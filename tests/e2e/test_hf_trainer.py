@@ -20,7 +20,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (scripts/
                                          "installs it)")
 
 import trainstream  # noqa: E402
-from trainstream import chunked_loss  # noqa: E402
+from trainstream.integrations import chunked_loss  # noqa: E402
 from trainstream.integrations.huggingface import (TrainStreamCallback,  # noqa: E402
                                                   TrainStreamTrainer, decoder_layers, wrap_hf)
 

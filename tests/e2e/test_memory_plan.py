@@ -15,8 +15,8 @@ import sys
 import pytest
 
 import trainstream
-from trainstream.adaptive_plan import settling_correction
-from trainstream.planner import fetch_bytes, spread_order
+from trainstream.memory.adaptive import settling_correction
+from trainstream.memory.planner import fetch_bytes, spread_order
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -96,7 +96,7 @@ class _CachedBlock(torch.nn.Module):
 def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
     # The replay times the block's forward again (what a recompute costs); it must not consume
     # the step's random numbers nor grow a cache the block was given.
-    from trainstream.paging import BlockPager
+    from trainstream.memory.pager import BlockPager
 
     def step(measure: bool, fails: bool = False):
         torch.manual_seed(3)
@@ -308,7 +308,7 @@ def test_frozen_weights_stream_from_daemon_buffers(daemon_socket):
     assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
     # A block can stop streaming and stream again (the plan may move it): its frozen weights'
     # host copy is written again, not made again.
-    from trainstream.block_memory import stream_weights, unstream_weights
+    from trainstream.memory.block_memory import stream_weights, unstream_weights
 
     session = planned._trainstream_session
     before = report["frozen_host_bytes"]

@@ -21,7 +21,7 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shim_python", "tr
 LAYERS = {"errors": 0, "hooks": 0, "transport": 1, "frozen": 2, "optim": 3, "memory": 4,
           "integrations": 5, "options": 6, "session": 6, "report": 6, "wrap": 6,
           "inspection": 6,
-          "integrations.huggingface": 7, "integrations.trainer": 7, "__init__": 8, "_moved": 8}
+          "integrations.huggingface": 7, "integrations.trainer": 7, "__init__": 8}
 # Files still past the size a file should keep to, each to be split (the list may only shrink).
 OVER_600_LINES: set[str] = set()
 
@@ -114,26 +114,35 @@ def test_files_stay_short():
         else f"no longer past 600 lines: {sorted(OVER_600_LINES - over)}; take it off the list")
 
 
-def test_the_old_module_paths_are_the_new_modules():
+# The flat module paths from before the package had layers (old name -> its layer's module).
+OLD_PATHS = {
+    "_embedded": "transport.embedded", "client": "transport.client",
+    "host_optimizer": "transport.host_optimizer", "cuda_streams": "transport.device",
+    "base_linear": "frozen.linear", "fp8_matmul": "frozen.fp8_matmul",
+    "offload_adamw": "optim.offload_adamw", "staged_adamw": "optim.staged_adamw",
+    "nonfinite_guard": "optim.nonfinite_guard", "blocks": "memory.blocks",
+    "hardware": "transport.hardware", "planner": "memory.planner", "kv_cache": "memory.kv_cache",
+    "recompute": "memory.recompute", "activation_arena": "memory.activation_arena",
+    "allocator_split": "memory.allocator_split", "paging": "memory.pager",
+    "adaptive_plan": "memory.adaptive", "block_memory": "memory.block_memory",
+    "quantize_choice": "memory.quantization", "chunked_loss": "integrations.chunked_loss",
+    "huggingface": "integrations.huggingface", "weak_hooks": "hooks", "hook_clock": "hooks",
+}
+
+
+def test_the_old_module_paths_are_gone_and_the_new_ones_import():
     pytest.importorskip("torch")
     import trainstream
-    from trainstream._moved import MOVED
 
-    for old, new in MOVED.items():
-        assert importlib.import_module(f"trainstream.{old}") is \
-            importlib.import_module(f"trainstream.{new}"), old
-    # A module's globals set through the old path are the ones its code reads.
-    import trainstream.hardware as old_hardware
-    from trainstream.transport import hardware
-
-    assert old_hardware is hardware
-    # Two old module names are also the package's public functions: those stay functions.
+    for old, new in OLD_PATHS.items():
+        importlib.import_module(f"trainstream.{new}")
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"trainstream.{old}")
+    # bases and gpu_pools were module names too; they are the package's functions.
     assert callable(trainstream.bases) and callable(trainstream.gpu_pools)
-    from trainstream.bases import dequantize  # noqa: F401  (the old import path still works)
-    from trainstream.paging import BlockPager
-    from trainstream.memory.pager import BlockPager as moved
-
-    assert BlockPager is moved
+    for name in ("bases", "gpu_pools"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"trainstream.{name}")
 
 
 def _is_private(name: str) -> bool:
@@ -188,8 +197,7 @@ def test_no_module_reads_another_modules_private_attributes():
             if owners and name not in owners:
                 crossings.append(f"{name}:{line} reads {attr} of {', '.join(owners)}")
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module not in (
-                    None, "_moved"):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module is not None:
                 crossings += [f"{name}:{node.lineno} imports {a.name} from {node.module}"
                               for a in node.names if _is_private(a.name)]
     assert crossings == []

@@ -10,7 +10,7 @@ import pytest
 
 import trainstream
 from trainstream import BlockFacts, MemoryPlanError, PlanInputs, plan_memory
-from trainstream.planner import staged_block_indices, spread_order
+from trainstream.memory.planner import staged_block_indices, spread_order
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -295,7 +295,7 @@ def test_find_blocks_returns_the_repeated_stack():
 
 
 def test_profile_hardware_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
-    import trainstream.hardware as hardware
+    import trainstream.transport.hardware as hardware
 
     monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
     first = trainstream.profile_hardware(nbytes=8 << 20, repeats=2)
@@ -307,7 +307,7 @@ def test_profile_hardware_measures_once_then_reads_the_cache(tmp_path, monkeypat
 
 
 def test_profile_hardware_takes_trainstream_06s_signature(tmp_path, monkeypatch):
-    import trainstream.hardware as hardware
+    import trainstream.transport.hardware as hardware
 
     monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
     profile = trainstream.profile_hardware(quick=True, repeats=2, nbytes=8 << 20)
@@ -327,7 +327,7 @@ def test_profile_hardware_times_a_matmul_and_a_host_adamw_step(tmp_path, monkeyp
     they were measured gets them; threads and quick are checked."""
     import json
 
-    import trainstream.hardware as hardware
+    import trainstream.transport.hardware as hardware
 
     monkeypatch.setattr(hardware, "_CACHE", str(tmp_path))
     threads = torch.get_num_threads()

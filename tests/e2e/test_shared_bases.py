@@ -15,7 +15,7 @@ import pytest
 
 import trainstream
 from trainstream import _trainstream
-from trainstream.bases import dequantize
+from trainstream.frozen.store import dequantize
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -95,7 +95,7 @@ SHARER = textwrap.dedent("""
         digest.update(data.numpy().tobytes()); digest.update(scales.numpy().tobytes())
     print("mapped", flush=True)
     sys.stdin.readline()  # every process has mapped the base
-    from trainstream.bases import mapped_segments
+    from trainstream.frozen.store import mapped_segments
     seg = mapped_segments()
     print(json.dumps({"id": base.id, "digest": digest.hexdigest(), "users": base.info()["users"],
                       "rss": seg["resident_bytes"], "pss": seg["proportional_bytes"]}), flush=True)
@@ -231,7 +231,7 @@ def test_the_cuda_dequantizer_matches_the_reference_on_every_element(client, tmp
     one; the data is read aligned (vector loads) and one byte off (byte loads)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the kernel runs there")
-    from trainstream.bases import dequantize_cuda
+    from trainstream.frozen.store import dequantize_cuda
 
     g = torch.Generator().manual_seed(5)
     # Odd sizes: partial blocks, partial 8-value units, a half byte at the end of 4-bit ones.

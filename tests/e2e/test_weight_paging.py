@@ -14,7 +14,7 @@ import time
 import pytest
 
 import trainstream
-from trainstream.planner import fetch_bytes
+from trainstream.memory.planner import fetch_bytes
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -196,7 +196,7 @@ def test_paged_storages_come_back_for_a_second_backward():
     """retain_graph=True: the first backward frees each paged storage with the last of its
     views; the second brings every one back from its host copy, and the gradients (summed over
     both) are the unpaged model's exactly."""
-    from trainstream.paging import BlockPager
+    from trainstream.memory.pager import BlockPager
 
     torch.manual_seed(8)
     reference = TinyGPT(layers=3)

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainstream.staged_adamw import StagedAdamW  # noqa: E402
+from trainstream.optim.staged_adamw import StagedAdamW  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -195,7 +195,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                                                       self._backward_ended)
         self._ready: dict[int, Any] = {}
         self.last_grad_norm: float | None = None
-        self._pager: Any = None             # weight paging (trainstream.paging.BlockPager)
+        self._pager: Any = None             # weight paging (trainstream.memory.pager.BlockPager)
         self.bytes_to_host = 0              # gradients copied off the GPU, since construction
         self.bytes_to_device = 0            # updated weights copied back to it
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
