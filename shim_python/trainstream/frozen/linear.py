@@ -78,8 +78,8 @@ class BaseLinear(nn.Linear):
     An fp8 weight on a GPU with FP8 tensor cores may multiply there instead of being
     dequantized (``fp8_matmul``, see :mod:`trainstream.frozen.fp8_matmul`): "auto" times both
     at the first forward of each shape and keeps the faster; ``matmul_choice`` says what was
-    chosen and why, and ``memory_report()`` counts the layers per path. ``outliers`` (an fp8 weight on the
-    tensor-core path only): the fraction of each call's input channels, its largest, multiplied
+    chosen and why, and ``memory_report()`` counts the layers per path. ``outliers`` (an fp8
+    weight on the tensor-core path only): the fraction of each call's input channels, its largest, multiplied
     in the compute dtype instead (see fp8_matmul); a layer that cannot take that path refuses
     it at its first forward rather than ignore it."""
 
