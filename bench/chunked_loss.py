@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The causal-LM loss wrap() puts on Hugging Face models (shim_python/trainstream/integrations/chunked_loss.py)
-against transformers' ForCausalLMLoss, on bf16 logits as a model under autocast or in bf16
-makes them: the VRAM each needs beyond the logits (forward and backward), its time, and the
-differences in loss and gradient. Two of ours: the CUDA kernels (kernels/cuda/cross_entropy.cu,
-what runs on a GPU) and the same chunks in torch operations (what runs where the kernels do not
-apply). Bounds: memory, the gradient itself (2 bytes a logit); time, the bytes the kernels must
-move (the logits read twice, the gradient written) over a device-to-device copy's bandwidth
-measured in the same run.
+"""The causal-LM loss wrap() puts on Hugging Face models
+(shim_python/trainstream/integrations/chunked_loss.py) against transformers' ForCausalLMLoss, on
+bf16 logits as a model under autocast or in bf16 makes them: the VRAM each needs beyond the logits
+(forward and backward), its time, and the differences in loss and gradient. Two of ours: the CUDA
+kernels (kernels/cuda/cross_entropy.cu, what runs on a GPU) and the same chunks in torch operations
+(what runs where the kernels do not apply). Bounds: memory, the gradient itself (2 bytes a logit);
+time, the bytes the kernels must move (the logits read twice, the gradient written) over a
+device-to-device copy's bandwidth measured in the same run.
 
 Needs the built package (pip install .) for the kernels.
 

@@ -212,7 +212,7 @@ def _blocks(model):
     import torch
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-    return max(lists, key=lambda l: sum(p.numel() for p in l.parameters()))
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def _lora_config(preset: str):

@@ -2,11 +2,11 @@
 """How much of the host optimizer's time a training step sees, through a real daemon.
 
 A simulated backward posts one tensor's gradient every `gap` seconds (the time backward takes to
-produce it), with `gap` chosen so that backward lasts as long as the whole update. With updates starting as each gradient lands, the step waits after the last
-gradient only for the last tensor's update; with clipping (which needs the whole job's norm
-first) it waits for all of them. Prints the time exposed after the last gradient for: all
-gradients at once (what an optimizer that starts after backward exposes: the whole update),
-per-tensor updates, and clipped updates.
+produce it), with `gap` chosen so that backward lasts as long as the whole update. With updates
+starting as each gradient lands, the step waits after the last gradient only for the last tensor's
+update; with clipping (which needs the whole job's norm first) it waits for all of them. Prints the
+time exposed after the last gradient for: all gradients at once (what an optimizer that starts after
+backward exposes: the whole update), per-tensor updates, and clipped updates.
 
     python bench/optimizer_overlap.py [--tensors 24] [--elements 4M] [--json out.json]
 """
@@ -69,7 +69,8 @@ def main() -> None:
         full = run(client, "after-backward", args.tensors, elements, 0.0, args.steps, 0.0)
         gap = full / args.tensors
         rows = {"after backward (no overlap)": {"exposed_s": round(full, 6)}}
-        for mode, clip in (("per-tensor (no clipping)", 0.0), ("clipped (waits for the norm)", 1.0)):
+        for mode, clip in (("per-tensor (no clipping)", 0.0),
+                           ("clipped (waits for the norm)", 1.0)):
             exposed = run(client, mode.split()[0], args.tensors, elements, clip, args.steps, gap)
             rows[mode] = {"exposed_s": round(exposed, 6)}
         client.close()

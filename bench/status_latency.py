@@ -51,7 +51,8 @@ def main() -> None:
                 ping_ms = _median_ms(client.ping, args.calls)
                 rows.append({"buffers": target, "status_ms": status_ms, "rpc_bound_ms": rpc_ms,
                              "doorbell_ms": ping_ms, "allocate_s": allocate_s})
-    print(f"{'buffers':>8} {'GetStatus ms':>12} {'ListSessions ms (bound)':>24} {'doorbell ms':>12}")
+    print(f"{'buffers':>8} {'GetStatus ms':>12} {'ListSessions ms (bound)':>24} "
+          f"{'doorbell ms':>12}")
     for r in rows:
         print(f"{r['buffers']:>8} {r['status_ms']:>12.3f} {r['rpc_bound_ms']:>24.3f} "
               f"{r['doorbell_ms']:>12.3f}")

@@ -22,7 +22,8 @@ class GPTConfig:
     def parameters(self) -> int:
         """Trainable parameters (the head is tied to the token embedding)."""
         per_block = 12 * self.dim * self.dim + 4 * self.dim  # no linear biases; two LayerNorms
-        return self.vocab * self.dim + self.context * self.dim + self.layers * per_block + 2 * self.dim
+        return (self.vocab * self.dim + self.context * self.dim + self.layers * per_block
+                + 2 * self.dim)
 
 
 PRESETS = {

@@ -72,7 +72,8 @@ def main() -> None:
             peak = (f"  peak VRAM {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
                     if cuda else "")
             print(f"step {step:4d}  loss {loss.item():.4f}  grad norm "
-                  f"{optimizer.last_grad_norm or 0:.3f}  {1000 * (time.perf_counter() - begin):.0f} ms"
+                  f"{optimizer.last_grad_norm or 0:.3f}  "
+                  f"{1000 * (time.perf_counter() - begin):.0f} ms"
                   f"{peak}", flush=True)
     stats = optimizer.stats()
     print(f"{args.steps} steps in {time.perf_counter() - start:.2f} s on {device}; the daemon's "

@@ -11,7 +11,7 @@ apt_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format
   python3 python3-dev python3-venv
   systemd passwd util-linux
 )
@@ -36,7 +36,7 @@ need_pip=()
 "$py" -c 'import torch' 2>/dev/null || need_pip+=("$TORCH_SPEC")
 for mod in pytest grpc_tools grpc_health grpc_reflection scikit_build_core pybind11 numpy \
            safetensors transformers peft accelerate kubernetes_validate \
-           mkdocs material mkdocstrings mkdocstrings_handlers.python; do
+           mkdocs material mkdocstrings mkdocstrings_handlers.python ruff; do
   "$py" -c "import $mod" 2>/dev/null || need_pip+=("$mod")
 done
 if ((${#need_pip[@]})); then

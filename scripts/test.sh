@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# Formatting and lint first: seconds, and a failure names the file and line.
+bash scripts/lint.sh
 VENV=${TRAINSTREAM_VENV:-/opt/trainstream/venv}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
 # The tests build with warnings as errors (a user's build only shows them).

@@ -244,7 +244,8 @@ def daemon_config_pb2(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     """daemon_config.proto compiled with grpc_tools.protoc and imported."""
     pytest.importorskip(
         "grpc_tools.protoc",
-        reason="grpcio-tools is not installed (scripts/bootstrap.sh puts it in /opt/trainstream/venv)",
+        reason="grpcio-tools is not installed (scripts/bootstrap.sh puts it in "
+               "/opt/trainstream/venv)",
     )
     out = tmp_path_factory.mktemp("daemon_config_pb2")
     result = subprocess.run(

@@ -44,6 +44,7 @@ from .errors import (
 
 
 __all__ = [
+    "__version__",
     "AlreadyExistsError", "Buffer", "Client", "DaemonUnavailableError", "DeadlineExceededError",
     "FailedPreconditionError", "HostOptimizer", "InternalError", "OffloadAdamW", "ParameterSpec",
     "TrainStreamSession", "memory_report", "unwrap", "wrap", "InvalidArgumentError", "Notice",

@@ -230,7 +230,8 @@ def check_options(options: dict, model: Any = _NO_MODEL) -> None:
     for name, value in options.items():
         if name not in ACCEPTED:
             raise InvalidArgumentError(
-                f"trainstream.wrap: unknown option {name!r}; accepted: {', '.join(sorted(ACCEPTED))}")
+                f"trainstream.wrap: unknown option {name!r}; accepted: "
+                f"{', '.join(sorted(ACCEPTED))}")
         accepted = ACCEPTED[name]
         if isinstance(accepted, tuple):
             ok = value in accepted or (name in ("moment_dtype", "gradient_dtype")

@@ -103,7 +103,8 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     """
     check_options(options, model)
     if session_of(model) is not None:
-        raise FailedPreconditionError("this model is already wrapped; call trainstream.unwrap(model) first")
+        raise FailedPreconditionError(
+            "this model is already wrapped; call trainstream.unwrap(model) first")
     config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
               "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "eager": None,
               "device": None,
@@ -458,7 +459,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
         if behind:
             warnings.warn(f"trainstream.wrap: {lagging[2:]}", stacklevel=2)
     session.note("wrap.optimizer",
-                 f"{'CUDA' if offload.is_cuda else 'CPU'} model, {len(offload.trained_params)} tensors: "
+                 f"{'CUDA' if offload.is_cuda else 'CPU'} model, "
+                 f"{len(offload.trained_params)} tensors: "
                  f"optimizer state, gradients and update in trainstreamd (job {job_id}, "
                  f"rank {rank}/{world})", tensors=len(offload.trained_params))
     mode, why, figures = offload.mode_decision

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The causal-LM loss wrap() computes in chunks (trainstream/integrations/chunked_loss.py): the same loss and
-gradients as transformers' ForCausalLMLoss for fp32 and bf16 logits, ignored labels, shifted
-labels given, and the Trainer's num_items_in_batch, across chunk boundaries; wrap() puts it on
-the models that use transformers' loss (inside a PEFT model too), says so, and unwrap(), a
+"""The causal-LM loss wrap() computes in chunks (trainstream/integrations/chunked_loss.py): the
+same loss and gradients as transformers' ForCausalLMLoss for fp32 and bf16 logits, ignored labels,
+shifted labels given, and the Trainer's num_items_in_batch, across chunk boundaries; wrap() puts it
+on the models that use transformers' loss (inside a PEFT model too), says so, and unwrap(), a
 refused wrap() and chunked_loss=False leave transformers' own."""
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import random
 import time
 
 import grpc
-import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 
 # What a malformed request may get back: the daemon refused it, and said why.

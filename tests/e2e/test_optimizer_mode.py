@@ -326,6 +326,6 @@ def test_wrap_gpu_mode_trains_a_hugging_face_model_and_says_so(daemon_socket):
     # A bf16 model's state never moves to VRAM (its fp32 masters are the daemon's): all of it
     # is updated by the kernel.
     assert opt.staged_state_elements == sum(p.numel() for p in model.parameters())
-    assert any(e["kind"] == "client.optimizer.mode" and "updated in place by the GPU" in e["message"]
-               for e in report["events"])
+    assert any(e["kind"] == "client.optimizer.mode"
+               and "updated in place by the GPU" in e["message"] for e in report["events"])
     trainstream.unwrap(model)

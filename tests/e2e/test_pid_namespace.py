@@ -133,6 +133,7 @@ def test_a_client_that_mounts_the_daemons_socket_folder_elsewhere_trains(daemon,
     moved = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                             TRAINER], capture_output=True, text=True, timeout=120)
     if "mount" in moved.stderr and "permission denied" in moved.stderr.lower():
-        pytest.skip(f"mounts in a mount namespace of its own are not permitted here: {moved.stderr}")
+        pytest.skip("mounts in a mount namespace of its own are not permitted here: "
+                    f"{moved.stderr}")
     assert moved.returncode == 0, moved.stderr
     assert moved.stdout.split()[1:] == _train(daemon.socket, "beside")[1:]

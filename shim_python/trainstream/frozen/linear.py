@@ -79,9 +79,9 @@ class BaseLinear(nn.Linear):
     dequantized (``fp8_matmul``, see :mod:`trainstream.frozen.fp8_matmul`): "auto" times both
     at the first forward of each shape and keeps the faster; ``matmul_choice`` says what was
     chosen and why, and ``memory_report()`` counts the layers per path. ``outliers`` (an fp8
-    weight on the tensor-core path only): the fraction of each call's input channels, its largest, multiplied
-    in the compute dtype instead (see fp8_matmul); a layer that cannot take that path refuses
-    it at its first forward rather than ignore it."""
+    weight on the tensor-core path only): the fraction of each call's input channels, its
+    largest, multiplied in the compute dtype instead (see fp8_matmul); a layer that cannot take that
+    path refuses it at its first forward rather than ignore it."""
 
     def __init__(self, stored: BaseTensor, data: torch.Tensor, scales: torch.Tensor,
                  bias: Any, compute_dtype: torch.dtype, fp8_matmul: Any = "auto",
@@ -239,10 +239,10 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
     ``fp8_matmul`` ("auto", True, False): whether an fp8 base's layers multiply on FP8 tensor
     cores (see :class:`BaseLinear`); ``outliers`` (0; "auto" or True: 0.01; a fraction up to
     0.1): on that path, each call's largest input channels multiplied in the compute dtype
-    (an fp8 base only: others quantize no input). ``gpu_pool=True`` (a CUDA ``device``): the layers read the
-    base in place from the daemon's VRAM pool on that GPU, one copy shared by every process of
-    the user there (:meth:`SharedBase.on_gpu`), and unquantized frozen tensors of the model's
-    dtype are views of it too. Returns what was taken: {"linear": [...], "copied": [...],
+    (an fp8 base only: others quantize no input). ``gpu_pool=True`` (a CUDA ``device``): the
+    layers read the base in place from the daemon's VRAM pool on that GPU, one copy shared by every
+    process of the user there (:meth:`SharedBase.on_gpu`), and unquantized frozen tensors of the
+    model's dtype are views of it too. Returns what was taken: {"linear": [...], "copied": [...],
     "viewed": [...], "bytes": n}, by the model's names."""
     if rename is None:
         def rename(name: str) -> str:

@@ -3,8 +3,9 @@
 model's attention runs. ``"auto"`` times every kernel that can run on the first attention call
 of a training forward, on that call's own shapes (forward and backward), and PyTorch's own pick
 beside them ("default"), twice each in turn, and keeps the fastest (so it is never slower than
-leaving PyTorch alone, as far as two trials can tell); a named one (``"cudnn"``, ``"efficient"``, ``"flash"``, ``"math"``) is tried first,
-PyTorch's order after it; ``None`` leaves PyTorch's order alone.
+leaving PyTorch alone, as far as two trials can tell); a named one (``"cudnn"``,
+``"efficient"``, ``"flash"``, ``"math"``) is tried first, PyTorch's order after it; ``None`` leaves
+PyTorch's order alone.
 
 The choice is applied to every ``F.scaled_dot_product_attention`` call made inside an
 attention module's call (forward hooks route them through :meth:`AttentionBackend._call`), so

@@ -112,8 +112,9 @@ class DeviceReturns:
         forward between the last backward and step() wait for every update (CPU too).
         Each of ``blocks`` (the repeated layers, each a module the model calls: a ModuleList of
         a layer's parts is iterated, not called, and has no forward to hook) waits once, for
-        every trained parameter inside it: one hook where a LoRA block would have seven, and none that a recomputed block's
-        second forward calls again (its updates cannot have come back by then)."""
+        every trained parameter inside it: one hook where a LoRA block would have seven, and
+        none that a recomputed block's second forward calls again (its updates cannot have come back
+        by then)."""
         if id(model) not in self._hooked_models:
             # A forward or a checkpoint between the last backward and step() completes the
             # iteration first, on a CPU too (updates land in place there).

@@ -159,7 +159,8 @@ class HostOptimizer:
             "exp_avg_sq": Buffer(v).tensor(self.moment_dtype, shape),
             "grad": Buffer(grad).tensor(p.grad_dtype or dtype, shape),
         }
-        views["param"] = Buffer(param).tensor(dtype, shape) if param is not None else views["master"]
+        views["param"] = (Buffer(param).tensor(dtype, shape) if param is not None
+                          else views["master"])
         if reduce is not None:
             views["reduce"] = Buffer(reduce).tensor(torch.float32, shape)
         return views

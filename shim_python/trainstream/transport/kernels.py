@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The native module's compute kernels, for the layers above: the daemon's quantizer run in
 this process (one chunk a call, so a layer spreads over a thread pool), the GPU dequantizer,
-the causal-LM cross-entropy kernels and AdamW over mapped state (optimizer_mode="gpu"). Each takes raw pointers: its caller owns the tensors
-and their devices."""
+the causal-LM cross-entropy kernels and AdamW over mapped state (optimizer_mode="gpu"). Each
+takes raw pointers: its caller owns the tensors and their devices."""
 
 from __future__ import annotations
 
