@@ -33,8 +33,8 @@ struct ParameterSlots {
   BufferRecord master;
   BufferRecord exp_avg;
   BufferRecord exp_avg_sq;
-  std::optional<BufferRecord> param;  // absent for float32 parameters: the master is the param
-  BufferRecord grad;                  // the calling rank's gradient slot
+  std::optional<BufferRecord> param;   // absent for float32 parameters: the master is the param
+  BufferRecord grad;                   // the calling rank's gradient slot
   std::optional<BufferRecord> reduce;  // multi-machine jobs, rank 0: the machine's summed gradient
 };
 
@@ -116,8 +116,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     DoorbellDispatcher* doorbells = nullptr;
     EventLog* events = nullptr;
     // At most this many bytes of copies aside for speculative updates per job (pageable memory,
-    // made once per tensor and kept); a copy is also refused when it would leave the machine
-    // less than a tenth of its memory available.
+    // made once per tensor and kept); a copy is also refused when it would leave less than a
+    // tenth of the memory available (the machine's, or the daemon's cgroup limit).
     uint64_t speculation_bytes = ~uint64_t{0};
   };
   static absl::StatusOr<std::shared_ptr<JobOptimizer>> Create(const JobKey& job,
@@ -216,9 +216,9 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     // Progress through the current iteration.
     Phase phase = Phase::kWaiting;
     uint32_t micro = 0;
-    std::set<uint32_t> arrived;  // ranks
-    std::set<uint32_t> absent;   // ranks that had no gradient
-    bool any_gradient = false;   // over the micro-steps of this iteration
+    std::set<uint32_t> arrived;     // ranks
+    std::set<uint32_t> absent;      // ranks that had no gradient
+    bool any_gradient = false;      // over the micro-steps of this iteration
     bool machine_gradient = false;  // multi-machine jobs: some rank here had one this iteration
     kernels::GradientStats stats;
     size_t chunks_left = 0;
@@ -364,8 +364,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void RollBackOnFailureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The decision's bookkeeping: counts, the report, the next step's policy, and an event when
   // speculated updates were undone.
-  void NoteDecisionLocked(bool scaled, float coef, double norm)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NoteDecisionLocked(bool scaled, float coef, double norm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Checkpoints (job_optimizer_state.cc): the state as checkpoint arrays over the live buffers.
   CheckpointContents ContentsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "cpu/adamw.h"
 #include "ipc/doorbell_ring.h"
@@ -22,6 +23,16 @@ inline ipc::DoorbellMessage Message(ipc::DoorbellKind kind, uint64_t id, uint64_
                                     uint64_t value = 0, uint32_t flags = 0) {
   return {static_cast<uint32_t>(kind), flags, id, step, value};
 }
+
+// The memory this process may still take, in bytes (0 when unreadable): the machine's
+// (MemTotal, MemAvailable), or less where its cgroup v2 has a limit (a container's, or the
+// service's MemoryMax), which the kernel enforces by killing the process. `root` prefixes
+// /proc and /sys (a test's directory).
+struct HostMemory {
+  uint64_t total = 0;
+  uint64_t available = 0;
+};
+HostMemory ReadHostMemory(const std::string& root = "");
 
 // The bytes a tensor's copy aside takes: its master, both moments and its parameter slot.
 uint64_t CopyAsideBytes(const kernels::AdamWTensor& tensor);

@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // JobOptimizer's speculative updates: when a step speculates, each tensor's copy aside, and what
 // the step's decision does with the speculated tensors (publish them, or put the copies back).
+#include "optimizer/job_optimizer.h"
+
 #include <bit>
 #include <cstring>
 #include <fstream>
 #include <new>
+#include <optional>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "optimizer/job_optimizer.h"
 #include "optimizer/job_optimizer_internal.h"
 
 namespace trainstream::daemon {
@@ -54,30 +57,51 @@ void CopyAside(const kernels::AdamWTensor& tensor, std::byte* backup, size_t beg
   }
 }
 
-}  // namespace job_optimizer_internal
-
 namespace {
 
-using job_optimizer_internal::Chunks;
-using job_optimizer_internal::Message;
+// A cgroup v2 file of this process's cgroup as a number (nullopt: absent, or "max").
+std::optional<uint64_t> ReadCgroupValue(const std::string& root, const std::string& file) {
+  std::ifstream self(root + "/proc/self/cgroup");
+  std::string line, path;
+  while (std::getline(self, line)) {
+    if (line.rfind("0::", 0) == 0) path = line.substr(3);
+  }
+  if (path.empty()) return std::nullopt;
+  std::ifstream in(root + "/sys/fs/cgroup" + (path == "/" ? std::string() : path) + "/" + file);
+  std::string value;
+  if (!(in >> value) || value == "max") return std::nullopt;
+  uint64_t number = 0;
+  if (!absl::SimpleAtoi(value, &number)) return std::nullopt;
+  return number;
+}
 
-// MemTotal and MemAvailable from /proc/meminfo, in bytes (0 when unreadable).
-struct HostMemory {
-  uint64_t total = 0;
-  uint64_t available = 0;
-};
+}  // namespace
 
-HostMemory ReadHostMemory() {
+HostMemory ReadHostMemory(const std::string& root) {
   HostMemory memory;
-  std::ifstream meminfo("/proc/meminfo");
+  std::ifstream meminfo(root + "/proc/meminfo");
   std::string key, unit;
   uint64_t kib = 0;
   while (meminfo >> key >> kib >> unit) {
     if (key == "MemTotal:") memory.total = kib << 10;
     if (key == "MemAvailable:") memory.available = kib << 10;
   }
+  const std::optional<uint64_t> limit = ReadCgroupValue(root, "memory.max");
+  if (limit && (memory.total == 0 || *limit < memory.total)) {
+    const uint64_t used = ReadCgroupValue(root, "memory.current").value_or(*limit);
+    const uint64_t room = *limit - std::min(used, *limit);
+    memory.available = memory.total == 0 ? room : std::min(memory.available, room);
+    memory.total = *limit;
+  }
   return memory;
 }
+
+}  // namespace job_optimizer_internal
+
+namespace {
+
+using job_optimizer_internal::Chunks;
+using job_optimizer_internal::Message;
 
 // The copy aside's layout over the tensor's live buffers (no gradients: only the sizes count).
 kernels::AdamWTensor StateOf(const float* master, void* exp_avg, void* exp_avg_sq, void* param,
@@ -108,13 +132,15 @@ bool JobOptimizer::EnsureBackupLocked(Parameter& p) {
       StateOf(p.master_ptr, p.exp_avg_ptr, p.exp_avg_sq_ptr, p.param_ptr, settings_.moment_type,
               p.desc.param_type, p.desc.numel));
   std::string refusal;
-  const HostMemory memory = ReadHostMemory();
+  const job_optimizer_internal::HostMemory memory = job_optimizer_internal::ReadHostMemory();
   if (bytes > deps_.speculation_bytes - std::min(backup_bytes_, deps_.speculation_bytes)) {
-    refusal = absl::StrFormat("the job's %d bytes for copies aside are taken",
-                              deps_.speculation_bytes);
+    refusal =
+        absl::StrFormat("the job's %d bytes for copies aside are taken", deps_.speculation_bytes);
   } else if (memory.total > 0 && bytes + memory.total / 10 > memory.available) {
-    refusal = absl::StrFormat("the machine has %.1f GiB available of %.1f",
-                              memory.available / double(1 << 30), memory.total / double(1 << 30));
+    refusal = absl::StrFormat(
+        "%.1f GiB of memory is available of %.1f (the machine's, or the "
+        "daemon's cgroup limit)",
+        memory.available / double(1 << 30), memory.total / double(1 << 30));
   } else {
     p.backup.reset(new (std::nothrow) std::byte[bytes]);
     if (p.backup == nullptr) refusal = "the allocation failed";
@@ -195,9 +221,8 @@ void JobOptimizer::NoteDecisionLocked(bool scaled, float coef, double norm) {
           : absl::StrFormat("the gradient norm %.4g was clipped to %g (coefficient %.4g)", norm,
                             settings_.max_grad_norm, coef);
   const std::string then =
-      settings_.eager_updates
-          ? "eager updates speculate on every step"
-          : "updates wait for the last gradient until a step needs no clipping";
+      settings_.eager_updates ? "eager updates speculate on every step"
+                              : "updates wait for the last gradient until a step needs no clipping";
   deps_.events->Emit(
       "optimizer.rolled_back",
       absl::StrFormat("iteration %d of job '%s': %s, so the %d tensors updated before the norm "

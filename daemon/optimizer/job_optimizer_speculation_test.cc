@@ -4,6 +4,8 @@
 // speculated update is never seen by a rank, nor kept by a failed job, before its decision.
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -12,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "optimizer/job_optimizer_internal.h"
 #include "optimizer/job_optimizer_test_fixture.h"
 
 namespace trainstream::daemon::job_optimizer_test {
@@ -35,9 +38,9 @@ struct Scenario {
 };
 
 struct Outcome {
-  std::vector<std::vector<uint8_t>> state;             // per buffer
-  std::vector<std::map<uint64_t, uint32_t>> flags;     // kUpdateDone flags, per step
-  std::vector<double> norms;                           // per step
+  std::vector<std::vector<uint8_t>> state;          // per buffer
+  std::vector<std::map<uint64_t, uint32_t>> flags;  // kUpdateDone flags, per step
+  std::vector<double> norms;                        // per step
   OptimizerReport report;
 };
 
@@ -290,6 +293,48 @@ TEST_F(SpeculationTest, AReportedNormDoesNotHoldUpdatesBack) {
   EXPECT_NEAR(report.last_step.grad_norm, std::sqrt(sum_squares), 1e-6 * std::sqrt(sum_squares));
   EXPECT_EQ(report.last_step.clip_coef, 1.0);
   EXPECT_EQ(report.param_steps, std::vector<uint64_t>(params.size(), 1));
+}
+
+// A directory standing for / (proc and sys files written into it).
+class FakeRoot {
+ public:
+  FakeRoot() {
+    char pattern[] = "/tmp/ts-root-XXXXXX";
+    root_ = mkdtemp(pattern);
+  }
+  ~FakeRoot() { std::filesystem::remove_all(root_); }
+  void Write(const std::string& path, const std::string& text) {
+    const std::filesystem::path file = root_ + path;
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file) << text;
+  }
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
+
+TEST(HostMemoryTest, TheMachinesMemoryWithoutACgroupLimit) {
+  FakeRoot fake;
+  fake.Write("/proc/meminfo", "MemTotal: 1048576 kB\nMemFree: 1000 kB\nMemAvailable: 524288 kB\n");
+  fake.Write("/proc/self/cgroup", "0::/system.slice/trainstreamd.service\n");
+  fake.Write("/sys/fs/cgroup/system.slice/trainstreamd.service/memory.max", "max\n");
+  const job_optimizer_internal::HostMemory memory =
+      job_optimizer_internal::ReadHostMemory(fake.root());
+  EXPECT_EQ(memory.total, uint64_t{1} << 30);
+  EXPECT_EQ(memory.available, uint64_t{512} << 20);
+}
+
+TEST(HostMemoryTest, ACgroupLimitBelowTheMachinesBoundsWhatIsLeft) {
+  FakeRoot fake;
+  fake.Write("/proc/meminfo", "MemTotal: 1048576 kB\nMemAvailable: 524288 kB\n");
+  fake.Write("/proc/self/cgroup", "0::/kubepods/pod1\n");
+  fake.Write("/sys/fs/cgroup/kubepods/pod1/memory.max", std::to_string(256 << 20) + "\n");
+  fake.Write("/sys/fs/cgroup/kubepods/pod1/memory.current", std::to_string(200 << 20) + "\n");
+  const job_optimizer_internal::HostMemory memory =
+      job_optimizer_internal::ReadHostMemory(fake.root());
+  EXPECT_EQ(memory.total, uint64_t{256} << 20);
+  EXPECT_EQ(memory.available, uint64_t{56} << 20);  // the limit less what the cgroup uses
 }
 
 TEST(SpeculationSettingsTest, EagerAndDeferredTogetherAreRefused) {
