@@ -97,7 +97,8 @@ def test_eager_true_and_pinned_moments_are_the_default_behaviour(two_workers):
 
 def _speculation(opt) -> tuple:
     stats = opt.stats()
-    return int(stats.get("speculated_steps", 0)), int(stats.get("rolled_back_steps", 0))
+    # Integers, not the protobuf JSON's strings of 64-bit fields.
+    return stats.get("speculated_steps", 0), stats.get("rolled_back_steps", 0)
 
 
 @pytest.mark.parametrize("max_grad_norm, rolled_back", [(0.05, 6), (1e6, 0)])

@@ -22,7 +22,7 @@ VERSION: str = _trainstream.__version__
 _INT64_FIELDS = frozenset({
     "budget_bytes", "reserved_bytes", "uid_quota_bytes", "segments", "bytes", "buffer_bytes",
     "total_bytes", "seq", "buffer_id", "segment_id", "offset", "step", "params",
-    "state_bytes", "nonfinite", "param_steps",
+    "state_bytes", "nonfinite", "param_steps", "speculated_steps", "rolled_back_steps",
     # shared bases
     "base_id", "stored_bytes", "source_bytes", "read_bytes", "read_total", "shape",
     "data_offset", "data_bytes", "scale_offset", "scale_bytes",
