@@ -221,6 +221,10 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     bool any_gradient = false;      // over the micro-steps of this iteration
     bool machine_gradient = false;  // multi-machine jobs: some rank here had one this iteration
     kernels::GradientStats stats;
+    // Each chunk's sum of squares, added in chunk order once the last is in: the norm must not
+    // depend on which worker finished first, or clipping would differ in its last bits from run
+    // to run (and a speculated step from its redo).
+    std::vector<double> chunk_sum_squares;
     size_t chunks_left = 0;
     // Speculation (job_optimizer_speculation.cc): room for the master, moments and parameter
     // slot as they were before a speculative update, made once and kept for the job's life;
@@ -316,6 +320,11 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   // The updates (job_optimizer_update.cc).
   std::vector<const void*> GradientsLocked(const Parameter& p) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A statistics pass over `chunks` chunks starts, a chunk's statistics come in, and (when the
+  // last has) the tensor's sum of squares is added up in chunk order.
+  static void StartChunkStats(Parameter& p, size_t chunks);
+  static void AddChunkStats(Parameter& p, size_t chunk, const kernels::GradientStats& stats);
+  static void EndChunkStats(Parameter& p);
   float MeanScaleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads tensor `index`'s gradients in chunks on the pool into its `stats` (cleared first);
   // `scanned` runs under the lock once the last chunk has been counted.
@@ -420,6 +429,12 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   uint64_t speculated_steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t rolled_back_steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t backup_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The memory left for copies, read at the iteration's first copy made (EnsureBackupLocked),
+  // and the bytes of copies made since.
+  bool memory_seen_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t seen_total_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t seen_available_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t copied_since_seen_ ABSL_GUARDED_BY(mu_) = 0;
   bool backup_refusal_said_ ABSL_GUARDED_BY(mu_) = false;
   StepReport pending_report_ ABSL_GUARDED_BY(mu_);
   StepReport last_report_ ABSL_GUARDED_BY(mu_);

@@ -25,9 +25,10 @@ inline ipc::DoorbellMessage Message(ipc::DoorbellKind kind, uint64_t id, uint64_
 }
 
 // The memory this process may still take, in bytes (0 when unreadable): the machine's
-// (MemTotal, MemAvailable), or less where its cgroup v2 has a limit (a container's, or the
-// service's MemoryMax), which the kernel enforces by killing the process. `root` prefixes
-// /proc and /sys (a test's directory).
+// (MemTotal, MemAvailable), or less where its cgroup or one above it has a limit (v2's
+// memory.max, v1's limit_in_bytes: a container's, a slice's or the service's MemoryMax), which
+// the kernel enforces by killing the process. `root` prefixes /proc and /sys (a test's
+// directory).
 struct HostMemory {
   uint64_t total = 0;
   uint64_t available = 0;

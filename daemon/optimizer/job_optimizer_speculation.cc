@@ -59,20 +59,51 @@ void CopyAside(const kernels::AdamWTensor& tensor, std::byte* backup, size_t beg
 
 namespace {
 
-// A cgroup v2 file of this process's cgroup as a number (nullopt: absent, or "max").
-std::optional<uint64_t> ReadCgroupValue(const std::string& root, const std::string& file) {
-  std::ifstream self(root + "/proc/self/cgroup");
-  std::string line, path;
-  while (std::getline(self, line)) {
-    if (line.rfind("0::", 0) == 0) path = line.substr(3);
-  }
-  if (path.empty()) return std::nullopt;
-  std::ifstream in(root + "/sys/fs/cgroup" + (path == "/" ? std::string() : path) + "/" + file);
+// A number from a cgroup file (nullopt: absent, "max", or v1's "no limit", a value past 2^62).
+std::optional<uint64_t> ReadNumber(const std::string& file) {
+  std::ifstream in(file);
   std::string value;
-  if (!(in >> value) || value == "max") return std::nullopt;
   uint64_t number = 0;
-  if (!absl::SimpleAtoi(value, &number)) return std::nullopt;
+  if (!(in >> value) || !absl::SimpleAtoi(value, &number) || number >= (uint64_t{1} << 62)) {
+    return std::nullopt;
+  }
   return number;
+}
+
+// The tightest memory limit over this process's cgroup and its ancestors, and the room under
+// it: cgroup v2 (memory.max, memory.current), or v1's memory controller (limit_in_bytes,
+// usage_in_bytes, limits inherited as hierarchy). nullopt: no limit found.
+struct CgroupRoom {
+  uint64_t limit = 0;
+  uint64_t room = 0;
+};
+std::optional<CgroupRoom> ReadCgroupRoom(const std::string& root) {
+  std::ifstream self(root + "/proc/self/cgroup");
+  std::string line, unified, v1;
+  while (std::getline(self, line)) {
+    if (line.rfind("0::", 0) == 0) unified = line.substr(3);
+    const size_t memory = line.find(":memory:");
+    if (memory != std::string::npos) v1 = line.substr(memory + 8);
+  }
+  const bool is_v1 = !v1.empty();
+  std::string path = is_v1 ? v1 : unified;
+  if (path.empty()) return std::nullopt;
+  const std::string base = root + (is_v1 ? "/sys/fs/cgroup/memory" : "/sys/fs/cgroup");
+  const char* limit_file = is_v1 ? "memory.limit_in_bytes" : "memory.max";
+  const char* usage_file = is_v1 ? "memory.usage_in_bytes" : "memory.current";
+  std::optional<CgroupRoom> tightest;
+  while (true) {
+    const std::string dir = base + (path == "/" ? std::string() : path) + "/";
+    if (const std::optional<uint64_t> limit = ReadNumber(dir + limit_file)) {
+      const uint64_t used = ReadNumber(dir + usage_file).value_or(*limit);
+      const uint64_t room = *limit - std::min(used, *limit);
+      if (!tightest || room < tightest->room) tightest = CgroupRoom{*limit, room};
+    }
+    if (path == "/" || path.empty()) break;
+    const size_t slash = path.rfind('/');
+    path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+  }
+  return tightest;
 }
 
 }  // namespace
@@ -86,12 +117,9 @@ HostMemory ReadHostMemory(const std::string& root) {
     if (key == "MemTotal:") memory.total = kib << 10;
     if (key == "MemAvailable:") memory.available = kib << 10;
   }
-  const std::optional<uint64_t> limit = ReadCgroupValue(root, "memory.max");
-  if (limit && (memory.total == 0 || *limit < memory.total)) {
-    const uint64_t used = ReadCgroupValue(root, "memory.current").value_or(*limit);
-    const uint64_t room = *limit - std::min(used, *limit);
-    memory.available = memory.total == 0 ? room : std::min(memory.available, room);
-    memory.total = *limit;
+  if (const std::optional<CgroupRoom> cgroup = ReadCgroupRoom(root)) {
+    memory.available = memory.total == 0 ? cgroup->room : std::min(memory.available, cgroup->room);
+    memory.total = memory.total == 0 ? cgroup->limit : std::min(memory.total, cgroup->limit);
   }
   return memory;
 }
@@ -132,21 +160,33 @@ bool JobOptimizer::EnsureBackupLocked(Parameter& p) {
       StateOf(p.master_ptr, p.exp_avg_ptr, p.exp_avg_sq_ptr, p.param_ptr, settings_.moment_type,
               p.desc.param_type, p.desc.numel));
   std::string refusal;
-  const job_optimizer_internal::HostMemory memory = job_optimizer_internal::ReadHostMemory();
   if (bytes > deps_.speculation_bytes - std::min(backup_bytes_, deps_.speculation_bytes)) {
     refusal =
         absl::StrFormat("the job's %d bytes for copies aside are taken", deps_.speculation_bytes);
-  } else if (memory.total > 0 && bytes + memory.total / 10 > memory.available) {
-    refusal = absl::StrFormat(
-        "%.1f GiB of memory is available of %.1f (the machine's, or the "
-        "daemon's cgroup limit)",
-        memory.available / double(1 << 30), memory.total / double(1 << 30));
   } else {
-    p.backup.reset(new (std::nothrow) std::byte[bytes]);
-    if (p.backup == nullptr) refusal = "the allocation failed";
+    // Read once an iteration (not once a tensor, under the lock the doorbell thread needs), and
+    // less what this iteration has allocated since: a copy's pages count as used only once its
+    // first pass writes them, and a step's copies are allocated all at once.
+    if (!memory_seen_) {
+      const job_optimizer_internal::HostMemory memory = job_optimizer_internal::ReadHostMemory();
+      memory_seen_ = true;
+      seen_total_ = memory.total;
+      seen_available_ = memory.available;
+      copied_since_seen_ = 0;
+    }
+    const uint64_t left = seen_available_ - std::min(copied_since_seen_, seen_available_);
+    if (seen_total_ > 0 && bytes + seen_total_ / 10 > left) {
+      refusal = absl::StrFormat(
+          "%.1f GiB of memory is left of %.1f (the machine's, or the daemon's cgroup limit)",
+          left / double(1 << 30), seen_total_ / double(1 << 30));
+    } else {
+      p.backup.reset(new (std::nothrow) std::byte[bytes]);
+      if (p.backup == nullptr) refusal = "the allocation failed";
+    }
   }
   if (refusal.empty()) {
     backup_bytes_ += bytes;
+    copied_since_seen_ += bytes;
     return true;
   }
   if (!backup_refusal_said_) {
@@ -207,7 +247,9 @@ void JobOptimizer::RollBackOnFailureLocked() {
 void JobOptimizer::NoteDecisionLocked(bool scaled, float coef, double norm) {
   size_t undone = 0;
   for (const Parameter& p : params_) undone += p.backed_up ? 1 : 0;
-  if (pending_report_.speculated_tensors > 0) ++speculated_steps_;
+  // Steps whose updates could have been undone: a step whose norm is only reported publishes
+  // each update as it ends.
+  if (settings_.may_roll_back() && pending_report_.speculated_tensors > 0) ++speculated_steps_;
   if (settings_.may_roll_back()) last_step_scaled_ = scaled;
   if (!scaled || undone == 0) return;
   ++rolled_back_steps_;

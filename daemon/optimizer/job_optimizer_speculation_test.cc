@@ -168,6 +168,17 @@ TEST_F(SpeculationTest, AlternateClippingWithEagerUpdatesMatchesTheBarrier) {
   ExpectSameAsBarrier(eager, Clipping(true, false), scenario);
 }
 
+TEST_F(SpeculationTest, ManySmallChunksGiveTheSameNormAsTheBarrier) {
+  // 74 chunks for the large tensor, on three workers: the chunks end in any order, and the norm
+  // (so the clip) must not depend on it.
+  OptimizerSettings settings = Clipping(true, false);
+  settings.chunk_elements = 4096;
+  const Scenario scenario{{kClipped, kUnclipped, kClipped, kClipped}};
+  const Outcome eager = Run(settings, scenario);
+  EXPECT_EQ(eager.report.rolled_back_steps, 3u);
+  ExpectSameAsBarrier(eager, settings, scenario);
+}
+
 TEST_F(SpeculationTest, ANanUnderSkipRestoresEveryTensorAndTheNextStepRuns) {
   for (uint32_t nan_tensor : {0u, 1u, 2u}) {
     SCOPED_TRACE(absl::StrCat("NaN in tensor ", nan_tensor));
@@ -335,6 +346,38 @@ TEST(HostMemoryTest, ACgroupLimitBelowTheMachinesBoundsWhatIsLeft) {
       job_optimizer_internal::ReadHostMemory(fake.root());
   EXPECT_EQ(memory.total, uint64_t{256} << 20);
   EXPECT_EQ(memory.available, uint64_t{56} << 20);  // the limit less what the cgroup uses
+}
+
+TEST(HostMemoryTest, ALimitAboveTheProcesssCgroupCounts) {
+  // A systemd slice's MemoryMax (or a pod's) sits above the service's own cgroup.
+  FakeRoot fake;
+  fake.Write("/proc/meminfo", "MemTotal: 1048576 kB\nMemAvailable: 1048576 kB\n");
+  fake.Write("/proc/self/cgroup", "0::/ts.slice/trainstreamd.service\n");
+  fake.Write("/sys/fs/cgroup/ts.slice/trainstreamd.service/memory.max", "max\n");
+  fake.Write("/sys/fs/cgroup/ts.slice/trainstreamd.service/memory.current",
+             std::to_string(100 << 20) + "\n");
+  fake.Write("/sys/fs/cgroup/ts.slice/memory.max", std::to_string(512 << 20) + "\n");
+  fake.Write("/sys/fs/cgroup/ts.slice/memory.current", std::to_string(400 << 20) + "\n");
+  const job_optimizer_internal::HostMemory memory =
+      job_optimizer_internal::ReadHostMemory(fake.root());
+  EXPECT_EQ(memory.total, uint64_t{512} << 20);
+  EXPECT_EQ(memory.available, uint64_t{112} << 20);
+}
+
+TEST(HostMemoryTest, ACgroupV1MemoryLimitCounts) {
+  FakeRoot fake;
+  fake.Write("/proc/meminfo", "MemTotal: 1048576 kB\nMemAvailable: 1048576 kB\n");
+  fake.Write("/proc/self/cgroup", "4:memory:/docker/abc\n1:cpu:/docker/abc\n0::/\n");
+  fake.Write("/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes",
+             std::to_string(300 << 20) + "\n");
+  fake.Write("/sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes",
+             std::to_string(100 << 20) + "\n");
+  // v1's "no limit" at the top: a huge number, not a limit.
+  fake.Write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  const job_optimizer_internal::HostMemory memory =
+      job_optimizer_internal::ReadHostMemory(fake.root());
+  EXPECT_EQ(memory.total, uint64_t{300} << 20);
+  EXPECT_EQ(memory.available, uint64_t{200} << 20);
 }
 
 TEST(SpeculationSettingsTest, EagerAndDeferredTogetherAreRefused) {

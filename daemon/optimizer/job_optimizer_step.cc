@@ -27,8 +27,9 @@ std::optional<uint32_t> JobOptimizer::RankOfSenderLocked(const std::string& sess
   for (const auto& [rank, session] : rank_sessions_) {
     if (session == session_id) return rank;
   }
-  deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
-                                            kFailedPreconditionCode))
+  deps_.doorbells
+      ->Send(session_id,
+             Message(ipc::DoorbellKind::kError, message.id, message.step, kFailedPreconditionCode))
       .IgnoreError();
   return std::nullopt;
 }
@@ -75,8 +76,8 @@ void JobOptimizer::GradientReadyLocked(const std::string& session_id,
     return;
   }
   if (message.id >= params_.size()) {
-    FailLocked(absl::StrFormat("rank %d posted a gradient for parameter %d; the job has %d",
-                               *rank, message.id, params_.size()));
+    FailLocked(absl::StrFormat("rank %d posted a gradient for parameter %d; the job has %d", *rank,
+                               message.id, params_.size()));
     return;
   }
   Parameter& p = params_[message.id];
@@ -217,8 +218,9 @@ void JobOptimizer::ReducedLocked(const std::string& session_id,
   last_activity_ = absl::Now();
   auto leader = rank_sessions_.find(0);
   if (settings_.machines < 2 || leader == rank_sessions_.end() || leader->second != session_id) {
-    deps_.doorbells->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
-                                              kFailedPreconditionCode))
+    deps_.doorbells
+        ->Send(session_id, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                   kFailedPreconditionCode))
         .IgnoreError();
     if (settings_.machines < 2) return;
     FailLocked("a rank other than the machine's rank 0 announced a cross-machine reduction");
@@ -265,8 +267,8 @@ void JobOptimizer::NormContributionLocked(const std::string& session_id,
     // The ring is ordered: sent before the rank's last posts, it can only be late if the
     // client broke that order.
     FailLocked(absl::StrFormat(
-        "rank %d sent a gradient norm contribution after iteration %d's norm was decided",
-        *rank, iteration_ + 1));
+        "rank %d sent a gradient norm contribution after iteration %d's norm was decided", *rank,
+        iteration_ + 1));
   } else {
     contributed_sum_squares_ += sum_squares;
   }
@@ -322,6 +324,7 @@ void JobOptimizer::ResetProgressLocked() {
   }
   iteration_started_ = false;
   speculating_ = false;
+  memory_seen_ = false;
   params_done_ = 0;
   params_with_stats_ = 0;
   contributed_sum_squares_ = 0;
@@ -358,8 +361,8 @@ void JobOptimizer::SessionEndedLocked(const std::string& session_id, bool clean)
   last_activity_ = absl::Now();
   const bool others = !rank_sessions_.empty();
   if (InProgressLocked() || (others && !clean)) {
-    FailLocked(absl::StrFormat("rank %d %s at iteration %d; the job cannot go on without it",
-                               *rank, clean ? "left" : "died", iteration_ + 1));
+    FailLocked(absl::StrFormat("rank %d %s at iteration %d; the job cannot go on without it", *rank,
+                               clean ? "left" : "died", iteration_ + 1));
   } else if (others) {
     // Failing the others now would list every job whose ranks end one after another (all of
     // them) as failed. They are told if they step again (GradientReadyLocked).
@@ -376,8 +379,8 @@ void JobOptimizer::FailLocked(const std::string& why) {
   RollBackOnFailureLocked();
   deps_.events->Emit("optimizer.failed", absl::StrFormat("job '%s': %s", job_.job_id, why),
                      {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
-  SendToAll(Message(ipc::DoorbellKind::kError, ~uint64_t{0}, iteration_ + 1,
-                    kFailedPreconditionCode));
+  SendToAll(
+      Message(ipc::DoorbellKind::kError, ~uint64_t{0}, iteration_ + 1, kFailedPreconditionCode));
 }
 
 void JobOptimizer::SendToRank(uint32_t rank, const ipc::DoorbellMessage& message) {

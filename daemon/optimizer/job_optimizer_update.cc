@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "absl/strings/str_format.h"
 #include "optimizer/job_optimizer_internal.h"
@@ -33,10 +34,24 @@ std::vector<const void*> JobOptimizer::GradientsLocked(const Parameter& p) const
   return grads;
 }
 
-void JobOptimizer::ScanGradientsLocked(
-    uint32_t index, std::function<void(JobOptimizer&, Parameter&)> scanned) {
-  Parameter& p = params_[index];
+void JobOptimizer::StartChunkStats(Parameter& p, size_t chunks) {
   p.stats = {};
+  p.chunk_sum_squares.assign(chunks, 0.0);
+}
+
+void JobOptimizer::AddChunkStats(Parameter& p, size_t chunk, const kernels::GradientStats& stats) {
+  p.chunk_sum_squares[chunk] = stats.sum_squares;
+  p.stats.nonfinite += stats.nonfinite;
+}
+
+void JobOptimizer::EndChunkStats(Parameter& p) {
+  p.stats.sum_squares =
+      std::accumulate(p.chunk_sum_squares.begin(), p.chunk_sum_squares.end(), 0.0);
+}
+
+void JobOptimizer::ScanGradientsLocked(uint32_t index,
+                                       std::function<void(JobOptimizer&, Parameter&)> scanned) {
+  Parameter& p = params_[index];
   auto grads = std::make_shared<std::vector<const void*>>(GradientsLocked(p));
   const kernels::ScalarType type =
       settings_.reduces_into_buffer() ? kernels::ScalarType::kFloat32 : p.desc.grad_type;
@@ -44,20 +59,20 @@ void JobOptimizer::ScanGradientsLocked(
   const size_t chunk = ChunkElementsLocked();
   const size_t chunks = Chunks(numel, chunk);
   p.chunks_left = chunks;
+  StartChunkStats(p, chunks);
   auto self = shared_from_this();
-  auto done = std::make_shared<std::function<void(JobOptimizer&, Parameter&)>>(
-      std::move(scanned));
+  auto done = std::make_shared<std::function<void(JobOptimizer&, Parameter&)>>(std::move(scanned));
   for (size_t c = 0; c < chunks; ++c) {
     SubmitLocked([self, index, c, chunk, grads, type, numel, done] {
       const size_t b = c * chunk, e = std::min<size_t>(numel, b + chunk);
-      const kernels::GradientStats stats =
-          kernels::ComputeGradientStats(grads->data(), static_cast<int>(grads->size()), type, b, e,
-                                        kernels::BestIsa());
+      const kernels::GradientStats stats = kernels::ComputeGradientStats(
+          grads->data(), static_cast<int>(grads->size()), type, b, e, kernels::BestIsa());
       absl::MutexLock lock(&self->mu_);
       Parameter& q = self->params_[index];
-      q.stats.sum_squares += stats.sum_squares;
-      q.stats.nonfinite += stats.nonfinite;
-      if (--q.chunks_left == 0) (*done)(*self, q);
+      AddChunkStats(q, c, stats);
+      if (--q.chunks_left != 0) return;
+      EndChunkStats(q);
+      (*done)(*self, q);
     });
   }
 }
@@ -140,8 +155,8 @@ void JobOptimizer::MaybeDecideLocked() {
   float coef = 1.0f;
   if (settings_.max_grad_norm > 0) {
     // As torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1, in fp32.
-    coef = std::min(1.0f, static_cast<float>(settings_.max_grad_norm) /
-                              (static_cast<float>(norm) + 1e-6f));
+    coef = std::min(
+        1.0f, static_cast<float>(settings_.max_grad_norm) / (static_cast<float>(norm) + 1e-6f));
   }
   pending_report_.clip_coef = coef;
   NoteDecisionLocked(/*scaled=*/coef != 1.0f, coef, norm);
@@ -193,8 +208,8 @@ void JobOptimizer::CheckThenUpdateLocked(uint32_t index, float grad_scale) {
     self.update_nonfinite_ += q.stats.nonfinite;
     q.phase = Phase::kDone;
     ++self.params_done_;
-    self.SendToAll(Message(ipc::DoorbellKind::kUpdateDone, index, self.iteration_ + 1, 0,
-                           ipc::kFlagSkipped));
+    self.SendToAll(
+        Message(ipc::DoorbellKind::kUpdateDone, index, self.iteration_ + 1, 0, ipc::kFlagSkipped));
     self.MaybeFinishIterationLocked();
   });
 }
@@ -230,18 +245,17 @@ void JobOptimizer::StartPassLocked(uint32_t index, float grad_scale, Pass pass) 
   tensor.numel = p.desc.numel;
   // Bytes the pass must move per element: each gradient read, the master and both moments read
   // and written, the parameter written.
-  const uint64_t bytes_per_element =
-      kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
-      4 * kernels::ElementSize(settings_.moment_type) +
-      (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
+  const uint64_t bytes_per_element = kernels::ElementSize(tensor.grad_type) * tensor.num_grads + 8 +
+                                     4 * kernels::ElementSize(settings_.moment_type) +
+                                     (p.param_ptr ? kernels::ElementSize(p.desc.param_type) : 0);
   // The copy aside, written before a speculated update and put back before its redo.
   std::byte* backup = pass != Pass::kUpdate && p.backed_up ? p.backup.get() : nullptr;
   p.update_failed = false;
-  if (pass == Pass::kSpeculate) p.stats = {};
   if (params_done_ == 0 && update_bytes_ == 0) updates_start_ = absl::Now();
   const size_t chunk = ChunkElementsLocked();
   const size_t chunks = Chunks(p.desc.numel, chunk);
   p.chunks_left = chunks;
+  if (pass == Pass::kSpeculate) StartChunkStats(p, chunks);
   auto self = shared_from_this();
   for (size_t c = 0; c < chunks; ++c) {
     SubmitLocked([self, index, c, chunk, grads, tensor, step, bytes_per_element, pass, backup] {
@@ -249,8 +263,8 @@ void JobOptimizer::StartPassLocked(uint32_t index, float grad_scale, Pass pass) 
       const absl::Time start = absl::Now();
       kernels::GradientStats stats;
       if (pass == Pass::kSpeculate) {
-        stats = kernels::ComputeGradientStats(tensor.grads, tensor.num_grads, tensor.grad_type,
-                                              b, e, kernels::BestIsa());
+        stats = kernels::ComputeGradientStats(tensor.grads, tensor.num_grads, tensor.grad_type, b,
+                                              e, kernels::BestIsa());
       }
       if (backup != nullptr) {
         job_optimizer_internal::CopyAside(tensor, backup, b, e, /*restore=*/pass == Pass::kRedo);
@@ -264,8 +278,7 @@ void JobOptimizer::StartPassLocked(uint32_t index, float grad_scale, Pass pass) 
       self->update_busy_s_ += busy;
       self->update_bytes_ += (e - b) * bytes_per_element;
       Parameter& q = self->params_[index];
-      q.stats.sum_squares += stats.sum_squares;
-      q.stats.nonfinite += stats.nonfinite;
+      if (pass == Pass::kSpeculate) AddChunkStats(q, c, stats);
       if (!updated.ok()) {
         q.update_failed = true;
         self->FailLocked(std::string(updated.message()));
@@ -279,6 +292,7 @@ void JobOptimizer::StartPassLocked(uint32_t index, float grad_scale, Pass pass) 
 void JobOptimizer::PassDoneLocked(uint32_t index, Pass pass) {
   Parameter& q = params_[index];
   if (pass == Pass::kSpeculate) {
+    EndChunkStats(q);
     q.phase = Phase::kSpeculated;
     ++params_with_stats_;
     if (!q.backed_up) {
