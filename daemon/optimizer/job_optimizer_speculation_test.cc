@@ -47,10 +47,10 @@ struct Outcome {
 class SpeculationTest : public JobOptimizerTest {
  protected:
   std::shared_ptr<JobOptimizer> MakeWith(const OptimizerSettings& settings,
-                                         uint64_t speculation_bytes) {
+                                         uint64_t speculation_bytes, uint32_t world_size = 1) {
     JobOptimizer::Deps deps = Deps();
     deps.speculation_bytes = speculation_bytes;
-    auto created = JobOptimizer::Create({kUid, "job"}, settings, 1, deps);
+    auto created = JobOptimizer::Create({kUid, "job"}, settings, world_size, deps);
     EXPECT_TRUE(created.ok()) << created.status();
     return created.ok() ? *created : nullptr;
   }
@@ -166,6 +166,49 @@ TEST_F(SpeculationTest, AlternateClippingWithEagerUpdatesMatchesTheBarrier) {
   EXPECT_EQ(eager.report.speculated_steps, 5u);
   EXPECT_EQ(eager.report.rolled_back_steps, 2u);
   ExpectSameAsBarrier(eager, Clipping(true, false), scenario);
+}
+
+// Two ranks, two micro-steps a step: the speculated passes read the summed buffer.
+TEST_F(SpeculationTest, RanksAndMicroStepsMatchTheBarrier) {
+  const std::vector<ParameterDescription> params = Params();
+  const std::vector<double> scales = {kClipped, kUnclipped, kClipped};
+  auto run = [&](bool eager) {
+    OptimizerSettings settings = Clipping(eager, /*deferred=*/!eager);
+    settings.accumulation_steps = 2;
+    auto opt = MakeWith(settings, ~uint64_t{0}, /*world_size=*/2);
+    std::vector<std::unique_ptr<Rank>> ranks;
+    for (uint32_t k = 0; k < 2; ++k) {
+      ranks.push_back(Join(*opt, k, params, 2, absl::StrCat("-ranks", ++runs_)));
+    }
+    Initialize(*ranks[0], params);
+    for (uint64_t step = 1; step <= scales.size(); ++step) {
+      for (uint32_t micro = 0; micro < 2; ++micro) {
+        for (uint32_t i = 0; i < params.size(); ++i) {
+          for (uint32_t k = 0; k < 2; ++k) {
+            std::vector<float> grad =
+                RandomFloats(params[i].numel, 7000 * step + 100 * k + 10 * micro + i);
+            for (float& x : grad) x = static_cast<float>(x * scales[step - 1]);
+            Post(*opt, *ranks[k], i, grad, step, micro);
+          }
+        }
+        if (micro == 0) {
+          for (auto& r : ranks) EXPECT_EQ(Receive(*r, params.size()).size(), params.size());
+        }
+      }
+      for (auto& r : ranks) EXPECT_EQ(UpdatesDone(*r, params.size(), step).size(), params.size());
+    }
+    std::pair<std::vector<std::vector<uint8_t>>, OptimizerReport> out = {State(*ranks[0]),
+                                                                         opt->Report()};
+    for (auto& r : ranks) End(*opt, *r, /*clean=*/true);
+    Drain(*pool_);
+    return out;
+  };
+  const auto eager = run(true);
+  const auto barrier = run(false);
+  EXPECT_EQ(eager.second.speculated_steps, 3u);
+  EXPECT_EQ(eager.second.rolled_back_steps, 2u);
+  EXPECT_TRUE(eager.first == barrier.first);
+  EXPECT_EQ(eager.second.param_steps, barrier.second.param_steps);
 }
 
 TEST_F(SpeculationTest, ManySmallChunksGiveTheSameNormAsTheBarrier) {
