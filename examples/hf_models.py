@@ -39,6 +39,15 @@ PRESETS = {
         vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
         num_attention_heads=40, num_key_value_heads=8, rope_theta=1e6, rms_norm_eps=1e-5,
         max_position_embeddings=32768, tie_word_embeddings=False), _QWEN),
+    # The 70B class (issue 49's largest models): 80 layers of hidden 8192.
+    "qwen2.5-72b": Preset("qwen2", dict(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=False), _QWEN),
+    "llama-3.1-70b": Preset("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rope_theta=5e5, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, tie_word_embeddings=False), _QWEN),
     "llama-3.2-3b": Preset("llama", dict(
         vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
         num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=5e5,

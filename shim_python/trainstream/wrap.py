@@ -15,10 +15,11 @@ import torch
 
 from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
-                           keep_daemon_weights_on_load, page_blocks, paging_choice, place_model)
+                                  keep_daemon_weights_on_load, page_blocks, paging_choice,
+                                  place_model, restore_streamed)
 from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from .frozen.linear import BaseLinear
-from .memory.blocks import find_blocks, has_forward
+from .memory.blocks import find_blocks, has_forward, shared_host_buffers
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
 from .transport.launcher import launcher_topology
 from .memory.kv_cache import CacheSwitch
@@ -222,9 +223,7 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
             # re-attach to, when it made that job (one it resumed stays).
             client.close(end_job=getattr(client, "made_job", False))
         # ...and the model keeps its weights: streamed blocks get their values back.
-        for p in model.parameters():
-            if id(p) in initial:
-                p.data = initial[id(p)]
+        restore_streamed(model, initial)
         raise
     initial.clear()  # the daemon's buffers hold these values now
     return result
@@ -300,9 +299,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                   accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
                   client=client, names=names, initial=initial, threads=config["threads"],
                   eager=config["eager"], mode=config["optimizer_mode"])
-    # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory).
-    frozen_streamed = [max(p.numel() * p.element_size(), 1) for p in
-                       (paging.paged_params() if paging else ()) if not p.requires_grad]
+    # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory),
+    # but a shared base's stored bytes, read where the base holds them.
+    shared = shared_host_buffers(model) if paging else set()
+    frozen_streamed = [max(t.numel() * t.element_size(), 1) for t in
+                       (paging.paged_tensors() if paging else ())
+                       if not t.requires_grad and id(t) not in shared]
     chose_bf16 = ""  # why moment_dtype="auto" chose bf16 moments, if it did
 
     if config["check_memory"]:

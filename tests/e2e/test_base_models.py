@@ -278,14 +278,19 @@ def quantize_said(model) -> str:
 
 # frozen_net()'s blocks hold 134 KiB of fp32 weights each (2 x 16,384 frozen linear values:
 # 34 KiB as int8, 18 KiB as NF4, scales included); 406 KiB in all. With two blocks' worth kept
-# for gradients in flight, they all fit from about 675 KiB, and streaming from about 540 KiB.
+# for gradients in flight, they all fit from about 675 KiB, and streaming from about 540 KiB;
+# as int8 from about 250 KiB, streaming from about 180 KiB; as NF4 from about 130 KiB,
+# streaming from about 110 KiB.
 @pytest.mark.parametrize("budget,prefer,expected", [
     (4 << 20, "exact", set()),          # everything fits as it is
     (4 << 20, "speed", set()),          # ...and stays in VRAM: no reason to quantize
     (600 << 10, "exact", set()),        # blocks stream, exact: the default keeps them so
     (600 << 10, "speed", {"int8"}),     # int8 keeps every block in VRAM
     (130 << 10, "speed", {"nf4"}),      # int8 would still stream; NF4 does not
-    (130 << 10, "exact", {"nf4"}),      # as it is, not even streaming fits; int8 streams
+    (190 << 10, "exact", {"int8"}),     # as it is, not even streaming fits; int8 streams
+    (190 << 10, "speed", {"nf4"}),      # ...but NF4 stays in VRAM
+    (130 << 10, "exact", {"nf4"}),      # int8 does not fit even streaming
+    (115 << 10, "exact", {"nf4"}),      # NF4 blocks stream in their stored format
 ])
 def test_quantize_auto_quantizes_only_when_the_run_needs_it(client, budget, prefer, expected):
     net = frozen_net(4)

@@ -29,11 +29,22 @@ from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..transport import kernels
 
 
-def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
+def _stored(layer: "BaseLinear") -> tuple:
+    """The two tensors ``layer``'s weight is made from now: the row-scaled FP8 copy and its
+    scales, or the stored bytes and their scales."""
+    if layer.fp8_rows is not None:
+        return layer.fp8_rows, layer.fp8_row_scales
+    return layer.data, layer.scales
+
+
+def _weight(layer: "BaseLinear", device: torch.device, stored: tuple | None = None
+            ) -> torch.Tensor:
+    """``layer``'s weight in its compute dtype on ``device``, from ``stored`` (what
+    :func:`_stored` gave; default: now)."""
+    data, scales = stored if stored is not None else _stored(layer)
     if layer.fp8_rows is not None:  # requantized for FP8 tensor cores (see fp8_matmul)
-        return fp8_matmul.rowwise_weight(layer.fp8_rows, layer.fp8_row_scales,
-                                         layer.compute_dtype)
-    t, data, scales = layer.stored, layer.data, layer.scales
+        return fp8_matmul.rowwise_weight(data, scales, layer.compute_dtype)
+    t = layer.stored
     if data.device != device:  # kept on the host: this use's copy (DMA from registered memory)
         data = data.to(device, non_blocking=True)
         scales = scales.to(device, non_blocking=True)
@@ -47,7 +58,11 @@ def _weight(layer: "BaseLinear", device: torch.device) -> torch.Tensor:
 
 class _FrozenLinear(torch.autograd.Function):
     """y = x W^T + b with W made from stored bytes in forward and again in backward, so no
-    full-precision copy of it outlives either."""
+    full-precision copy of it outlives either.
+
+    The stored tensors are saved for backward (references, no copy): a block that streams its
+    weights binds them to a device slot only around its forward, and its pager keeps saved
+    views of that slot as layouts, fetching the block again when backward unpacks them."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: Any, layer: "BaseLinear") -> torch.Tensor:
@@ -55,18 +70,20 @@ class _FrozenLinear(torch.autograd.Function):
         ctx.bias_grad = bias is not None and bias.requires_grad
         if layer.matmul_choice is None and layer.stored.stored == "fp8":
             layer._choose_matmul(x)
+        stored = _stored(layer)
+        ctx.save_for_backward(*stored)
         if layer.fp8_rows is not None:
-            return fp8_matmul.linear(x, layer.fp8_rows, layer.fp8_row_scales, bias,
-                                     layer.compute_dtype, layer.outliers)
-        return nn.functional.linear(x, _weight(layer, x.device), bias)
+            return fp8_matmul.linear(x, *stored, bias, layer.compute_dtype, layer.outliers)
+        return nn.functional.linear(x, _weight(layer, x.device, stored), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         layer, grad_x = ctx.layer, None
+        stored = ctx.saved_tensors
         if ctx.needs_input_grad[0] and layer.fp8_rows is not None:
-            grad_x = fp8_matmul.input_grad(grad, layer.fp8_rows, layer.fp8_row_scales)
+            grad_x = fp8_matmul.input_grad(grad, *stored)
         elif ctx.needs_input_grad[0]:
-            grad_x = grad @ _weight(layer, grad.device)
+            grad_x = grad @ _weight(layer, grad.device, stored)
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
         return grad_x, grad_b, None
 
@@ -116,6 +133,12 @@ class BaseLinear(nn.Linear):
         self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
         self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
         self.pooled = False  # its bytes are a view of a daemon GPU pool (attach_base)
+        # Its bytes are a shared base's host memory itself (attach_base on the CPU, or
+        # keep_on_host): a block streaming them reads them there.
+        self.host_shared = False
+        # Its block streams its weights (memory/weight_slots.py): the stored bytes are bound to
+        # a device slot only around the block's forward and backward.
+        self.streams = False
         self.register_buffer("fp8_rows", None, persistent=False)
         self.register_buffer("fp8_row_scales", None, persistent=False)
 
@@ -129,6 +152,9 @@ class BaseLinear(nn.Linear):
             ok, why = False, "fp8_matmul=False"
         elif ok and self.data.device != x.device:
             ok, why = False, "the weight stays in host memory (keep_on_host)"
+        elif ok and self.streams:
+            # The row-scaled copy would replace the stored bytes the block's slot holds.
+            ok, why = False, "its block streams its weights from host memory"
         elif ok and not forced and self.pooled:
             ok, why = False, ("the weight is in a shared GPU pool: a row-scaled copy would "
                               "add one per process")
@@ -292,6 +318,7 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
                            fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
+        layer.host_shared = pool is None and (keep_on_host or device.type == "cpu")
         _replace(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
@@ -382,15 +409,29 @@ def quantize_layers(model: nn.Module, names: list, format: str, block: int = 0,
 _CHUNK_VALUES = 1 << 22
 
 
-def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int) -> tuple:
+def quantized_sizes(format: str, numel: int, block: int = 0) -> tuple:
+    """(data bytes, scale bytes, block) of ``numel`` values quantized as ``format``."""
+    return kernels.quant_layout(format, numel, block)
+
+
+def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int,
+                            out: tuple | None = None) -> tuple:
     """``w`` quantized by the daemon's quantizer (the same bytes as quantize_reference), its
-    chunks on ``pool``'s threads, in place in torch buffers: (data, scales, tensor scale,
-    block)."""
+    chunks on ``pool``'s threads, in place in torch buffers (``out``: the (data, scales) uint8
+    CPU tensors to fill, of :func:`quantized_sizes`; default: new ones): (data, scales, tensor
+    scale, block)."""
     values = w.float().cpu().contiguous().view(-1)  # a copy only where w is not fp32 on the CPU
     numel = values.numel()
     data_bytes, scale_bytes, block_used = kernels.quant_layout(format, numel, block)
-    data = torch.empty(data_bytes, dtype=torch.uint8)
-    scales = torch.empty(scale_bytes, dtype=torch.uint8)
+    if out is None:
+        out = (torch.empty(data_bytes, dtype=torch.uint8),
+               torch.empty(scale_bytes, dtype=torch.uint8))
+    data, scales = out
+    if data.numel() != data_bytes or scales.numel() != scale_bytes or not (
+            data.is_contiguous() and scales.is_contiguous()):
+        raise InvalidArgumentError(
+            f"quantizing {numel} values as {format}: the destinations hold {data.numel()} and "
+            f"{scales.numel()} bytes; {data_bytes} and {scale_bytes} contiguous are needed")
     tensor_scale = (kernels.nvfp4_tensor_scale(float(values.abs().max()))
                     if format == "nvfp4" and numel else 1.0)
     step = max(block_used, _CHUNK_VALUES // block_used * block_used)

@@ -92,6 +92,51 @@ def _materialize_computed_buffers(model: torch.nn.Module, device: torch.device) 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, rebuilt)
 
 
+def _random_quantized(config: Any, fmt: str, dtype: torch.dtype, device: torch.device,
+                      keep_on_host: bool, client: Any, progress: bool, block: int,
+                      fp8_matmul: Any, outliers: Any, trust_remote_code: bool) -> torch.nn.Module:
+    """load_model(random_weights=True) in a quantized format: built on the meta device, then
+    each decoder layer's linear layers drawn and quantized into a daemon buffer of their own
+    (frozen/random_base.py), so that host memory holds the quantized size and no more; the
+    embeddings, norms and head drawn on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    from ..frozen.random_base import materialize_random, quantize_random_layers
+    from ..memory.quantization import quantizable_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model = model.to(dtype)
+    model.requires_grad_(False)
+    layers = decoder_layers(model)
+    names = set(quantizable_layers(model, layers))
+    groups = [[f"{prefix}.{n}" if n else prefix for n, m in layer.named_modules()
+               if (f"{prefix}.{n}" if n else prefix) in names]
+              for layer in layers
+              for prefix in [next(k for k, m in model.named_modules() if m is layer)]]
+    if client is None:
+        from ..transport.client import connect
+
+        client = connect(job_id=f"random-base-{os.getpid()}")
+    std = float(getattr(config, "initializer_range", 0.02))
+
+    def said(done: int, total: int, nbytes: int) -> None:
+        if progress and (done == total or done % max(1, total // 10) == 0):
+            print(f"trainstream: random {fmt} weights: {done}/{total} layers, "
+                  f"{nbytes / 1e9:.2f} GB", flush=True)
+
+    base = quantize_random_layers(model, groups, fmt, block, std, device, keep_on_host, client,
+                                  fp8_matmul=fp8_matmul, outliers=outliers, progress=said)
+    materialize_random(model, device, std)
+    _materialize_computed_buffers(model, device)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model._trainstream_random_base = base  # its buffers live as long as the model
+    model._trainstream_loaded = 0
+    model.trainstream_format = fmt
+    return model
+
+
 def resolve_checkpoint(name_or_path: str, cache_dir: str | None = None,
                        config_only: bool = False) -> str:
     """The local folder of ``name_or_path``: the folder itself, or a Hub id (``org/name``)
@@ -207,20 +252,17 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
             raise InvalidArgumentError(f"load_model: {type(config).__name__} has no field "
                                        f"{key!r} to set")
         setattr(config, key, value)
+    if random_weights and quantize not in ("auto", "bf16"):
+        return _random_quantized(config, quantize, dtype, device, keep_on_host, client,
+                                 progress, quant_block_size, fp8_matmul, outliers,
+                                 trust_remote_code)
     if random_weights:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         model = model.to(dtype)
         model.requires_grad_(False)
-        if quantize not in ("auto", "bf16"):
-            from ..memory.quantization import quantize_model
-
-            # As a base: the decoder layers, the head and embeddings as they are.
-            quantize_model(model, quantize, blocks=decoder_layers(model),
-                           block_size=quant_block_size, fp8_matmul=fp8_matmul,
-                           outliers=outliers)
         model._trainstream_loaded = 0
-        model.trainstream_format = "bf16" if quantize in ("auto", "bf16") else quantize
+        model.trainstream_format = "bf16"
         return model
     if client is None:
         from ..transport.client import connect

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..optim.offload_adamw import OffloadAdamW
+from .blocks import shared_host_buffers, streamed_tensors
 from .planner import staged_block_indices
 from .weight_plan import weight_plan
 from ..optim.staged_adamw import slots_bytes
@@ -33,8 +34,9 @@ class PagingChoice:
     weights_auto: bool       # param_offload="auto"
     events: list = field(default_factory=list)
 
-    def paged_params(self) -> list:
-        return [p for b in self.paged for p in self.blocks[b].parameters()]
+    def paged_tensors(self) -> list:
+        """What the streamed blocks move: parameters, and quantized layers' stored bytes."""
+        return [t for b in self.paged for t in streamed_tensors(self.blocks[b])]
 
 
 # The least VRAM the budget leaves free, whatever share vram_headroom names: what the caching
@@ -159,23 +161,38 @@ def paging_choice(model: torch.nn.Module, config: dict,
 
 def place_model(model: torch.nn.Module, device: torch.device,
                 paging: PagingChoice | None) -> dict:
-    """Moves the model to ``device`` except the weights of blocks that stream: those stay where
-    they are (a model bigger than VRAM is built on the CPU) and get a placeholder on the device;
-    returns their values by parameter id, for the daemon's host copies."""
-    streamed = {id(p) for p in paging.paged_params()} if paging else set()
+    """Moves the model to ``device`` except the weights of blocks that stream (parameters, and
+    quantized layers' stored bytes): those stay where they are (a model bigger than VRAM is
+    built on the CPU) and get a placeholder on the device; returns their values by tensor id,
+    for the host copies (:func:`restore_streamed` puts them back if wrap() fails)."""
+    streamed = {id(t) for t in paging.paged_tensors()} if paging else set()
     initial = {}
+
+    def stay(t: torch.Tensor) -> None:
+        if id(t) not in initial:
+            initial[id(t)] = t.data
+            t.data = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if id(p) in streamed:
-                if id(p) not in initial:
-                    initial[id(p)] = p.data
-                    p.data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                stay(p)
             elif p.device != device:
                 p.data = p.data.to(device)
         for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.device != device:
+            if buf is not None and id(buf) in streamed:
+                stay(buf)
+            elif buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
     return initial
+
+
+def restore_streamed(model: torch.nn.Module, initial: dict) -> None:
+    """A refused or failed wrap(): the tensors place_model() left on the host get their values
+    back."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in initial:
+            t.data = initial[id(t)]
 
 
 class FrozenWeights:
@@ -225,12 +242,17 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
                                              "keeping activations"))
     if not paged and not offloaded and not choice.adaptive:
         return None, recompute
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in [*model.named_parameters(), *model.named_buffers()]}
+    shared = shared_host_buffers(model)
 
     def host_copy(p: torch.Tensor) -> torch.Tensor:
         i = offload.index_of(p)
         if i is not None:
             return offload.host.param(i)
+        if id(p) in shared:
+            # Stored bytes of a shared base that stay in its host memory (keep_on_host, or a
+            # CPU run): read where they are, pinned by the client's registration.
+            return initial.get(id(p), p.data)
         # A frozen weight: its own daemon buffer, filled once.
         return frozen.copy(p, _safe(names.get(id(p), f"param{id(p)}")),
                            initial.get(id(p), p.data))
@@ -267,7 +289,7 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
 
     pager.hooks.append(model._register_state_dict_hook(host_copies))
     if paged:
-        moved = sum(p.numel() * p.element_size() for b in paged for p in pager.params[b])
+        moved = sum(t.numel() * t.element_size() for b in paged for t in pager.params[b])
         events.append(("wrap.param_offload",
                        f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
                        f"memory ({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
@@ -313,8 +335,10 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
     streamed: list = []
 
     def before(state_dict, prefix, *rest):
-        # The blocks that stream now (the plan may have changed them since wrap()).
-        streamed[:] = [p for ps in (pager.params.values() if pager else ()) for p in ps]
+        # The parameters of blocks that stream now (the plan may have changed them since
+        # wrap()); quantized layers' stored bytes are not in a state dict.
+        streamed[:] = [p for ps in (pager.params.values() if pager else ()) for p in ps
+                       if isinstance(p, torch.nn.Parameter)]
         offload.synchronize()  # no returning copy may land on top of the loaded values
         for p in streamed:  # a real tensor to load into, for the moment (frozen ones too),
             # holding the current value for keys the state dict leaves out

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Finding a model's repeated block stack: the layers the memory plan streams, pages or
-recomputes one at a time."""
+recomputes one at a time; and what streaming a block's weights moves."""
 
 from __future__ import annotations
 
@@ -45,3 +45,45 @@ def find_blocks(model: Any) -> list:
                                         sum(p.numel() for m in best for p in m.parameters())):
                 best = list(run)
     return best if len(best) >= 2 else []
+
+
+# The buffers a frozen linear layer over stored bytes (frozen.linear.BaseLinear) reads its
+# weight from: quantized codes and their scales, or the row-scaled FP8 copy that replaces them.
+_STORED_BUFFERS = ("data", "scales", "fp8_rows", "fp8_row_scales")
+
+
+def stored_buffers(module: Any) -> list:
+    """The stored weight bytes of ``module``'s frozen quantized (or shared-base) linear layers:
+    buffers, not parameters, that a block streaming its weights moves with them. Empty ones
+    (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out."""
+    from ..frozen.linear import BaseLinear
+
+    found = []
+    for m in module.modules():
+        if isinstance(m, BaseLinear):
+            found.extend(b for name in _STORED_BUFFERS
+                         if (b := m._buffers.get(name)) is not None and b.numel())
+    return found
+
+
+def streamed_tensors(module: Any) -> list:
+    """Everything streaming ``module``'s weights moves: its parameters (trained ones included),
+    then the stored bytes of its quantized layers (:func:`stored_buffers`)."""
+    return list(module.parameters()) + stored_buffers(module)
+
+
+def shared_host_buffers(module: Any) -> set:
+    """Ids of the stored buffers (:func:`stored_buffers`) that are a shared base's host memory
+    itself (``attach_base`` on the CPU, or with ``keep_on_host``): streaming reads them where
+    they are, with no copy of its own."""
+    from ..frozen.linear import BaseLinear
+
+    return {id(b) for m in module.modules()
+            if isinstance(m, BaseLinear) and m.host_shared for b in stored_buffers(m)}
+
+
+def weight_bytes(module: Any, trained: bool | None = None) -> int:
+    """Bytes of :func:`streamed_tensors`; ``trained``: only the parameters that train (True) or
+    only what is frozen, stored bytes included (False)."""
+    return sum(t.numel() * t.element_size() for t in streamed_tensors(module)
+               if trained is None or t.requires_grad == trained)

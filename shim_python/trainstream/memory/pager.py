@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Block paging: chosen blocks keep their weights in host memory (the daemon's buffers) and
-borrow a device slot only while they run; chosen blocks send the activations they save for
+"""Block paging: chosen blocks keep their weights in host memory (the daemon's buffers, or a
+shared base's memory for its quantized layers' stored bytes) and borrow a device slot only
+while they run; chosen blocks send the activations they save for
 backward to host memory and get them back just before backward needs them.
 
 Before a paged block's forward its weights are copied into a free slot (fetched ahead on a
@@ -40,8 +41,9 @@ from ..errors import InvalidArgumentError
 from ..hooks import HookClock
 from ..transport import device as cuda_device
 from .block_timing import BlockTiming
+from .blocks import streamed_tensors
 from .saved_tensors import OffloadedActivation, SavedTensorPaging
-from .weight_slots import Slot, WeightSlots
+from .weight_slots import Slot, WeightSlots, mark_streaming
 
 
 def _storages_of(values: Any) -> set:
@@ -191,8 +193,8 @@ class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
                 # Storages a saved tensor may come from that paging it would not free: the
                 # block's weights, and what it was called with besides its input (rotary
                 # tables, a mask: the model holds them for every block).
-                self.weight_storages[b] = {p.untyped_storage().data_ptr()
-                                           for p in self.blocks[b].parameters()}
+                self.weight_storages[b] = {t.untyped_storage().data_ptr()
+                                           for t in streamed_tensors(self.blocks[b])}
                 called_with = {k: v for k, v in kwargs.items() if args or k != "hidden_states"}
                 self.weight_storages[b].update(_storages_of((*args[1:], *called_with.values())))
                 self._paged_storages[b] = {}
@@ -260,6 +262,7 @@ class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
         self.slots.clear()  # back to the allocator before the weights' own copies are made
         self.left_on_host_bytes = 0
         for b in self.paged:
+            mark_streaming(self.blocks[b], False)
             for p in self.params[b]:
                 host = self.host[id(p)]
                 try:

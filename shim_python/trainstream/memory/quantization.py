@@ -9,11 +9,11 @@ block stack in this process; a frozen output head and the embeddings stay as the
 ``wrap(quantize="auto")``: whether those weights are stored quantized, decided before the memory
 plan from their sizes, the VRAM budget and the host memory the daemon has free.
 
-Candidates, in order: the weights as they are, int8, NF4. ``prefer="exact"`` (the default) takes
-the first the run fits with: as they are, blocks may stream their weights from host memory,
-whose frozen copies the daemon must have room for; quantized, every block must stay in VRAM (the
-pager streams parameters, and a quantized weight is a buffer). ``prefer="speed"`` takes the
-first that keeps every block in VRAM, and falls back to the rule above when none does.
+Candidates, in order: the weights as they are, int8, NF4. Under each, blocks may stream their
+weights from host memory (quantized ones in their stored format: a quarter of bf16's bytes over
+the link for NF4), whose frozen copies the daemon must have room for. ``prefer="exact"`` (the
+default) takes the first the run fits with. ``prefer="speed"`` takes the first that keeps every
+block in VRAM, and when none does, the one that streams the fewest bytes a step.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import InvalidArgumentError
 from ..frozen.fp8_matmul import outlier_fraction
 from ..frozen.linear import BaseLinear, quantize_layers
-from .blocks import find_blocks
+from .blocks import find_blocks, stored_buffers, weight_bytes
 from .weight_plan import weight_plan_for_sizes
 from .planner import MemoryPlanError, size
 
@@ -50,6 +50,7 @@ class Candidate:
     streamed: int | None     # blocks whose weights stream; None: no plan fits the VRAM budget
     host_bytes: int          # host copies of frozen weights the streamed blocks need
     fits_host: bool
+    streamed_bytes: int = 0  # the streamed blocks' weights, as stored: fetched every step
 
     @property
     def name(self) -> str:
@@ -61,8 +62,7 @@ class Candidate:
 
     @property
     def runs(self) -> bool:
-        return self.streamed is not None and self.fits_host and (
-            self.fmt is None or self.streamed == 0)
+        return self.streamed is not None and self.fits_host
 
 
 FORMATS = ("int8", "nf4", "fp8", "nvfp4")
@@ -162,8 +162,10 @@ def _frozen_linear(model: nn.Module, blocks: Any = None) -> list:
     return [m.weight for name, m in model.named_modules() if name in names]
 
 
-def _frozen_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+def _frozen_bytes(module: nn.Module, saved: dict) -> int:
+    """The frozen weights of ``module`` with those ``saved`` names (by id) stored smaller."""
+    return weight_bytes(module, trained=False) - sum(
+        saved.get(id(p), 0) for p in module.parameters() if not p.requires_grad)
 
 
 def _saved(weight, fmt: str | None, block: int, tied: bool) -> int:
@@ -193,7 +195,8 @@ def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: b
     a candidate streams) holds the frozen copies those blocks need. With ``may_stream`` False
     (param_offload=False) a candidate that would stream does not run."""
     weights = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in weights.values())
+    total = sum(p.numel() * p.element_size() for p in weights.values()) + sum(
+        t.numel() * t.element_size() for t in stored_buffers(model))
     block_ids = [{id(p) for p in blk.parameters()} for blk in blocks]
     frozen = _frozen_linear(model, blocks)
     tied = _shared(model)
@@ -201,14 +204,14 @@ def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: b
     out = []
     for fmt in CANDIDATES:
         saved = {id(w): _saved(w, fmt, block, id(w) in tied) for w in frozen}
-        sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) -
-                 sum(saved.get(i, 0) for i in ids) for blk, ids in zip(blocks, block_ids)]
-        weight_bytes = total - sum(saved.values())
+        sizes = [weight_bytes(blk) - sum(saved.get(i, 0) for i in ids)
+                 for blk, ids in zip(blocks, block_ids)]
+        stored_total = total - sum(saved.values())
         try:
             if blocks:
-                streamed = weight_plan_for_sizes(sizes, weight_bytes - sum(sizes), budget,
+                streamed = weight_plan_for_sizes(sizes, stored_total - sum(sizes), budget,
                                                  depth, probe)
-            elif weight_bytes + budget // 4 <= budget:  # no stack: all or nothing
+            elif stored_total + budget // 4 <= budget:  # no stack: all or nothing
                 streamed = []
             else:
                 streamed = None
@@ -216,25 +219,26 @@ def candidates(model: nn.Module, blocks: list, budget: int, depth: int, probe: b
             streamed = None
         if streamed and not may_stream:
             streamed = None
-        host = 0 if not streamed else sum(_frozen_bytes(blocks[b]) for b in streamed)
+        host = 0 if not streamed else sum(_frozen_bytes(blocks[b], saved) for b in streamed)
         if host and room is None:
             room = host_room()
-        out.append(Candidate(fmt, weight_bytes, None if streamed is None else len(streamed),
-                             host, host == 0 or host <= room))
+        out.append(Candidate(fmt, stored_total, None if streamed is None else len(streamed),
+                             host, host == 0 or host <= room,
+                             sum(sizes[b] for b in streamed or ())))
     return out
 
 
 def choose(options: list, prefer: str) -> Candidate:
     """The candidate ``prefer`` picks (see the module's notes); the first one when none runs
     (the plan then says why)."""
+    running = [c for c in options if c.runs]
     if prefer == "speed":
         for c in options:
             if c.in_vram:
                 return c
-    for c in options:
-        if c.runs:
-            return c
-    return options[0]
+        if running:  # the fewest bytes over the link a step; the more exact on a tie
+            return min(running, key=lambda c: (c.streamed_bytes, options.index(c)))
+    return running[0] if running else options[0]
 
 
 def explain(options: list, chosen: Candidate, budget: int, blocks: int, prefer: str) -> str:
@@ -246,7 +250,7 @@ def explain(options: list, chosen: Candidate, budget: int, blocks: int, prefer: 
         elif c.streamed == 0:
             what = f"all stay in the {size(budget)} VRAM budget"
         else:
-            what = f"{c.streamed} of {blocks} blocks stream"
+            what = f"{c.streamed} of {blocks} blocks stream ({size(c.streamed_bytes)} of them)"
             if not c.fits_host:
                 what += (f", and the daemon has no room for their {size(c.host_bytes)} of "
                          "frozen host copies")

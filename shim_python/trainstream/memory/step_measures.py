@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from .blocks import weight_bytes
 from .planner import BlockFacts, MemoryPlanError, size
 
 # The caching allocator may reserve up to the process's limit; a step whose reserved peak comes
@@ -70,9 +71,10 @@ class StepMeasures:
         warnings.warn(f"trainstream: {message}", stacklevel=2)
 
     def _weights_bytes(self, b: int) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pager.params.get(b, ())) if (
-            b in self.pager.position) else sum(p.numel() * p.element_size()
-                                               for p in self.blocks[b].parameters())
+        """Block ``b``'s weights as streaming moves them: parameters and quantized layers'
+        stored bytes (what a resident block holds in VRAM, too)."""
+        return sum(t.numel() * t.element_size() for t in self.pager.params.get(b, ())) if (
+            b in self.pager.position) else weight_bytes(self.blocks[b])
 
     def _facts(self) -> tuple[list, int, float]:
         m = self.pager.measured.get(self.probe_block)

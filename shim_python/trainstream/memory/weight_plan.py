@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .blocks import stored_buffers, weight_bytes
 from .planner import BlockFacts, MemoryPlanError, PlanInputs, plan_memory, size
 
 
@@ -18,10 +19,10 @@ def weight_plan(model: torch.nn.Module, blocks: list, budget: int, depth: int,
     that step's activations and working memory (unknown until it runs: the logits of a large
     vocabulary alone can take gigabytes). The plan made from the probe's measurements streams
     more blocks, or fewer."""
-    sizes = [sum(p.numel() * p.element_size() for p in blk.parameters()) for blk in blocks]
-    trained = [sum(p.numel() * p.element_size() for p in blk.parameters() if p.requires_grad)
-               for blk in blocks]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    sizes = [weight_bytes(blk) for blk in blocks]  # quantized layers' stored bytes included
+    trained = [weight_bytes(blk, trained=True) for blk in blocks]
+    total = sum(t.numel() * t.element_size()
+                for t in [*model.parameters(), *stored_buffers(model)])
     return weight_plan_for_sizes(sizes, total - sum(sizes), budget, depth, probe,
                                  probe_grad_bytes=2 * max(trained, default=0))
 

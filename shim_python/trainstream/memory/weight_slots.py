@@ -12,6 +12,17 @@ import torch
 from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..hooks import weak_hook
 from ..transport import device as cuda_device
+from .blocks import streamed_tensors
+
+
+def mark_streaming(block: torch.nn.Module, streams: bool) -> None:
+    """Tells ``block``'s quantized layers whether their stored bytes stream (an FP8 layer then
+    keeps multiplying from them instead of a row-scaled copy of its own)."""
+    from ..frozen.linear import BaseLinear
+
+    for m in block.modules():
+        if isinstance(m, BaseLinear):
+            m.streams = streams
 
 
 class Slot:
@@ -43,13 +54,16 @@ class WeightSlots:
         if self.bound:
             raise FailedPreconditionError("blocks can start paging only between steps")
         for b in added:
-            self.params[b] = list(self.blocks[b].parameters(recurse=True))
+            # Parameters, then quantized layers' stored bytes (buffers): bound and fetched
+            # alike, with the stored format's bytes crossing the link.
+            self.params[b] = streamed_tensors(self.blocks[b])
+            mark_streaming(self.blocks[b], True)
             for p in self.params[b]:
                 host = self._host_copy(p)
                 if (host.dtype != p.dtype or host.shape != p.shape
                         or not host.is_contiguous()):
                     raise InvalidArgumentError(
-                        f"the host copy of a {tuple(p.shape)} {p.dtype} parameter of block {b} "
+                        f"the host copy of a {tuple(p.shape)} {p.dtype} tensor of block {b} "
                         f"is a {tuple(host.shape)} {host.dtype} tensor"
                         f"{'' if host.is_contiguous() else ' (not contiguous)'}: it must match "
                         "the parameter, contiguous")
@@ -95,6 +109,7 @@ class WeightSlots:
             self._wait_for_copies()
         self.slots = []  # back to the allocator before the blocks' device copies are made
         for b in removed:
+            mark_streaming(self.blocks[b], False)
             for handle in self._grad_hooks.pop(b, []):
                 handle.remove()
             for p in self.params.pop(b):

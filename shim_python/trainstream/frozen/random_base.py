@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A model of random weights as large as a real base, built one layer at a time: each frozen
+linear layer named is drawn (on the GPU when there is one), quantized on every core straight
+into a daemon buffer, and becomes a :class:`BaseLinear` over those bytes; the model's other
+tensors are drawn where they will live. No full-precision copy of the model is ever whole, so a
+70B-class model in NF4 takes its quantized size in host memory (``load_model(...,
+random_weights=True)``: benchmarks of models that no machine here has the checkpoint of).
+
+The draws follow transformers' initialisation: normal with the config's ``initializer_range``
+for linear and embedding weights, zero biases, norms at one; seeded by ``torch.manual_seed``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .formats import BaseTensor
+from .linear import BaseLinear, _quantize_on_every_core, _replace, quantized_sizes
+
+_ALIGN = 256  # each tensor's bytes start at a multiple of this in its buffer (DMA, vector loads)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class RandomBase:
+    """The daemon buffers holding a random model's quantized layers (one per group of layers),
+    alive as long as the model that reads them (it keeps this object)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.buffers: list = []
+        self.stored_bytes = 0
+        self.seconds = 0.0
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(torch.initial_seed())
+    return g
+
+
+def quantize_random_layers(model: nn.Module, groups: list, format: str, block: int, std: float,
+                           device: torch.device, keep_on_host: bool, client: Any,
+                           fp8_matmul: Any = "auto", outliers: Any = 0,
+                           progress: Callable[[int, int, int], None] | None = None
+                           ) -> RandomBase:
+    """Replaces the ``nn.Linear`` layers of ``model`` named in each group of ``groups`` (lists
+    of names: a decoder layer's, say) by :class:`BaseLinear` layers over random weights
+    quantized as ``format`` into one daemon buffer per group. Their bytes stay in that buffer
+    (read from there at each use, and streamed from there under ``wrap()``) with
+    ``keep_on_host`` or a CPU ``device``, else are copied to ``device``. ``progress(group,
+    groups, bytes so far)`` after each group."""
+    draw_on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    g = _generator(draw_on)
+    base = RandomBase(client)
+    on_host = keep_on_host or device.type == "cpu"
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for k, names in enumerate(groups):
+            layers = [(name, model.get_submodule(name)) for name in names]
+            for name, layer in layers:
+                if not isinstance(layer, nn.Linear) or isinstance(layer, BaseLinear):
+                    raise InvalidArgumentError(f"random weights: {name} is not an nn.Linear")
+            sizes = [quantized_sizes(format, layer.weight.numel(), block) for _, layer in layers]
+            total = sum(_aligned(d) + _aligned(s) for d, s, _ in sizes)
+            buffer = client.allocate(f"random-base/{os.getpid()}/{len(base.buffers)}",
+                                     max(total, 1), tag="frozen_weights")
+            base.buffers.append(buffer)
+            memory = buffer.tensor(torch.uint8, (max(total, 1),))
+            offset = 0
+            for (name, layer), (data_bytes, scale_bytes, _) in zip(layers, sizes):
+                data = memory[offset:offset + data_bytes]
+                offset += _aligned(data_bytes)
+                scales = memory[offset:offset + scale_bytes]
+                offset += _aligned(scale_bytes)
+                w = torch.empty(tuple(layer.weight.shape), dtype=torch.float32, device=draw_on)
+                w.normal_(0.0, std, generator=g)
+                _, _, tensor_scale, block_used = _quantize_on_every_core(
+                    pool, w, format, block, out=(data, scales))
+                del w
+                stored = BaseTensor(name=f"{name}.weight", shape=tuple(layer.weight.shape),
+                                    source_dtype="F32", stored=format, block=block_used,
+                                    tensor_scale=tensor_scale, buffer=0, data_offset=0,
+                                    data_bytes=data_bytes, scale_offset=0,
+                                    scale_bytes=scale_bytes)
+                bias = None
+                if layer.bias is not None:
+                    bias = torch.zeros(tuple(layer.bias.shape), dtype=layer.bias.dtype,
+                                       device=device)
+                new = BaseLinear(stored, data if on_host else data.to(device),
+                                 scales if on_host else scales.to(device), bias,
+                                 compute_dtype=layer.weight.dtype, fp8_matmul=fp8_matmul,
+                                 outliers=outliers)
+                new.host_shared = on_host
+                _replace(model, name, new)
+                base.stored_bytes += data_bytes + scale_bytes
+            if progress is not None:
+                progress(k + 1, len(groups), base.stored_bytes)
+    base.seconds = time.perf_counter() - started
+    return base
+
+
+def materialize_random(model: nn.Module, device: torch.device, std: float) -> list:
+    """Draws every tensor of ``model`` still on the meta device, on ``device``, frozen:
+    embeddings and linear weights normal(0, ``std``), biases zero, other weights (norms) one.
+    Returns their names. Buffers a module computes (rotary frequencies) are the caller's."""
+    g = _generator(device)
+    drawn = []
+    for module_name, module in model.named_modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            value = torch.empty(tuple(p.shape), dtype=p.dtype, device=device)
+            if leaf == "bias":
+                value.zero_()
+            elif isinstance(module, (nn.Embedding, nn.Linear)) or p.dim() >= 2:
+                value.normal_(0.0, std, generator=g)
+            else:
+                value.fill_(1.0)
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+            drawn.append(f"{module_name}.{leaf}" if module_name else leaf)
+    return drawn

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quantized blocks that stream: a block whose frozen linear layers are stored quantized
+(``quantize=`` at wrap, or a shared base) moves its stored bytes, as stored, into a device slot
+around its forward and backward, and trains exactly as when it stays resident. CPU here (the
+"device" is the CPU, copies are plain copies); the same tests run on CUDA on the GPU machine."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+import trainstream
+from trainstream.memory.blocks import stored_buffers, streamed_tensors, weight_bytes
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from tiny_gpt import TinyGPT, train_steps  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def frozen_gpt(seed: int, layers: int = 4) -> torch.nn.Module:
+    """A TinyGPT whose blocks' linear layers are frozen (a base, quantized below) while its
+    norms, attention and embeddings train."""
+    torch.manual_seed(seed)
+    model = TinyGPT(layers=layers)
+    for block in model.blocks:
+        for layer in block.mlp:
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.requires_grad_(False)
+    return model.to(DEVICE)
+
+
+def trained(model) -> list:
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4", "fp8", "nvfp4"])
+def test_streamed_quantized_blocks_train_bit_identical_to_resident(daemon_socket, fmt):
+    model = frozen_gpt(5)
+    twin = copy.deepcopy(model)
+    common = dict(offload=True, device=DEVICE, lr=3e-3, quantize=fmt, param_offload=False,
+                  activation_offload=False, recompute=False)
+    resident, r_opt = trainstream.wrap(model, **common)
+    streamed, s_opt = trainstream.wrap(twin, **{**common, "param_offload": True})
+    pager = streamed._trainstream_session.pager
+    assert pager.paged == [0, 1, 2, 3]
+    layer = streamed.blocks[1].mlp[0]
+    assert isinstance(layer, trainstream.BaseLinear) and layer.streams
+    # The stored bytes are in the streamed set, and between steps hold no memory of their own.
+    stored = stored_buffers(streamed.blocks[1])
+    assert stored and all(any(t is s for t in pager.params[1]) for s in stored)
+    assert all(s.untyped_storage().nbytes() <= s.element_size() for s in stored)
+    # The slots hold a block's weights as stored: NF4 codes, not bf16 or fp32 values.
+    block_bytes = weight_bytes(resident.blocks[1])
+    assert pager.layout_bytes[1] == block_bytes
+    assert pager.layout_bytes[1] < weight_bytes(frozen_gpt(5).blocks[1])
+    assert train_steps(resident, r_opt, 5, DEVICE) == train_steps(streamed, s_opt, 5, DEVICE)
+    assert pager.packed > 0  # backward fetched the stored bytes again through its saved views
+    said = [e["message"] for e in streamed._trainstream_session.events
+            if e["kind"] == "wrap.param_offload"]
+    assert said and "4 of 4 blocks stream" in said[0]
+    # Unwrapped (a streamed block's parameters are placeholders until then), the trained
+    # weights are equal, and each streamed layer holds its stored bytes on the device again.
+    trainstream.unwrap(streamed)
+    trainstream.unwrap(resident)
+    for a, b in zip(trained(resident), trained(streamed)):
+        assert torch.equal(a, b)
+    for mine, theirs in zip(stored_buffers(streamed), stored_buffers(resident)):
+        assert mine.device == theirs.device and torch.equal(mine, theirs)
+    assert not streamed.blocks[1].mlp[0].streams
+
+
+def test_streamed_blocks_page_activations_without_copying_their_stored_bytes(daemon_socket):
+    # Blocks that page activations too: the stored bytes their layers save for backward are
+    # weights, kept as references, never copied out as activations.
+    model = frozen_gpt(6)
+    twin = copy.deepcopy(model)
+    common = dict(offload=True, device=DEVICE, lr=3e-3, quantize="nf4", recompute=False,
+                  min_offload_bytes=1)
+    resident, r_opt = trainstream.wrap(model, **common, param_offload=False,
+                                       activation_offload=False)
+    paged, p_opt = trainstream.wrap(twin, **common, param_offload=[1, 2],
+                                    activation_offload=True)
+    pager = paged._trainstream_session.pager
+    assert pager.paged == [1, 2] and pager.offloading == [0, 1, 2]
+    assert train_steps(resident, r_opt, 3, DEVICE) == train_steps(paged, p_opt, 3, DEVICE)
+    # Block 0 keeps its weights in VRAM, block 1 streams them (its saved views of the slot are
+    # layouts): both page the same activations, and not a stored byte of the resident block.
+    paged_sizes = [sorted(i.host.numel() * i.host.element_size() for i in pager.saved[b])
+                   for b in (0, 1)]
+    assert paged_sizes[0] and paged_sizes[0] == paged_sizes[1]
+    trainstream.unwrap(paged)
+    trainstream.unwrap(resident)
+    for a, b in zip(trained(resident), trained(paged)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU path of a shared base (attached on the "
+                    "CPU); the GPU variant reads it with keep_on_host below")
+def test_a_streamed_shared_base_is_read_where_the_daemon_holds_it(daemon_socket, tmp_path):
+    checkpoint = frozen_gpt(7)
+    frozen = {n: p.detach().clone().contiguous() for n, p in checkpoint.named_parameters()
+              if not p.requires_grad}
+    safetensors_torch.save_file(frozen, str(tmp_path / "model.safetensors"))
+    with trainstream.connect(daemon_socket, job_id="streamed-base") as client:
+        base = trainstream.load_base(str(tmp_path), format="nf4", client=client, progress=False)
+        model, twin = copy.deepcopy(checkpoint), copy.deepcopy(checkpoint)
+        trainstream.attach_base(model, base)
+        trainstream.attach_base(twin, base)
+        common = dict(offload=True, device="cpu", lr=3e-3, activation_offload=False,
+                      recompute=False)
+        resident, r_opt = trainstream.wrap(model, **common, param_offload=False)
+        streamed, s_opt = trainstream.wrap(twin, **common, param_offload=True)
+        session = streamed._trainstream_session
+        layer = streamed.blocks[2].mlp[2]
+        assert layer.host_shared
+        # The host copy a streamed layer is fetched from is the base's memory: no copy made.
+        data, _ = base.raw("blocks.2.mlp.2.weight")
+        host = session.pager.host[id(layer._buffers["data"])]
+        assert host.data_ptr() == data.data_ptr()
+        shared = sum(t.numel() * t.element_size() for b in streamed.blocks
+                     for t in stored_buffers(b))
+        assert shared > 0 and session.frozen.bytes == 0  # nothing else in the blocks is frozen
+        assert train_steps(resident, r_opt, 4) == train_steps(streamed, s_opt, 4)
+        trainstream.unwrap(streamed)
+        trainstream.unwrap(resident)
+        for a, b in zip(trained(resident), trained(streamed)):
+            assert torch.equal(a, b)
+
+
+def test_the_plan_counts_stored_bytes_as_block_weights(daemon_socket):
+    from trainstream.memory.weight_plan import weight_plan
+
+    model = frozen_gpt(8, layers=6)
+    trainstream.quantize_model(model, "nf4")
+    blocks = list(model.blocks)
+    size = weight_bytes(blocks[0])
+    assert size == sum(t.numel() * t.element_size() for t in streamed_tensors(blocks[0]))
+    assert size > sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    # A budget for the weights outside the stack, the slots and two blocks, and about half the
+    # stack: about half the blocks stream, which counting parameters alone would not see.
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
+        p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    budget = outside + 7 * size
+    streamed = weight_plan(model, blocks, budget, 1, probe=False)
+    assert 2 <= len(streamed) <= 5
