@@ -62,6 +62,19 @@ def _host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dict, 
                                 ranks, other_buffers).bytes
 
 
+def _per_parameter(planned: int, model: torch.nn.Module, frozen: Sequence[int]) -> str:
+    """``planned`` host bytes said per trained parameter (the frozen weights that stream, which
+    are not per trained parameter, said apart)."""
+    trained = sum(p.numel() for p in {id(p): p for p in model.parameters()
+                                      if p.requires_grad}.values())
+    streamed = sum(frozen)
+    line = f"{(planned - streamed) / max(trained, 1):.1f} bytes per trained parameter"
+    line += f" for {trained / 1e9:.2f}B of them" if trained >= 1e8 else f" for {trained} of them"
+    if streamed:
+        line += f", and {streamed / 2**30:.2f} GiB of frozen weights that stream"
+    return line
+
+
 def _distributed(option: Any) -> _Topology:
     """Where this process sits in a torch.distributed job (a lone process when there is none)."""
     import torch.distributed as dist
@@ -330,15 +343,22 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                 events.append(("wrap.plan", f"moments in bf16: {chose_bf16}"))
                 kwargs["moment_dtype"] = moment
         except ResourceExhaustedError as e:
-            smaller = "" if moment == "bfloat16" else (
-                "moment_dtype='bfloat16' (4 bytes a parameter less), ")
+            smaller = ""
+            if moment != "bfloat16":
+                bf16 = _host_bytes(client, model, "bfloat16", config, world, topology.machines,
+                                   frozen_streamed)
+                smaller = (f"moment_dtype='bfloat16' ({bf16 / 2**30:.2f} GiB, "
+                           f"{_per_parameter(bf16, model, frozen_streamed)}), ")
             raise ResourceExhaustedError(
                 f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
-                f"trainstreamd ({moment} moments) and the machine cannot give it: {e}. "
-                f"Options: {smaller}memory_wait_s= to wait for other jobs, or "
-                "check_memory=False to allocate as it goes") from None
+                f"trainstreamd ({moment} moments; "
+                f"{_per_parameter(planned, model, frozen_streamed)}) and the machine cannot "
+                f"give it: {e}. Options: {smaller}memory_wait_s= to wait for other jobs, "
+                "LoRA adapters instead of a full fine-tune, or check_memory=False to allocate "
+                "as it goes") from None
         events.append(("wrap.admitted", f"host memory planned: {planned / 2**30:.2f} GiB for "
-                                        f"job {job_id} ({moment} moments)"))
+                                        f"job {job_id} ({moment} moments; "
+                                        f"{_per_parameter(planned, model, frozen_streamed)})"))
 
     if optimizer is None:
         groups = [p for p in model.parameters() if p.requires_grad]

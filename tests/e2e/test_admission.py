@@ -84,15 +84,22 @@ def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch)
     model, opt = trainstream.wrap(model, device="cpu")
     events = {e["kind"]: e["message"] for e in model._trainstream_session.events}
     assert events["wrap.plan"].startswith("moments in bf16: with fp32 moments this run needs")
-    assert events["wrap.admitted"].endswith("(bfloat16 moments)")
+    assert "(bfloat16 moments; " in events["wrap.admitted"]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per = float(events["wrap.admitted"].split("moments; ")[1].split(" bytes")[0])
+    assert per == pytest.approx(bf16 / trained, abs=0.06)  # the plan, per trained parameter
     x = torch.randint(0, 128, (2, 33))
     model(x[:, :-1]).sum().backward()
     opt.step()
     trainstream.unwrap(model)
-    # Asked for by name, fp32 moments are refused rather than changed.
-    with pytest.raises(MemoryError, match="this run needs"):
+    # Asked for by name, fp32 moments are refused rather than changed; the refusal gives the
+    # bytes per trained parameter, and what bf16 moments would need.
+    with pytest.raises(MemoryError, match="this run needs") as refused:
         trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4), device="cpu",
                          moment_dtype="float32")
+    message = str(refused.value)
+    assert f"{fp32 / trained:.1f} bytes per trained parameter" in message
+    assert f"moment_dtype='bfloat16' ({bf16 / 2**30:.2f} GiB, " in message
 
 
 @pytest.mark.gpu

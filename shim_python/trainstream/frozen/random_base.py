@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+import uuid
 from typing import Any, Callable
 
 import torch
@@ -62,8 +63,17 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
     draw_on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     g = _generator(draw_on)
     base = RandomBase(client)
+    prefix = f"random-base/{os.getpid()}/{uuid.uuid4().hex[:12]}"  # one per model built
     on_host = keep_on_host or device.type == "cpu"
     started = time.perf_counter()
+    # One scratch of the largest layer's fp32 values for every draw (and its CPU copy to
+    # quantize from): a fresh tensor per layer leaves the C heap fragmented by the small
+    # objects made meanwhile, and a 96-layer model then held a third more than its size.
+    largest = max((model.get_submodule(n).weight.numel() for names in groups for n in names),
+                  default=0)
+    scratch = torch.empty(largest, dtype=torch.float32, device=draw_on)
+    host_scratch = scratch if draw_on.type == "cpu" else torch.empty(
+        largest, dtype=torch.float32, pin_memory=True)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for k, names in enumerate(groups):
             layers = [(name, model.get_submodule(name)) for name in names]
@@ -72,7 +82,7 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                     raise InvalidArgumentError(f"random weights: {name} is not an nn.Linear")
             sizes = [quantized_sizes(format, layer.weight.numel(), block) for _, layer in layers]
             total = sum(_aligned(d) + _aligned(s) for d, s, _ in sizes)
-            buffer = client.allocate(f"random-base/{os.getpid()}/{len(base.buffers)}",
+            buffer = client.allocate(f"{prefix}/{len(base.buffers)}",
                                      max(total, 1), tag="frozen_weights")
             base.buffers.append(buffer)
             memory = buffer.tensor(torch.uint8, (max(total, 1),))
@@ -82,11 +92,12 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                 offset += _aligned(data_bytes)
                 scales = memory[offset:offset + scale_bytes]
                 offset += _aligned(scale_bytes)
-                w = torch.empty(tuple(layer.weight.shape), dtype=torch.float32, device=draw_on)
-                w.normal_(0.0, std, generator=g)
+                numel = layer.weight.numel()
+                scratch[:numel].normal_(0.0, std, generator=g)
+                if host_scratch is not scratch:
+                    host_scratch[:numel].copy_(scratch[:numel])
                 _, _, tensor_scale, block_used = _quantize_on_every_core(
-                    pool, w, format, block, out=(data, scales))
-                del w
+                    pool, host_scratch[:numel], format, block, out=(data, scales))
                 stored = BaseTensor(name=f"{name}.weight", shape=tuple(layer.weight.shape),
                                     source_dtype="F32", stored=format, block=block_used,
                                     tensor_scale=tensor_scale, buffer=0, data_offset=0,
