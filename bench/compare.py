@@ -116,6 +116,12 @@ CASES = {
     "qwen14b_lora_2k": dict(preset="qwen2.5-14b", tune="lora", dtype="bfloat16",
                             autocast=False, batch=1, seq=2048, accum=1, kind="bf16", lr=1e-4,
                             tiny="tiny-qwen2"),
+    # Issue 49's largest: 72B in NF4 (about 40 GB) under the 24 GiB cap. random_base: built
+    # layer by layer (load_model(random_weights=True)), never whole in bf16, for the engines
+    # that take a quantized base; the others need the bf16 model in host memory first.
+    "qwen72b_nf4_2k": dict(preset="qwen2.5-72b", tune="lora", dtype="bfloat16",
+                           autocast=False, batch=1, seq=2048, accum=1, kind="nf4", lr=1e-4,
+                           tiny="tiny-qwen2", random_base=True),
 }
 TINY_SEQ = 32
 
@@ -147,7 +153,7 @@ STATUSES = ("ok", "oom", "refused", "import_error", "not_applicable", "needs_cud
             "crashed", "error", "skipped")
 
 
-def applies(mode: str, case: dict, device: str) -> tuple[str, str] | None:
+def applies(mode: str, case: dict, device: str, tiny: bool = False) -> tuple[str, str] | None:
     """(status, reason) when ``mode`` does not run ``case`` on ``device``; None when it does."""
     spec = MODES[mode]
     if spec["kind"] == "nf4" and case["kind"] != "nf4":
@@ -165,7 +171,41 @@ def applies(mode: str, case: dict, device: str) -> tuple[str, str] | None:
                 "which is stock_cap's row")
     if device != "cuda" and spec.get("cuda"):
         return ("needs_cuda", f"{spec['engine']} needs a CUDA GPU; this run is on the CPU")
+    if case.get("random_base") and not tiny and not (spec["engine"] == "wrap"
+                                                     and case["kind"] == "nf4"):
+        # Every other engine builds the bf16 model first (bitsandbytes quantizes it on the
+        # GPU, DeepSpeed partitions it from host memory): say so when it cannot hold it.
+        need, have = _bf16_bytes(case["preset"]), _host_memory_bytes()
+        room = have if spec["engine"] != "bnb" else _gpu_memory_bytes() or have
+        if need > 0.9 * room:
+            where = "GPU" if spec["engine"] == "bnb" and _gpu_memory_bytes() else "host"
+            return ("refused", f"the bf16 model ({need / 1e9:.0f} GB) does not fit this "
+                    f"machine's {where} memory ({room / 1e9:.0f} GB), which "
+                    f"{spec['engine']} builds it in before it quantizes or partitions it")
     return None
+
+
+def _bf16_bytes(preset: str) -> int:
+    """Bytes of ``preset``'s weights in bf16, from a model built on the meta device."""
+    import torch
+
+    import hf_models
+
+    with torch.device("meta"):
+        model, _ = hf_models.build(preset, "full", torch.bfloat16, device="meta",
+                                   init_device="meta")
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def _host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def _gpu_memory_bytes() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +262,26 @@ def _lora_config(preset: str):
     # examples/hf_models.build()'s LoRA, exactly.
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                       target_modules=list(hf_models.PRESETS[preset].lora_targets))
+
+
+def _random_nf4_base(preset: str, dtype, device: str, row: dict):
+    """A random NF4 base of ``preset`` with examples/hf_models.build()'s LoRA, drawn a layer at
+    a time into the daemon's memory (load_model(random_weights=True)), its quantized bytes kept
+    there (keep_on_host): wrap() then streams the blocks that do not fit."""
+    import trainstream
+    from peft import get_peft_model
+
+    import hf_models
+
+    folder = tempfile.mkdtemp(prefix="compare-config-")
+    hf_models.config_of(preset).save_pretrained(folder)
+    model = trainstream.load_model(folder, quantize="nf4", device=device, dtype=dtype,
+                                   keep_on_host=True, random_weights=True)
+    base = model._trainstream_random_base
+    row["notes"].append(f"random NF4 base: {base.stored_bytes / 1e9:.1f} GB drawn and quantized "
+                        f"in {base.seconds:.0f} s into the daemon's memory")
+    shutil.rmtree(folder, ignore_errors=True)
+    return get_peft_model(model, _lora_config(preset))
 
 
 def _to_nf4(model, device: str, notes: list) -> None:
@@ -383,6 +443,8 @@ def _train(row: dict, mode: str, spec: dict, case: dict, preset: str, args) -> N
     elif engine == "stock" and not spec.get("capped", True):
         model, _ = hf_models.build(preset, case["tune"], dtype, device=device,
                                    init_device=device)
+    elif case.get("random_base") and not args.tiny:
+        model = _random_nf4_base(preset, dtype, device, row)
     else:
         model, _ = hf_models.build(preset, case["tune"], dtype, device="cpu",
                                    init_device=device)
@@ -965,7 +1027,8 @@ def main() -> None:
                                  if os.path.isdir(folder) else None)
         return peer_sites[group]
 
-    planned = [(c, m, applies(m, CASES[c], args.device)) for c in args.cases for m in args.modes]
+    planned = [(c, m, applies(m, CASES[c], args.device, args.tiny))
+               for c in args.cases for m in args.modes]
     need_daemon = any(MODES[m]["engine"] == "wrap" and why is None for _, m, why in planned)
     with contextlib.ExitStack() as stack:
         socket_path = None

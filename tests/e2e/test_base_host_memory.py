@@ -32,7 +32,8 @@ _MEASURE = textwrap.dedent("""
     def peak():
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-    path, random_weights, socket, daemon_pid = sys.argv[1], sys.argv[2] == "1", sys.argv[3], int(sys.argv[4])
+    path, random_weights, socket = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    daemon_pid = int(sys.argv[4])
     def daemon_peak():
         with open(f"/proc/{daemon_pid}/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))

@@ -89,6 +89,13 @@ def test_applicability_and_the_fastest_other_engine():
     assert compare.applies("wrap", nf4, "cuda")[0] == "not_applicable"
     assert compare.applies("stock", nf4, "cuda") is None  # the reference runs everywhere
     assert compare.applies("ao", lora, "cuda")[0] == "not_applicable"
+    # The 72B NF4 case: only an engine that builds the base a layer at a time may take it;
+    # the others say which memory the bf16 model does not fit in (all of them, here).
+    big = compare.CASES["qwen72b_nf4_2k"]
+    assert compare.applies("wrap_nf4", big, "cuda") is None
+    refused = compare.applies("bnb_ckpt", big, "cuda")
+    assert refused[0] == "refused" and "the bf16 model (145 GB)" in refused[1]
+    assert compare.applies("bnb_ckpt", big, "cpu", tiny=True) is None  # tiny: a tiny model
     assert compare.applies("ao", full, "cuda") is None
     assert compare.applies("ds3_ckpt", lora, "cuda") is None
     for mode in ("ds2", "ds3", "fsdp2", "ao", "ts041"):
