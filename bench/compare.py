@@ -16,6 +16,7 @@ model.gradient_checkpointing_enable(use_reentrant=False), as a user under a cap 
   wrap         trainstream.wrap(model, opt, device="cuda"), every other option at its default
   wrap_rc      the same with recompute=True, activation_offload=False
   wrap_nf4     the same as wrap with quantize="nf4" (the NF4 cases)
+  wrap_nf4_resident  the same with param_offload=False: every NF4 block stays in VRAM
   ts041        TrainStream 0.4.1 (PyPI), quantize="none", imported from its own folder (--ts041)
   ts041_nf4    the same with quantize="nf4" (the NF4 cases)
   bnb[_ckpt]   bitsandbytes QLoRA: every Linear of the decoder blocks replaced by an NF4
@@ -135,6 +136,10 @@ MODES = {
     "wrap_rc": dict(engine="wrap", kind="bf16", ours=True,
                     options=dict(recompute=True, activation_offload=False)),
     "wrap_nf4": dict(engine="wrap", kind="nf4", ours=True, options=dict(quantize="nf4")),
+    # Every NF4 block kept in VRAM (before quantized blocks streamed, the only plan): what
+    # streaming them must beat when activations get the VRAM they free.
+    "wrap_nf4_resident": dict(engine="wrap", kind="nf4", ours=True,
+                              options=dict(quantize="nf4", param_offload=False)),
     "ts041": dict(engine="ts041", kind="bf16", cuda=True, slow=True),
     "ts041_nf4": dict(engine="ts041", kind="nf4", cuda=True, slow=True),
     "bnb": dict(engine="bnb", kind="nf4", peer="bnb"),
