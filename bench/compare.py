@@ -117,6 +117,14 @@ CASES = {
     "qwen14b_lora_2k": dict(preset="qwen2.5-14b", tune="lora", dtype="bfloat16",
                             autocast=False, batch=1, seq=2048, accum=1, kind="bf16", lr=1e-4,
                             tiny="tiny-qwen2"),
+    # Issue 49's 8B full fine-tunes: bf16 weights (an fp32 8B is 32 GB in the worker before
+    # any engine takes it), every weight trained; host memory decides who can run them.
+    "llama8b_full_4k": dict(preset="llama-3.1-8b", tune="full", dtype="bfloat16",
+                            autocast=False, batch=1, seq=4096, accum=1, kind="bf16", lr=2e-5,
+                            tiny="tiny-llama", host_bytes_per_parameter=True),
+    "llama8b_full_4x1k": dict(preset="llama-3.1-8b", tune="full", dtype="bfloat16",
+                              autocast=False, batch=4, seq=1024, accum=1, kind="bf16", lr=2e-5,
+                              tiny="tiny-llama", host_bytes_per_parameter=True),
     # Issue 49's largest: 72B in NF4 (about 40 GB) under the 24 GiB cap. random_base: built
     # layer by layer (load_model(random_weights=True)), never whole in bf16, for the engines
     # that take a quantized base; the others need the bf16 model in host memory first.
@@ -187,7 +195,28 @@ def applies(mode: str, case: dict, device: str, tiny: bool = False) -> tuple[str
             return ("refused", f"the bf16 model ({need / 1e9:.0f} GB) does not fit this "
                     f"machine's {where} memory ({room / 1e9:.0f} GB), which "
                     f"{spec['engine']} builds it in before it quantizes or partitions it")
+    if case.get("host_bytes_per_parameter") and not tiny and device == "cuda":
+        # A full fine-tune whose optimizer state lives in host memory: an engine that pins
+        # more than the machine has is refused here, with the numbers, rather than left to
+        # the kernel's OOM killer (which may take the daemon with it).
+        per = _PEER_HOST_BYTES_PER_PARAMETER.get(spec["engine"])
+        if per:
+            need, have = per * _parameter_count(case["preset"]), _host_memory_bytes()
+            if need > 0.9 * have:
+                return ("refused", f"{spec['engine']} holds about {per} bytes a parameter in "
+                        f"host memory for a full fine-tune: {need / 1e9:.0f} GB, over 90% of "
+                        f"this machine's {have / 1e9:.0f} GB")
     return None
+
+
+# Host memory a full fine-tune pins per parameter, by engine (our estimate, not a measurement):
+# the fp32 master weights and both moments (12 bytes), plus the bf16 gradient buffers (ZeRO-2)
+# and parameter copies (ZeRO-3, FSDP2) each keeps there.
+_PEER_HOST_BYTES_PER_PARAMETER = {"ds2": 14, "ds3": 16, "ao": 12, "fsdp2": 16}
+
+
+def _parameter_count(preset: str) -> int:
+    return _bf16_bytes(preset) // 2
 
 
 def _bf16_bytes(preset: str) -> int:
