@@ -148,6 +148,16 @@ MODES = {
     # streaming them must beat when activations get the VRAM they free.
     "wrap_nf4_resident": dict(engine="wrap", kind="nf4", ours=True,
                               options=dict(quantize="nf4", param_offload=False)),
+    # The compute of a case too large for any engine to hold resident (random_base cases):
+    # the first 8 and 16 of its layers, all in VRAM, nothing paged or recomputed; the whole
+    # model's compute is extrapolated from the two (constant parts cancel). References for
+    # the bound, never engines to beat.
+    "slice8": dict(engine="wrap", kind="nf4", reference=True, layers=8, random_only=True,
+                   options=dict(param_offload=False, activation_offload=False,
+                                recompute=False)),
+    "slice16": dict(engine="wrap", kind="nf4", reference=True, layers=16, random_only=True,
+                    options=dict(param_offload=False, activation_offload=False,
+                                 recompute=False)),
     "ts041": dict(engine="ts041", kind="bf16", cuda=True, slow=True),
     "ts041_nf4": dict(engine="ts041", kind="nf4", cuda=True, slow=True),
     "bnb": dict(engine="bnb", kind="nf4", peer="bnb"),
@@ -169,6 +179,9 @@ STATUSES = ("ok", "oom", "refused", "import_error", "not_applicable", "needs_cud
 def applies(mode: str, case: dict, device: str, tiny: bool = False) -> tuple[str, str] | None:
     """(status, reason) when ``mode`` does not run ``case`` on ``device``; None when it does."""
     spec = MODES[mode]
+    if spec.get("random_only") and not case.get("random_base"):
+        return ("not_applicable", "a compute slice of a model too large to hold resident "
+                "(the random_base cases)")
     if spec["kind"] == "nf4" and case["kind"] != "nf4":
         if case["tune"] == "full":
             return ("not_applicable", "an NF4-base engine on a full fine-tune: 4-bit weights "
@@ -298,17 +311,23 @@ def _lora_config(preset: str):
                       target_modules=list(hf_models.PRESETS[preset].lora_targets))
 
 
-def _random_nf4_base(preset: str, dtype, device: str, row: dict):
-    """A random NF4 base of ``preset`` with examples/hf_models.build()'s LoRA, drawn a layer at
-    a time into the daemon's memory (load_model(random_weights=True)), its quantized bytes kept
-    there (keep_on_host): wrap() then streams the blocks that do not fit."""
+def _random_nf4_base(preset: str, dtype, device: str, row: dict, layers: int | None = None):
+    """A random NF4 base of ``preset`` (its first ``layers`` decoder layers, or all) with
+    examples/hf_models.build()'s LoRA, drawn a layer at a time into the daemon's memory
+    (load_model(random_weights=True)), its quantized bytes kept there (keep_on_host): wrap()
+    then streams the blocks that do not fit."""
     import trainstream
     from peft import get_peft_model
 
     import hf_models
 
     folder = tempfile.mkdtemp(prefix="compare-config-")
-    hf_models.config_of(preset).save_pretrained(folder)
+    config = hf_models.config_of(preset)
+    if layers:
+        config.num_hidden_layers = layers
+        total = hf_models.PRESETS[preset].config["num_hidden_layers"]
+        row["notes"].append(f"the first {layers} of {total} layers")
+    config.save_pretrained(folder)
     model = trainstream.load_model(folder, quantize="nf4", device=device, dtype=dtype,
                                    keep_on_host=True, random_weights=True)
     base = model._trainstream_random_base
@@ -478,7 +497,7 @@ def _train(row: dict, mode: str, spec: dict, case: dict, preset: str, args) -> N
         model, _ = hf_models.build(preset, case["tune"], dtype, device=device,
                                    init_device=device)
     elif case.get("random_base") and not args.tiny:
-        model = _random_nf4_base(preset, dtype, device, row)
+        model = _random_nf4_base(preset, dtype, device, row, spec.get("layers"))
     else:
         model, _ = hf_models.build(preset, case["tune"], dtype, device="cpu",
                                    init_device=device)
@@ -826,6 +845,19 @@ def _fits(row: dict, cap: float) -> bool:
     return reserved is None or reserved <= cap + 0.01
 
 
+def _extrapolated_compute(modes: dict) -> float | None:
+    """A random_base case's compute, all resident, from its 8- and 16-layer slices: t16 +
+    (t16 - t8) per 8 layers for the rest (the embeddings, head and loss counted once)."""
+    eight, sixteen = modes.get("slice8", {}), modes.get("slice16", {})
+    if not (eight.get("step_s") and sixteen.get("step_s")):
+        return None
+    import hf_models
+
+    layers = hf_models.PRESETS[sixteen["preset"]].config["num_hidden_layers"]
+    per_layer = (sixteen["step_s"] - eight["step_s"]) / 8
+    return round(sixteen["step_s"] + per_layer * (layers - 16), 4)
+
+
 def _analyse(rows: list, bandwidth: dict | None, cap: float) -> None:
     """In place, per case: each row's largest loss difference from stock's; for wrap() rows
     the lower bound and the ratio to the fastest other engine that fits."""
@@ -842,7 +874,9 @@ def _analyse(rows: list, bandwidth: dict | None, cap: float) -> None:
                 row["max_loss_diff_vs_stock"] = round(max(abs(a - b) for a, b in
                                                           zip(ref[:n], mine[:n])), 5)
         others = [r for m, r in modes.items()
-                  if m != "stock" and not MODES.get(m, {}).get("ours") and _fits(r, cap)]
+                  if m != "stock" and not MODES.get(m, {}).get("ours")
+                  and not MODES.get(m, {}).get("reference") and _fits(r, cap)]
+        compute_s = stock.get("step_s") or _extrapolated_compute(modes)
         for mode, row in modes.items():
             if not MODES.get(mode, {}).get("ours") or not row.get("step_s"):
                 continue
@@ -857,7 +891,7 @@ def _analyse(rows: list, bandwidth: dict | None, cap: float) -> None:
                 both = ((row["h2d_bytes"] + row["d2h_bytes"])
                         / (2e9 * bandwidth["both_each_way_gbps"])
                         if bandwidth.get("both_each_way_gbps") else 0.0)
-                compute = stock.get("step_s")
+                compute = compute_s
                 row["bound"] = {"pcie_s": round(max(h2d, d2h, both), 4), "compute_s": compute,
                                 "h2d_gbps": bandwidth["h2d_gbps"]}
                 host = 0.0
@@ -910,7 +944,7 @@ def _table(rows: list, bandwidths: list, cap: float) -> str:
                 line += f"; ours/that = {best_ours['step_s'] / best['step_s']:.2f}x"
             bound = (best_ours or {}).get("bound")
             if bound:
-                line += (f"; bound {bound['lower_bound_s']:.4f} s (stock "
+                line += (f"; bound {bound['lower_bound_s']:.4f} s (compute "
                          f"{bound['compute_s']} s, PCIe {bound['pcie_s']} s at "
                          f"{bound['h2d_gbps']} GB/s" + (
                              f", host memory {bound['host_s']} s: {HOST_BYTES_PER_PARAMETER} "

@@ -96,6 +96,13 @@ def test_applicability_and_the_fastest_other_engine():
     refused = compare.applies("bnb_ckpt", big, "cuda")
     assert refused[0] == "refused" and "the bf16 model (145 GB)" in refused[1]
     assert compare.applies("bnb_ckpt", big, "cpu", tiny=True) is None  # tiny: a tiny model
+    assert compare.applies("slice8", big, "cuda") is None
+    assert compare.applies("slice8", nf4, "cuda")[0] == "not_applicable"
+    # Its compute, all resident: the 16-layer slice plus 64 more layers at the slices' rate.
+    slices = {"slice8": {"step_s": 1.0, "preset": "qwen2.5-72b"},
+              "slice16": {"step_s": 1.8, "preset": "qwen2.5-72b"}}
+    assert compare._extrapolated_compute(slices) == pytest.approx(1.8 + 0.1 * 64)
+    assert compare._extrapolated_compute({"slice8": slices["slice8"]}) is None
     assert compare.applies("ao", full, "cuda") is None
     assert compare.applies("ds3_ckpt", lora, "cuda") is None
     for mode in ("ds2", "ds3", "fsdp2", "ao", "ts041"):
