@@ -227,9 +227,11 @@ def load_model(name_or_path: str, quantize: Any = "auto", device: Any = None,
     identical base already held costs nothing and is taken). Every process loading the same
     checkpoint and format uses the one host copy. ``device``: the first GPU when there is one,
     else the CPU. ``random_weights=True``: the architecture from the config alone, with random
-    weights in this process (no checkpoint read, nothing shared; a format named in
-    ``quantize`` is applied here to the decoder layers with
-    :func:`trainstream.quantize_model`). ``config_overrides`` set fields of the model's config
+    weights (no checkpoint read, nothing shared); with a format named in ``quantize``, each
+    decoder layer's linear weights are drawn and quantized a layer at a time into a daemon
+    buffer (host memory holds the quantized size, so a 70B-class model in NF4 builds on a
+    machine that could never hold it in bf16; ``keep_on_host=True`` leaves them there for
+    ``wrap()`` to stream). ``config_overrides`` set fields of the model's config
     (``attn_implementation="sdpa"``, say). PEFT's
     ``get_peft_model`` takes the result in every format: its frozen layers are linear layers to
     PEFT. ``fp8_matmul``, ``gpu_pool`` (one VRAM copy per GPU), ``outliers`` (fp8 on FP8
