@@ -9,7 +9,7 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ from .transport import client as _client
 from .memory.block_memory import (FrozenWeights, adaptive_plan, gpu_state,
                                   keep_daemon_weights_on_load, page_blocks, paging_choice,
                                   place_model, restore_streamed)
-from .errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from .errors import FailedPreconditionError, InvalidArgumentError
 from .frozen.linear import BaseLinear
 from .memory.blocks import find_blocks, has_forward, shared_host_buffers
 from .integrations.chunked_loss import LossSwitch, loss_working_bytes
@@ -26,6 +26,7 @@ from .memory.kv_cache import CacheSwitch
 from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
 from .memory.quantization import quantize_model
+from .optim.host_plan import admit, job_host_bytes
 from .options import check_options
 from .inspection import pcie_bytes, session_transfers
 from .integrations.attention_backend import AttentionBackend, attention_modules
@@ -40,39 +41,6 @@ class _Topology:
     machines: int = 1
     machine_group: Any = None  # the process group of every machine's rank 0
     job: str = ""
-
-
-def _host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dict, ranks: int,
-                machines: int, other_buffers: Sequence[int] = ()) -> int:
-    """The host memory the daemon will hold for this job, as the daemon counts it with the code
-    that allocates it: the optimizer's state for each trainable tensor (master, moments, a
-    model-dtype copy, a gradient slot per rank, a summing buffer), plus ``other_buffers`` (the
-    frozen weights streamed from host memory), each placed into segments as the arena will."""
-    from .transport.host_optimizer import ParameterSpec, estimate_host_memory
-    from .optim.offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
-
-    grad_dtype = GRADIENT_DTYPES.get(config["gradient_dtype"]) if config["gradient_dtype"] else None
-    cuda = next(model.parameters()).is_cuda
-    trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    specs = [ParameterSpec(f"p{i}", tuple(p.shape), p.dtype, grad_dtype or p.dtype)
-             for i, p in enumerate(trainable)]
-    # CUDA gradients are summed over micro-steps in the daemon (OffloadAdamW's choice).
-    accumulation = config["accumulation_steps"] if cuda else 1
-    return estimate_host_memory(client, specs, MOMENT_DTYPES[moment], accumulation, machines,
-                                ranks, other_buffers).bytes
-
-
-def _per_parameter(planned: int, model: torch.nn.Module, frozen: Sequence[int]) -> str:
-    """``planned`` host bytes said per trained parameter (the frozen weights that stream, which
-    are not per trained parameter, said apart)."""
-    trained = sum(p.numel() for p in {id(p): p for p in model.parameters()
-                                      if p.requires_grad}.values())
-    streamed = sum(frozen)
-    line = f"{(planned - streamed) / max(trained, 1):.1f} bytes per trained parameter"
-    line += f" for {trained / 1e9:.2f}B of them" if trained >= 1e8 else f" for {trained} of them"
-    if streamed:
-        line += f", and {streamed / 2**30:.2f} GiB of frozen weights that stream"
-    return line
 
 
 def _distributed(option: Any) -> _Topology:
@@ -274,7 +242,7 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
         with _client.connect(config["socket"], job_id=f"wrap-quantize-{os.getpid()}") as c:
             memory = c.memory()
             free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
-            return free - _host_bytes(c, model, moment, config, ranks, 1)
+            return free - job_host_bytes(c, model, moment, config, ranks, 1)
 
     weights = config["param_offload"]
     if not (weights is False or (isinstance(weights, str) and weights == "auto")):
@@ -319,46 +287,12 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                        (paging.paged_tensors() if paging else ())
                        if not t.requires_grad and id(t) not in shared]
     chose_bf16 = ""  # why moment_dtype="auto" chose bf16 moments, if it did
-
+    planned = None
     if config["check_memory"]:
-        # Admission before anything is allocated: the whole job's host memory is planned with
-        # the daemon, which keeps it or refuses now, with the numbers, instead of mid-run.
-        planned = _host_bytes(client, model, moment, config, world, topology.machines,
-                              frozen_streamed)
-        fp32_bytes = planned
-        try:
-            try:
-                client.plan_host_memory(planned, wait_s=float(config["memory_wait_s"]))
-            except ResourceExhaustedError as e:
-                if config["moment_dtype"] != "auto":
-                    raise
-                # moment_dtype="auto": bf16 moments (stochastically rounded) when fp32 ones do
-                # not fit; the master weights stay fp32.
-                smaller = _host_bytes(client, model, "bfloat16", config, world,
-                                      topology.machines, frozen_streamed)
-                planned, moment = smaller, "bfloat16"  # what the refusal below would be about
-                client.plan_host_memory(smaller, wait_s=float(config["memory_wait_s"]))
-                chose_bf16 = (f"with fp32 moments this run needs {fp32_bytes / 2**30:.2f} "
-                              f"GiB of host memory and the daemon refused ({e})")
-                events.append(("wrap.plan", f"moments in bf16: {chose_bf16}"))
-                kwargs["moment_dtype"] = moment
-        except ResourceExhaustedError as e:
-            smaller = ""
-            if moment != "bfloat16":
-                bf16 = _host_bytes(client, model, "bfloat16", config, world, topology.machines,
-                                   frozen_streamed)
-                smaller = (f"moment_dtype='bfloat16' ({bf16 / 2**30:.2f} GiB, "
-                           f"{_per_parameter(bf16, model, frozen_streamed)}), ")
-            raise ResourceExhaustedError(
-                f"trainstream.wrap: this run needs {planned / 2**30:.2f} GiB of host memory in "
-                f"trainstreamd ({moment} moments; "
-                f"{_per_parameter(planned, model, frozen_streamed)}) and the machine cannot "
-                f"give it: {e}. Options: {smaller}memory_wait_s= to wait for other jobs, "
-                "LoRA adapters instead of a full fine-tune, or check_memory=False to allocate "
-                "as it goes") from None
-        events.append(("wrap.admitted", f"host memory planned: {planned / 2**30:.2f} GiB for "
-                                        f"job {job_id} ({moment} moments; "
-                                        f"{_per_parameter(planned, model, frozen_streamed)})"))
+        admitted = admit(client, model, moment, config, world, topology.machines,
+                         frozen_streamed, job_id, events)
+        planned, chose_bf16 = admitted.planned, admitted.chose_bf16
+        kwargs["moment_dtype"] = admitted.moment
 
     if optimizer is None:
         groups = [p for p in model.parameters() if p.requires_grad]

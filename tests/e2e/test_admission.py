@@ -67,12 +67,12 @@ def test_wrap_is_refused_up_front_when_the_machine_cannot_hold_the_job(start_dae
 
 def _plans(start_daemon, model, config: str = "") -> tuple[int, int]:
     """The model's job's host memory with fp32 and with bf16 moments, as a daemon counts it."""
-    from trainstream.wrap import _host_bytes
+    from trainstream.optim.host_plan import job_host_bytes
 
     options = {"gradient_dtype": None, "accumulation_steps": 1}
     with trainstream.connect(start_daemon(config=config).socket, job_id="sizing") as c:
-        return (_host_bytes(c, model, "float32", options, 1, 1),
-                _host_bytes(c, model, "bfloat16", options, 1, 1))
+        return (job_host_bytes(c, model, "float32", options, 1, 1),
+                job_host_bytes(c, model, "bfloat16", options, 1, 1))
 
 
 def test_moments_go_to_bf16_when_fp32_ones_do_not_fit(start_daemon, monkeypatch):

@@ -106,7 +106,8 @@ def test_a_checkpoint_is_quantized_while_read_within_its_quantized_size(daemon, 
     quantized = m["stored"] + m["others"]
     # The daemon holds the base, read by up to 8 threads a window at a time (16 MiB of the
     # file and its values as fp32: 48 MiB each); the process maps it and holds only the
-    # embeddings, norms and head it dequantized. A bf16 copy would be 4 times the NF4 bytes.
+    # embeddings, norms and head it dequantized, and the model's modules (a fixed cost: 32 MiB
+    # for both). A bf16 copy would be 4 times the NF4 bytes.
     windows = min(8, os.cpu_count() or 1) * (48 << 20)
-    assert m["daemon"] + m["process"] <= 1.1 * quantized + windows, m
+    assert m["daemon"] + m["process"] <= 1.1 * quantized + windows + (32 << 20), m
     assert m["daemon"] >= m["stored"]  # the base is the daemon's

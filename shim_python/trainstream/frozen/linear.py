@@ -235,7 +235,8 @@ class BaseLinear(nn.Linear):
                 f"stored={self.stored.stored}, bias={self.bias is not None}{path}")
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts ``new`` in place of ``model``'s submodule ``name``."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
@@ -319,7 +320,7 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
                            fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
         layer.host_shared = pool is None and (keep_on_host or device.type == "cpu")
-        _replace(model, name, layer)
+        replace_module(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes
     for name, param in list(model.named_parameters()):
@@ -386,7 +387,7 @@ def quantize_layers(model: nn.Module, names: list, format: str, block: int = 0,
                     or isinstance(module, BaseLinear) or module.weight.requires_grad):
                 continue
             w = module.weight.detach()
-            data, scales, tensor_scale, block_used = _quantize_on_every_core(
+            data, scales, tensor_scale, block_used = quantize_on_every_core(
                 pool, w, format, block)
             stored = BaseTensor(name=f"{name}.weight", shape=tuple(w.shape), source_dtype="F32",
                                 stored=format, block=block_used, tensor_scale=tensor_scale,
@@ -397,7 +398,7 @@ def quantize_layers(model: nn.Module, names: list, format: str, block: int = 0,
                 bias = bias.detach()
             layer = BaseLinear(stored, data.to(w.device), scales.to(w.device), bias,
                                compute_dtype=w.dtype, fp8_matmul=fp8_matmul, outliers=outliers)
-            _replace(model, name, layer)
+            replace_module(model, name, layer)
             done["layers"].append(name)
             done["bytes_before"] += w.numel() * w.element_size()
             done["bytes_after"] += data.numel() + scales.numel()
@@ -414,7 +415,7 @@ def quantized_sizes(format: str, numel: int, block: int = 0) -> tuple:
     return kernels.quant_layout(format, numel, block)
 
 
-def _quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int,
+def quantize_on_every_core(pool: Any, w: torch.Tensor, format: str, block: int,
                             out: tuple | None = None) -> tuple:
     """``w`` quantized by the daemon's quantizer (the same bytes as quantize_reference), its
     chunks on ``pool``'s threads, in place in torch buffers (``out``: the (data, scales) uint8

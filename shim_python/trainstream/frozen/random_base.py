@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from .formats import BaseTensor
-from .linear import BaseLinear, _quantize_on_every_core, _replace, quantized_sizes
+from .linear import BaseLinear, quantize_on_every_core, quantized_sizes, replace_module
 
 _ALIGN = 256  # each tensor's bytes start at a multiple of this in its buffer (DMA, vector loads)
 
@@ -96,7 +96,7 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                 scratch[:numel].normal_(0.0, std, generator=g)
                 if host_scratch is not scratch:
                     host_scratch[:numel].copy_(scratch[:numel])
-                _, _, tensor_scale, block_used = _quantize_on_every_core(
+                _, _, tensor_scale, block_used = quantize_on_every_core(
                     pool, host_scratch[:numel], format, block, out=(data, scales))
                 stored = BaseTensor(name=f"{name}.weight", shape=tuple(layer.weight.shape),
                                     source_dtype="F32", stored=format, block=block_used,
@@ -112,7 +112,7 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                                  compute_dtype=layer.weight.dtype, fp8_matmul=fp8_matmul,
                                  outliers=outliers)
                 new.host_shared = on_host
-                _replace(model, name, new)
+                replace_module(model, name, new)
                 base.stored_bytes += data_bytes + scale_bytes
             if progress is not None:
                 progress(k + 1, len(groups), base.stored_bytes)

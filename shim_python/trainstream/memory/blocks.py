@@ -56,13 +56,15 @@ def stored_buffers(module: Any) -> list:
     """The stored weight bytes of ``module``'s frozen quantized (or shared-base) linear layers:
     buffers, not parameters, that a block streaming its weights moves with them. Empty ones
     (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out."""
+    import torch
+
     from ..frozen.linear import BaseLinear
 
     found = []
     for m in module.modules():
         if isinstance(m, BaseLinear):
             found.extend(b for name in _STORED_BUFFERS
-                         if (b := m._buffers.get(name)) is not None and b.numel())
+                         if isinstance(b := getattr(m, name, None), torch.Tensor) and b.numel())
     return found
 
 
