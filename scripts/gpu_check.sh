@@ -25,6 +25,7 @@ declare -A SUITE=(
   [memory_plan]="tests/e2e/test_memory_plan.py tests/e2e/test_weight_paging.py
     tests/e2e/test_wrap.py tests/e2e/test_planner.py tests/e2e/test_plan_trial.py
     tests/e2e/test_activation_offloader.py tests/gpu/test_allocator_split.py
+    tests/e2e/test_streamed_quantized.py
     bench:memory_plan.py --cases gpt1.8b qwen14b_512 --json \$OUT/memory_plan.json"
   [hf_matrix]="tests/e2e/test_hf_models.py tests/e2e/test_hf_trainer.py
     tests/e2e/test_chunked_loss.py tests/e2e/test_hidden_losses.py tests/e2e/test_logprobs.py
@@ -33,6 +34,7 @@ declare -A SUITE=(
     bench:hf_trainer.py --json \$OUT/hf_trainer.json
     bench:dpo.py --json \$OUT/dpo.json"
   [bases_pools]="tests/e2e/test_shared_bases.py tests/e2e/test_base_models.py
+    tests/e2e/test_streamed_quantized.py tests/e2e/test_base_host_memory.py
     tests/e2e/test_fp8_matmul.py tests/e2e/test_gpu_pools.py
     bench:dequantize.py --json \$OUT/dequantize.json
     bench:base_lora.py --json \$OUT/base_lora.json
