@@ -193,7 +193,7 @@ def _worker(mode: str, case: dict, steps: int, ts041: str) -> dict:
             memory = session.client.memory()
             row["host_job_bytes"] = sum(int(j.get("used_bytes", 0))
                                         for j in memory.get("plans", [])
-                                        if j.get("job_id") == session.config["job_id"])
+                                        if j.get("job_id") == session.config.connection.job_id)
             row["optimizer"] = {k: v for k, v in report["optimizer"].items()
                                 if k in ("runs_on", "steps", "gpu_state", "staged_state",
                                          "last_step", "nonfinite_total")}

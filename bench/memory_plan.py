@@ -299,7 +299,7 @@ def _plan_summary(model, opt) -> dict:
             "recomputed_blocks": policy.count("recompute"),
             "block_forward_s": plan.get("measured", {}).get("forward_s", 0.0),
             "host_job_bytes": sum(int(j.get("used_bytes", 0)) for j in memory.get("plans", [])
-                                  if j.get("job_id") == session.config["job_id"]),
+                                  if j.get("job_id") == session.config.connection.job_id),
             "host_update_s": round(float(last.get("update_seconds", 0)) / threads, 4),
             "runs_on": stats.get("runs_on"),
             # Elements whose AdamW state lives in VRAM, updated there (the planner's choice).

@@ -2,12 +2,11 @@
 """MkDocs hook: writes the table of ``wrap()``'s options into ``reference/options.md``.
 
 The table comes from the definitions themselves, read at build time without importing the
-package (which needs its native module): ``ACCEPTED`` in
-``shim_python/trainstream/options.py`` gives each option and the values it takes, and the
-``config`` dict at the top of ``wrap()`` in ``shim_python/trainstream/wrap.py`` gives the
-defaults. A name ``ACCEPTED`` refers to (``NONFINITE``, say) is looked up in the module it is
-imported from. The page holds the marker ``<!-- wrap-options -->`` where the table goes; a page
-without it fails the build.
+package (which needs its native module): the ``_option(default, accepts)`` fields of the
+option classes ``CONCERNS`` names in ``shim_python/trainstream/options.py`` give each option,
+its default and the values it takes, and the comments above a field its note. A name a field
+refers to (``NONFINITE``, say) is looked up in the module it is imported from. The page holds
+the marker ``<!-- wrap-options -->`` where the table goes; a page without it fails the build.
 """
 
 from __future__ import annotations
@@ -58,39 +57,38 @@ def _comments_before(lines: list[str], lineno: int) -> str:
     return " ".join(out)
 
 
-def accepted_options(root: str) -> list[tuple[str, object, str]]:
-    """``(name, accepted values or description, comment)`` for each entry of ``ACCEPTED``."""
+def _literal(node: ast.AST, path: str, imports: dict) -> object:
+    """A default's or an accepted set's value: a literal, a name imported from another module,
+    or a constant expression such as ``1 << 20``."""
+    try:
+        return _resolve(node, imports)
+    except ValueError:
+        return eval(compile(ast.Expression(node), path, "eval"),  # noqa: S307
+                    {"__builtins__": {}})
+
+
+def options(root: str) -> list[tuple[str, object, object, str]]:
+    """``(name, default, accepted values or description, comment)`` for each option, from the
+    ``_option(default, accepts)`` fields of the classes ``CONCERNS`` names, in its order."""
     path = os.path.join(root, PACKAGE, "options.py")
-    values, imports, _ = _module_assignments(path)
+    values, imports, tree = _module_assignments(path)
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    table = values["ACCEPTED"]
-    if not isinstance(table, ast.Dict):
-        raise ValueError(f"{path}: ACCEPTED is not a dict literal")
-    return [(ast.literal_eval(k), _resolve(v, imports), _comments_before(lines, k.lineno))
-            for k, v in zip(table.keys, table.values)]
-
-
-def wrap_defaults(root: str) -> dict:
-    """The ``config`` dict ``wrap()`` starts from: each option's default."""
-    path = os.path.join(root, PACKAGE, "wrap.py")
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "wrap":
-            for statement in node.body:
-                if (isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Dict)
-                        and any(isinstance(t, ast.Name) and t.id == "config"
-                                for t in statement.targets)):
-                    out = {}
-                    for k, v in zip(statement.value.keys, statement.value.values):
-                        try:
-                            out[ast.literal_eval(k)] = ast.literal_eval(v)
-                        except ValueError:  # an expression such as 1 << 20
-                            out[ast.literal_eval(k)] = eval(compile(  # noqa: S307
-                                ast.Expression(v), path, "eval"), {"__builtins__": {}})
-                    return out
-    raise ValueError(f"{path}: no `config = {{...}}` in wrap()")
+    concerns = values.get("CONCERNS")
+    if not isinstance(concerns, ast.Tuple):
+        raise ValueError(f"{path}: CONCERNS is not a tuple of class names")
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    out = []
+    for name in (e.id for e in concerns.elts):
+        for statement in classes[name].body:
+            call = getattr(statement, "value", None)
+            if not (isinstance(statement, ast.AnnAssign) and isinstance(call, ast.Call)
+                    and getattr(call.func, "id", "") == "_option"):
+                continue
+            out.append((statement.target.id, _literal(call.args[0], path, imports),
+                        _literal(call.args[1], path, imports),
+                        _comments_before(lines, statement.lineno)))
+    return out
 
 
 def _cell(text: str) -> str:
@@ -105,11 +103,9 @@ def _accepts(value: object) -> str:
 
 def options_table(root: str) -> str:
     """The Markdown table of every option ``wrap()`` accepts."""
-    defaults = wrap_defaults(root)
     rows = ["| option | default | accepts | note |", "|---|---|---|---|"]
-    for name, accepted, comment in accepted_options(root):
-        default = f"`{defaults[name]!r}`" if name in defaults else ""
-        rows.append(f"| `{name}` | {default} | {_accepts(accepted)} | {_cell(comment)} |")
+    for name, default, accepted, comment in options(root):
+        rows.append(f"| `{name}` | `{default!r}` | {_accepts(accepted)} | {_cell(comment)} |")
     return "\n".join(rows)
 
 

@@ -1,11 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The options ``wrap()`` and ``load_model()`` accept and their checks: a name they do not
-know, or a value they cannot take, is an ``InvalidArgumentError`` (a ``TrainStreamError`` and
-a ``ValueError``) whose message names the option, the value given and what is allowed, before
+"""The options ``wrap()`` and ``load_model()`` accept, and their checks.
+
+``wrap()``'s options are typed, frozen definitions by concern (the optimizer, the memory plan,
+quantization, the connection, and TrainStream 0.6's that mean nothing more here): each field
+holds its default and the values it takes, which the checks, ``wrap()`` (through
+:class:`WrapOptions`) and the documentation's table all read. A name they do not know, or a
+value they cannot take, is an ``InvalidArgumentError`` (a ``TrainStreamError`` and a
+``ValueError``) whose message names the option, the value given and what is allowed, before
 anything is set up."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -14,64 +20,149 @@ from .errors import InvalidArgumentError
 from .optim.offload_adamw import MOMENT_DTYPES, NONFINITE
 
 
-# Options wrap() accepts, with the values each takes; naming any other is an error rather than
-# silently ignored.
-ACCEPTED = {
-    "optimizer_mode": ("cpu", "gpu", "auto"),
-    "offload": ("auto", True),
-    "moment_dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "torch.float32",
-                     "torch.bfloat16"),
-    "max_grad_norm": "None or a float > 0",
-    "accumulation_steps": "an integer >= 1",
-    "threads": "None or an integer >= 1: at most this many of the daemon's AdamW workers run "
-               "this job's pass at once (default: all of them, its --threads)",
-    "eager": (None, True, False),
-    "device": "None, 'cpu', 'cuda', 'cuda:N' or a torch.device",
-    "distributed": (None, True, False),
-    "verbose": (True, False),
-    "lr": "a float (used only when optimizer is None)",
-    "nonfinite": NONFINITE,
-    "job_id": "a job name (ranks and restarted processes with the same one share the state)",
-    "socket": "a trainstreamd socket path",
-    "vram_headroom": "a float in [0, 1): the share of usable VRAM offload='auto' leaves free",
-    "gradient_dtype": (None, "float32", "fp32", "bfloat16", "bf16"),
-    "check_memory": (True, False),
-    "param_offload": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
-    "blocks": "None or the list of repeated layer modules (found with find_blocks by default)",
-    "prefetch_depth": "an integer >= 1: paged blocks fetched ahead",
-    "activation_offload": "'auto', True, False, or a fraction 0.0-1.0 of the blocks",
-    "min_offload_bytes": "an integer >= 0: smaller saved activations stay on the device",
-    "recompute": "'auto', True, False, a fraction 0.0-1.0, or a list of block indices",
-    "memory_wait_s": "seconds to wait for host memory other jobs hold (default 0)",
-    "vram_budget": "None or bytes: the VRAM the memory plan may use (default: what this process "
-                   "may use, less vram_headroom)",
-    "max_inflight_bytes": "None or bytes: VRAM held by activations still crossing to host "
-                          "memory (default 1 GiB or 10% of the VRAM budget, the smaller)",
-    "host_arena": "'auto' (the daemon's buffers, grown on demand), bytes (reserved now, never "
-                  "more), or False (private pinned memory, not counted by the daemon)",
-    "profile": (True, False),
-    "quantize": (None, False, "none", "auto", "int8", "nf4", "fp8", "nvfp4"),
-    "prefer": ("exact", "speed"),
-    "quant_block_size": "0 (the format's default) or an even number of values per scale",
-    "gpu_state_blocks": "'auto', or an integer >= 0: the first N blocks, and the parameters "
-                        "outside the stack, keep their AdamW state in VRAM (0: none)",
-    "staged_state_blocks": "'auto', or an integer >= 0: that many of the blocks after those "
-                           "are updated on the GPU with their moments staged from the "
-                           "daemon's memory (0: none)",
-    "chunked_loss": (True, False),
-    "attention": (None, "auto", "cudnn", "efficient", "flash", "math"),
-    "outliers": "0, False, None, 'auto' or True (0.01), or a fraction up to 0.1 of each fp8 "
-                "matmul's input channels (its largest) multiplied in bf16 (quantize='fp8')",
-    # TrainStream 0.6's options, with its meaning: a forward always waits for the updates of
-    # the weights it reads (False, reading weights mid-update, is refused below); the slowdown
-    # bounds activation paging only where no VRAM target exists, and wrap() always has one.
-    "guard_params": (True,),
-    "max_activation_slowdown": "a float >= 0 (wrap() plans against its VRAM budget instead)",
+def _option(default: Any, accepts: Any) -> Any:
+    """A field of an options class: its default, and the values it takes (a tuple of them, or
+    their description), which the checks below and the documentation's table read."""
+    return field(default=default, metadata={"accepts": accepts})
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The host optimizer's: where AdamW runs, its state's dtype, clipping, accumulation, and
+    what it does with non-finite gradients."""
+
+    optimizer_mode: str = _option("cpu", ("cpu", "gpu", "auto"))
+    offload: Any = _option("auto", ("auto", True))
+    moment_dtype: Any = _option("auto", ("auto", "float32", "fp32", "bfloat16", "bf16",
+                                         "torch.float32", "torch.bfloat16"))
+    max_grad_norm: Any = _option(None, "None or a float > 0")
+    accumulation_steps: int = _option(1, "an integer >= 1")
+    threads: Any = _option(None, "None or an integer >= 1: at most this many of the daemon's "
+                                 "AdamW workers run this job's pass at once (default: all of "
+                                 "them, its --threads)")
+    eager: Any = _option(None, (None, True, False))
+    lr: float = _option(1e-3, "a float (used only when optimizer is None)")
+    nonfinite: str = _option("guard", NONFINITE)
+    gradient_dtype: Any = _option(None, (None, "float32", "fp32", "bfloat16", "bf16"))
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The memory plan's: the VRAM budget, which blocks stream their weights, page or recompute
+    their activations, where optimizer state lives, and the host memory the job plans."""
+
+    vram_headroom: float = _option(0.10, "a float in [0, 1): the share of usable VRAM "
+                                         "offload='auto' leaves free")
+    check_memory: bool = _option(True, (True, False))
+    memory_wait_s: float = _option(0.0, "seconds to wait for host memory other jobs hold "
+                                         "(default 0)")
+    param_offload: Any = _option("auto", "'auto', True, False, a fraction 0.0-1.0, or a list "
+                                         "of block indices")
+    blocks: Any = _option(None, "None or the list of repeated layer modules (found with "
+                                "find_blocks by default)")
+    prefetch_depth: int = _option(1, "an integer >= 1: paged blocks fetched ahead")
+    activation_offload: Any = _option("auto", "'auto', True, False, or a fraction 0.0-1.0 of "
+                                              "the blocks")
+    min_offload_bytes: int = _option(1 << 20, "an integer >= 0: smaller saved activations "
+                                              "stay on the device")
+    recompute: Any = _option("auto", "'auto', True, False, a fraction 0.0-1.0, or a list of "
+                                     "block indices")
+    vram_budget: Any = _option(None, "None or bytes: the VRAM the memory plan may use "
+                                     "(default: what this process may use, less "
+                                     "vram_headroom)")
+    max_inflight_bytes: Any = _option(None, "None or bytes: VRAM held by activations still "
+                                            "crossing to host memory (default 1 GiB or 10% of "
+                                            "the VRAM budget, the smaller)")
+    host_arena: Any = _option("auto", "'auto' (the daemon's buffers, grown on demand), bytes "
+                                      "(reserved now, never more), or False (private pinned "
+                                      "memory, not counted by the daemon)")
+    profile: bool = _option(True, (True, False))
+    gpu_state_blocks: Any = _option("auto", "'auto', or an integer >= 0: the first N blocks, "
+                                            "and the parameters outside the stack, keep their "
+                                            "AdamW state in VRAM (0: none)")
+    staged_state_blocks: Any = _option("auto", "'auto', or an integer >= 0: that many of the "
+                                               "blocks after those are updated on the GPU "
+                                               "with their moments staged from the daemon's "
+                                               "memory (0: none)")
+    chunked_loss: bool = _option(True, (True, False))
+    attention: Any = _option(None, (None, "auto", "cudnn", "efficient", "flash", "math"))
+
+
+@dataclass(frozen=True)
+class QuantizationOptions:
+    """How the frozen linear weights of the block stack are stored."""
+
+    quantize: Any = _option(None, (None, False, "none", "auto", "int8", "nf4", "fp8", "nvfp4"))
+    prefer: str = _option("exact", ("exact", "speed"))
+    quant_block_size: int = _option(0, "0 (the format's default) or an even number of values "
+                                       "per scale")
+    outliers: Any = _option(0, "0, False, None, 'auto' or True (0.01), or a fraction up to 0.1 "
+                               "of each fp8 matmul's input channels (its largest) multiplied "
+                               "in bf16 (quantize='fp8')")
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """Where the model runs and which daemon, job and ranks it trains with."""
+
+    device: Any = _option(None, "None, 'cpu', 'cuda', 'cuda:N' or a torch.device")
+    distributed: Any = _option(None, (None, True, False))
+    verbose: bool = _option(False, (True, False))
+    job_id: str = _option("", "a job name (ranks and restarted processes with the same one "
+                              "share the state)")
+    socket: Any = _option(None, "a trainstreamd socket path")
+
+
+@dataclass(frozen=True)
+class CompatibilityOptions:
+    """TrainStream 0.6's options that mean nothing more here, taken so that its calls run."""
+
+    # A forward always waits for the updates of the weights it reads (False, reading weights
+    # mid-update, is refused below).
+    guard_params: bool = _option(True, (True,))
+    # The slowdown bounds activation paging only where no VRAM target exists, and wrap()
+    # always has one.
+    max_activation_slowdown: float = _option(0.15, "a float >= 0 (wrap() plans against its "
+                                                   "VRAM budget instead)")
     # Pooling the frozen blocks every rank streams in the GPUs' VRAM: not offered here, and
     # meaningless on one GPU; taken so that a 0.6 call runs, with an event saying it is off.
-    "peer": "'auto', False, None or bytes >= 0 (TrainStream 0.6's peer-GPU pooling; off "
-            "here, an event says why)",
-}
+    peer: Any = _option(None, "'auto', False, None or bytes >= 0 (TrainStream 0.6's peer-GPU "
+                              "pooling; off here, an event says why)")
+
+
+CONCERNS = (OptimizerOptions, MemoryOptions, QuantizationOptions, ConnectionOptions,
+            CompatibilityOptions)
+
+# Every option wrap() accepts, with the values each takes; naming any other is an error rather
+# than silently ignored.
+ACCEPTED = {f.name: f.metadata["accepts"] for concern in CONCERNS for f in fields(concern)}
+
+
+@dataclass(frozen=True)
+class WrapOptions:
+    """``wrap()``'s options, checked, by concern; each the caller's value or its default."""
+
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    quantization: QuantizationOptions = field(default_factory=QuantizationOptions)
+    connection: ConnectionOptions = field(default_factory=ConnectionOptions)
+    compatibility: CompatibilityOptions = field(default_factory=CompatibilityOptions)
+
+    @classmethod
+    def from_call(cls, options: dict, model: Any = None) -> "WrapOptions":
+        """The options of a ``wrap(model, **options)`` call, checked (see
+        :func:`check_options`)."""
+        check_options(options, _NO_MODEL if model is None else model)
+        parts = [concern(**{f.name: options[f.name] for f in fields(concern)
+                            if f.name in options}) for concern in CONCERNS]
+        return cls(*parts)
+
+    def as_dict(self) -> dict:
+        """Every option by name (``memory_report()["config"]``)."""
+        return {f.name: getattr(part, f.name)
+                for part in (self.optimizer, self.memory, self.quantization, self.connection,
+                             self.compatibility)
+                for f in fields(part)}
 
 
 def _is_int(value: Any) -> bool:

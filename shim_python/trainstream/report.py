@@ -45,7 +45,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "paged_blocks": list(pager.paged) if pager else [],
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "load_bytes": pager.bytes_fetched if pager else 0,  # host to device, since wrap()
-        "quantize": session.config.get("quantize"),
+        "quantize": session.config.quantization.quantize,
         "quantized_layers": len(quantized),
         # TrainStream 0.6's name: the blocks of the stack holding quantized weights.
         "quantized_blocks": [i for i, block in enumerate(stack)
@@ -128,7 +128,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     # "client.<kind>"), and the machine-wide ones.
     report["events"] = [e for e in session.client.events()
                         if e.get("session_id") in ("", session.client.session_id)]
-    report["config"] = dict(session.config)
+    report["config"] = session.config.as_dict()
     return report
 
 
@@ -140,7 +140,7 @@ def _block_stack(model: torch.nn.Module, session: TrainStreamSession) -> list:
         return list(session.pager.blocks)
     if session.recompute is not None:
         return list(session.recompute.blocks)
-    blocks = session.config.get("blocks")
+    blocks = session.config.memory.blocks
     return list(blocks) if blocks is not None else find_blocks(model)
 
 
@@ -154,8 +154,8 @@ def _activation_decision(session: TrainStreamSession, policy: list) -> dict:
                 # the plan here decides where each block's activations go in one move.
                 "kept_blocks": []}
     config = session.config
-    asked = (f"activation_offload={config.get('activation_offload')!r}, "
-             f"recompute={config.get('recompute')!r}")
+    asked = (f"activation_offload={config.memory.activation_offload!r}, "
+             f"recompute={config.memory.recompute!r}")
     plan = session.plan
     if plan is not None:
         decided = plan.plan

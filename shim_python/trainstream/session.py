@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .optim.offload_adamw import OffloadAdamW
+from .options import WrapOptions
 
 
 @dataclass(eq=False)  # a session is compared by identity (kept in weak sets)
@@ -18,7 +19,7 @@ class TrainStreamSession:
 
     client: Any
     optimizer: OffloadAdamW
-    config: dict
+    config: WrapOptions
     events: list = field(default_factory=list)
     pager: Any = None  # memory.pager.BlockPager when blocks page weights or activations
     recompute: Any = None  # memory.recompute.Recompute when blocks may recompute their forward
@@ -56,7 +57,7 @@ class TrainStreamSession:
             self.client.report_event(kind, message[:1024], **numbers)
         except Exception as e:  # the decision stands; only its copy in the daemon's log is lost
             event["not_reported"] = str(e)
-        if self.config.get("verbose"):
+        if self.config.connection.verbose:
             print(f"trainstream: {kind}: {message}")
 
 

@@ -27,7 +27,7 @@ from .optim.offload_adamw import BF16_MOMENTS_REFUSAL, OffloadAdamW
 from .memory.planner import staged_block_indices
 from .memory.quantization import quantize_model
 from .optim.host_plan import admit, job_host_bytes
-from .options import check_options
+from .options import WrapOptions
 from .inspection import pcie_bytes, session_transfers
 from .integrations.attention_backend import AttentionBackend, attention_modules
 from .report import memory_report  # noqa: F401  (trainstream.wrap.memory_report, as before)
@@ -83,24 +83,10 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     :class:`trainstream.OffloadAdamW`, or ``None`` (one is made with ``lr``). Its
     hyper-parameters, groups and state move to the daemon. See the README for the options.
     """
-    check_options(options, model)
+    config = WrapOptions.from_call(options, model)
     if session_of(model) is not None:
         raise FailedPreconditionError(
             "this model is already wrapped; call trainstream.unwrap(model) first")
-    config = {"optimizer_mode": "cpu", "offload": "auto", "moment_dtype": "auto",
-              "max_grad_norm": None, "accumulation_steps": 1, "threads": None, "eager": None,
-              "device": None,
-              "distributed": None, "verbose": False, "lr": 1e-3, "nonfinite": "guard",
-              "job_id": "", "socket": None, "vram_headroom": 0.10, "gradient_dtype": None,
-              "check_memory": True, "memory_wait_s": 0.0, "param_offload": "auto",
-              "blocks": None, "prefetch_depth": 1, "activation_offload": "auto",
-              "min_offload_bytes": 1 << 20, "recompute": "auto", "vram_budget": None,
-              "max_inflight_bytes": None, "host_arena": "auto", "profile": True,
-              "quantize": None, "quant_block_size": 0, "prefer": "exact",
-              "gpu_state_blocks": "auto", "staged_state_blocks": "auto",
-              "chunked_loss": True, "guard_params": True, "max_activation_slowdown": 0.15,
-              "attention": None, "outliers": 0, "peer": None}
-    config.update(options)
     events: list = []
 
     devices = {p.device for p in model.parameters()}
@@ -118,7 +104,7 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
                        "through it. Passed to each training call; the model's config is left "
                        "as it is (generation under no_grad, and other models sharing the "
                        "config, keep its use_cache); unwrap() stops it"))
-    loss_switch = LossSwitch(model) if config["chunked_loss"] else None
+    loss_switch = LossSwitch(model) if config.memory.chunked_loss else None
     if loss_switch is not None and loss_switch.switched:
         events.append(("wrap.loss", "the causal-LM loss is computed from the logits in chunks "
                        "of positions: backward keeps the logits and their gradient in their "
@@ -137,9 +123,9 @@ def wrap(model: torch.nn.Module, optimizer: Any = None, **options: Any):
     return model, offload
 
 
-def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list):
+def _wrap_on(model: torch.nn.Module, optimizer: Any, config: WrapOptions, events: list):
     """wrap() once its options are checked and the model's key/value cache is off."""
-    device = config["device"]
+    device = config.connection.device
     current = next(iter({p.device for p in model.parameters()}))
     if device is None and current.type == "cpu" and torch.cuda.is_available():
         device = "cuda"
@@ -147,30 +133,31 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
 
-    quantize = config["quantize"]
+    quantize = config.quantization.quantize
     if quantize == "auto":
         quantize = _auto_quantization(model, config, target, events)
     from .frozen.fp8_matmul import outlier_fraction, supported
 
-    if outlier_fraction(config["outliers"]):
+    outliers = config.quantization.outliers
+    if outlier_fraction(outliers):
         chose = " (quantize='auto' chose " + repr(quantize) + ")" if (
-            config["quantize"] == "auto") else ""
+            config.quantization.quantize == "auto") else ""
         if quantize != "fp8":
             raise InvalidArgumentError(
-                f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core "
+                f"trainstream.wrap: outliers={outliers!r} splits FP8 tensor-core "
                 f"matmuls of frozen weights; it needs quantize='fp8'{chose}")
         ok, why = supported(target)
         if not ok:
             raise FailedPreconditionError(
-                f"trainstream.wrap: outliers={config['outliers']!r} splits FP8 tensor-core "
+                f"trainstream.wrap: outliers={outliers!r} splits FP8 tensor-core "
                 f"matmuls, which {target} cannot run ({why}): pass outliers=0")
     if quantize not in (None, False, "none"):
         # Frozen Linear weights only, before the plan sees the model: it plans their stored size.
         # The block stack's frozen layers, as TrainStream 0.6 quantizes: a frozen output head
         # (and the embeddings) stay as they are.
-        done = quantize_model(model, quantize, blocks=config["blocks"],
-                              block_size=config["quant_block_size"],
-                              outliers=config["outliers"])
+        done = quantize_model(model, quantize, blocks=config.memory.blocks,
+                              block_size=config.quantization.quant_block_size,
+                              outliers=config.quantization.outliers)
         events.append(("wrap.quantize", f"{done['tensors']} frozen linear layers quantized to "
                                         f"{quantize} in this process "
                                         f"({done['bytes_before'] / 2**20:.1f} MiB -> "
@@ -191,11 +178,13 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
         initial = {}
     client = None
     try:
-        topology = _distributed(config["distributed"])
+        topology = _distributed(config.connection.distributed)
         rank, world = topology.rank, topology.world
         # A fresh name per call: a model's id() is reused once it is gone, a job is not.
-        job_id = config["job_id"] or topology.job or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        client = _client.connect(config["socket"], job_id=job_id, rank=rank, world_size=world)
+        job_id = (config.connection.job_id or topology.job
+                  or f"wrap-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        client = _client.connect(config.connection.socket, job_id=job_id, rank=rank,
+                                 world_size=world)
         result = _wrap_connected(model, optimizer, config, client, topology, paging, job_id,
                                  events, initial)
     except BaseException:
@@ -210,14 +199,14 @@ def _wrap_on(model: torch.nn.Module, optimizer: Any, config: dict, events: list)
     return result
 
 
-def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.device,
+def _auto_quantization(model: torch.nn.Module, config: WrapOptions, target: torch.device,
                        events: list) -> str | None:
     """quantize="auto": the format the frozen linear weights are stored in (None: as they are),
     chosen as quantize_choice describes, and an event saying why."""
     from .memory import quantization
     from .memory.block_memory import vram_budget
 
-    blocks = list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    blocks = list(config.memory.blocks) if config.memory.blocks is not None else find_blocks(model)
     if quantization.frozen_linear_count(model, blocks) == 0:
         events.append(("wrap.quantize", "quantize='auto': no frozen linear weights to quantize "
                                         "(those of the block stack are; a frozen output head "
@@ -225,35 +214,35 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
         return None
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == target)
-    budget = vram_budget(target, config, on_device)
+    budget = vram_budget(target, config.memory, on_device).bytes
     if budget is None:
         events.append(("wrap.quantize", "quantize='auto': weights kept as they are (a "
                                         f"{target.type} run has no VRAM budget to plan for; "
                                         "vram_budget= sets one)"))
         return None
-    auto = [isinstance(config[k], str) and config[k] == "auto"
-            for k in ("activation_offload", "recompute")]
-    moment = "float32" if config["moment_dtype"] == "auto" else config["moment_dtype"]
+    auto = [isinstance(v, str) and v == "auto"
+            for v in (config.memory.activation_offload, config.memory.recompute)]
+    moment = "float32" if config.optimizer.moment_dtype == "auto" else config.optimizer.moment_dtype
     ranks = (launcher_topology(os.environ, 0, 1)[1] if "LOCAL_WORLD_SIZE" in os.environ
              or "SLURM_NTASKS_PER_NODE" in os.environ else 1)
 
     def host_room() -> int:
         # What the daemon has free, less what the trainable state will take there.
-        with _client.connect(config["socket"], job_id=f"wrap-quantize-{os.getpid()}") as c:
+        with _client.connect(config.connection.socket, job_id=f"wrap-quantize-{os.getpid()}") as c:
             memory = c.memory()
             free = int(memory.get("budget_bytes", 0)) - int(memory.get("committed_bytes", 0))
-            return free - job_host_bytes(c, model, moment, config, ranks, 1)
+            return free - job_host_bytes(c, model, moment, config.optimizer, ranks, 1)
 
-    weights = config["param_offload"]
+    weights = config.memory.param_offload
     if not (weights is False or (isinstance(weights, str) and weights == "auto")):
         events.append(("wrap.quantize", "quantize='auto': weights kept as they are "
                                         f"(param_offload={weights!r} streams blocks as asked)"))
         return None
-    options = quantization.candidates(model, blocks, budget, config["prefetch_depth"],
+    options = quantization.candidates(model, blocks, budget, config.memory.prefetch_depth,
                                          all(auto) and len(blocks) >= 2, host_room,
-                                         config["quant_block_size"],
+                                         config.quantization.quant_block_size,
                                          may_stream=weights is not False)
-    chosen = quantization.choose(options, config["prefer"])
+    chosen = quantization.choose(options, config.quantization.prefer)
     fmt = chosen.fmt
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -261,25 +250,26 @@ def _auto_quantization(model: torch.nn.Module, config: dict, target: torch.devic
         picked = [None] * dist.get_world_size()
         dist.all_gather_object(picked, quantization.CANDIDATES.index(fmt))
         fmt = quantization.CANDIDATES[max(picked)]
-    message = quantization.explain(options, chosen, budget, len(blocks), config["prefer"])
+    message = quantization.explain(options, chosen, budget, len(blocks), config.quantization.prefer)
     if fmt != chosen.fmt:
         message += f"; stored as {fmt}, as another rank needed"
     events.append(("wrap.quantize", message))
     return fmt
 
 
-def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client: Any,
+def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: WrapOptions, client: Any,
                     topology: _Topology, paging: Any, job_id: str, events: list, initial: dict):
     rank, world = topology.rank, topology.world
     names = {p: n for n, p in model.named_parameters()}
-    moment = config["moment_dtype"]
+    moment = config.optimizer.moment_dtype
     moment = "float32" if moment == "auto" else moment
-    kwargs = dict(moment_dtype=moment, max_grad_norm=config["max_grad_norm"],
-                  gradient_dtype=config["gradient_dtype"], machines=topology.machines,
+    asked = config.optimizer
+    kwargs = dict(moment_dtype=moment, max_grad_norm=asked.max_grad_norm,
+                  gradient_dtype=asked.gradient_dtype, machines=topology.machines,
                   machine_group=topology.machine_group, rank=rank, world_size=world,
-                  accumulation_steps=config["accumulation_steps"], nonfinite=config["nonfinite"],
-                  client=client, names=names, initial=initial, threads=config["threads"],
-                  eager=config["eager"], mode=config["optimizer_mode"])
+                  accumulation_steps=asked.accumulation_steps, nonfinite=asked.nonfinite,
+                  client=client, names=names, initial=initial, threads=asked.threads,
+                  eager=asked.eager, mode=asked.optimizer_mode)
     # Each frozen tensor of a streamed block gets a host buffer of its own (block_memory),
     # but a shared base's stored bytes, read where the base holds them.
     shared = shared_host_buffers(model) if paging else set()
@@ -288,7 +278,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                        if not t.requires_grad and id(t) not in shared]
     chose_bf16 = ""  # why moment_dtype="auto" chose bf16 moments, if it did
     planned = None
-    if config["check_memory"]:
+    if config.memory.check_memory:
         admitted = admit(client, model, moment, config, world, topology.machines,
                          frozen_streamed, job_id, events)
         planned, chose_bf16 = admitted.planned, admitted.chose_bf16
@@ -296,7 +286,7 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
 
     if optimizer is None:
         groups = [p for p in model.parameters() if p.requires_grad]
-        offload = OffloadAdamW(groups, lr=config["lr"], **kwargs)
+        offload = OffloadAdamW(groups, lr=config.optimizer.lr, **kwargs)
     elif isinstance(optimizer, OffloadAdamW):
         offload = optimizer
     elif type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
@@ -360,36 +350,36 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
     frozen = FrozenWeights(client)
     pager, recompute = page_blocks(model, paging, offload, config, events, initial, frozen)
     keep_daemon_weights_on_load(model, offload, pager)
-    if config["peer"] is not None and config["peer"] is not False:
-        events.append(("wrap.peer", _peer_off(config["peer"], world, topology.machines)))
+    if config.compatibility.peer is not None and config.compatibility.peer is not False:
+        events.append(("wrap.peer", _peer_off(config.compatibility.peer, world, topology.machines)))
     session = TrainStreamSession(client=client, optimizer=offload, config=config)
     session.vram_target = paging.budget if paging is not None else None
     session.pager = pager
     session.recompute = recompute
     session.frozen = frozen
-    if config["attention"] is not None:
-        session.attention = AttentionBackend(config["attention"], session.note)
+    if config.memory.attention is not None:
+        session.attention = AttentionBackend(config.memory.attention, session.note)
         session.attention.install(attention_modules(model, _block_stack(model, config, paging)))
     for kind, message in events:
         session.note(kind, message)
     for module in model.modules():  # an fp8 base's layers say how they multiply
         if isinstance(module, BaseLinear):
             module.note = session.note
-    if config["gpu_state_blocks"] == "auto" and offload.is_cuda:
+    if config.memory.gpu_state_blocks == "auto" and offload.is_cuda:
         refusal = offload.gpu_state_refusal()
         if refusal is not None:
             session.note("plan.gpu_state", f"the optimizer state stays in trainstreamd: {refusal}")
     if paging is not None and paging.adaptive and pager is not None:
         session.plan = adaptive_plan(
             model, paging, pager, offload, client, session,
-            planned if config["check_memory"] else None,
+            planned if config.memory.check_memory else None,
             lambda head_weight, tokens: loss_working_bytes(model, head_weight, tokens))
         offload.configure(memory_plan=session.plan)
     else:
         # No run-time plan to decide them: the blocks asked for move now.
         # ("auto" decides nothing without measurements: none move.)
-        asked = [config[k] if config[k] != "auto" else 0
-                 for k in ("gpu_state_blocks", "staged_state_blocks")]
+        asked = [v if v != "auto" else 0
+                 for v in (config.memory.gpu_state_blocks, config.memory.staged_state_blocks)]
         if any(asked):
             held, staged = gpu_state(model, _block_stack(model, config, paging), offload,
                                      *asked)
@@ -426,8 +416,8 @@ def _wrap_connected(model: torch.nn.Module, optimizer: Any, config: dict, client
                 "other dtypes)")
     session.note("optimizer.mode", why, **figures)
     # offload="auto" measures over the first steps, then decides (an event says which way).
-    offload.configure(on_decision=session.note, vram_headroom=float(config["vram_headroom"]),
-                      switch_when_fits=config["offload"] == "auto" or None)
+    offload.configure(on_decision=session.note, vram_headroom=float(config.memory.vram_headroom),
+                      switch_when_fits=config.optimizer.offload == "auto" or None)
     session.transfer_report = offload.register_step_post_hook(_transfer_reporter(session))
     attach(model, session)
     return model, offload
@@ -460,20 +450,20 @@ def _transfer_reporter(session: TrainStreamSession) -> Any:
     return report
 
 
-def _block_stack(model: torch.nn.Module, config: dict, paging: Any) -> list:
+def _block_stack(model: torch.nn.Module, config: WrapOptions, paging: Any) -> list:
     """The repeated blocks: the memory plan's, else blocks=, else those find_blocks finds."""
     if paging is not None:
         return paging.blocks
-    return list(config["blocks"]) if config["blocks"] is not None else find_blocks(model)
+    return list(config.memory.blocks) if config.memory.blocks is not None else find_blocks(model)
 
 
-def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: dict,
+def _check_gpu_state(model: torch.nn.Module, offload: OffloadAdamW, config: WrapOptions,
                      paging: Any, chose_bf16: str = "") -> None:
     """gpu_state_blocks=N and staged_state_blocks=N ask for what this job can have, or wrap()
     says why not (before any hook of wrap()'s own is on the model). ``chose_bf16``: why
     moment_dtype="auto" chose bf16 moments, said with a refusal of them."""
-    held, staged = (config[k] if config[k] != "auto" else 0
-                    for k in ("gpu_state_blocks", "staged_state_blocks"))
+    held, staged = (v if v != "auto" else 0
+                    for v in (config.memory.gpu_state_blocks, config.memory.staged_state_blocks))
     if not held and not staged:
         return
     n = len(_block_stack(model, config, paging))

@@ -69,7 +69,9 @@ def _plans(start_daemon, model, config: str = "") -> tuple[int, int]:
     """The model's job's host memory with fp32 and with bf16 moments, as a daemon counts it."""
     from trainstream.optim.host_plan import job_host_bytes
 
-    options = {"gradient_dtype": None, "accumulation_steps": 1}
+    from trainstream.options import OptimizerOptions
+
+    options = OptimizerOptions()
     with trainstream.connect(start_daemon(config=config).socket, job_id="sizing") as c:
         return (job_host_bytes(c, model, "float32", options, 1, 1),
                 job_host_bytes(c, model, "bfloat16", options, 1, 1))

@@ -50,7 +50,7 @@ def test_guard_stops_a_step_at_its_first_nonfinite_gradient(device):
     ref = copy.deepcopy(model)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                   offload=True)
-    assert model._trainstream_session.config["nonfinite"] == "guard"
+    assert model._trainstream_session.config.optimizer.nonfinite == "guard"
     counter = [0]
     # The first parameter's gradient is the last backward makes: every other tensor's update
     # may have started before it; from it on, nothing more is applied.

@@ -18,8 +18,9 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shim_python", "tr
 # A dotted key places one module apart from its folder (the longest key that names it wins):
 # the Hugging Face face of the package (load_model, wrap_hf, the Trainer) is built on wrap(),
 # where the losses beside it are used by wrap(). The package's own __init__ re-exports them all.
-LAYERS = {"errors": 0, "hooks": 0, "transport": 1, "frozen": 2, "optim": 3, "memory": 4,
-          "integrations": 5, "options": 6, "session": 6, "report": 6, "wrap": 6,
+# The options are definitions the optimizer, the memory plan and wrap() read: beside optim/.
+LAYERS = {"errors": 0, "hooks": 0, "transport": 1, "frozen": 2, "optim": 3, "options": 3,
+          "memory": 4, "integrations": 5, "session": 6, "report": 6, "wrap": 6,
           "inspection": 6,
           "integrations.huggingface": 7, "integrations.trainer": 7, "__init__": 8}
 # Files still past the size a file should keep to, each to be split (the list may only shrink).

@@ -884,7 +884,7 @@ def test_trainstream_06_options_are_taken_with_their_meaning(daemon_socket):
     works) and max_activation_slowdown (activation paging's bound where there is no VRAM
     target; wrap() always has one) are accepted, as TrainStream 0.6 took them."""
     model, opt = trainstream.wrap(TinyGPT(), guard_params=True, max_activation_slowdown=0.3)
-    assert model._trainstream_session.config["max_activation_slowdown"] == 0.3
+    assert model._trainstream_session.config.compatibility.max_activation_slowdown == 0.3
     trainstream.unwrap(model)
 
 

@@ -138,8 +138,9 @@ class ActivationOffloader:
         if self.adjustable and vram_target is None and self.device.type == "cuda":
             from .block_memory import vram_budget
 
-            self.vram_target = vram_budget(self.device,
-                                           {"vram_budget": None, "vram_headroom": 0.10})
+            from ..options import MemoryOptions
+
+            self.vram_target = vram_budget(self.device, MemoryOptions()).bytes
         if vram_target is not None and (not isinstance(vram_target, int) or vram_target <= 0):
             raise InvalidArgumentError(
                 f"ActivationOffloader: vram_target={vram_target!r} must be a positive integer")

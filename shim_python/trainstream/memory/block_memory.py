@@ -14,6 +14,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..optim.offload_adamw import OffloadAdamW
+from ..options import MemoryOptions, WrapOptions
 from .blocks import shared_host_buffers, streamed_tensors
 from .planner import staged_block_indices
 from .weight_plan import weight_plan
@@ -33,6 +34,7 @@ class PagingChoice:
     adaptive: bool           # activations decided by a probe step and the planner
     weights_auto: bool       # param_offload="auto"
     events: list = field(default_factory=list)
+    others_bytes: int = 0    # VRAM the process held besides the model at wrap()
 
     def paged_tensors(self) -> list:
         """What the streamed blocks move: parameters, and quantized layers' stored bytes."""
@@ -47,14 +49,24 @@ class PagingChoice:
 _ALLOCATOR_SLACK_BYTES = 64 << 20
 
 
-def vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int | None:
+@dataclass(frozen=True)
+class VramBudget:
+    """The VRAM a run may plan for (None: none to plan against, a CPU run), and what this
+    process held besides the model when it was taken (another model, a cache: it stays)."""
+
+    bytes: int | None
+    others_bytes: int = 0
+
+
+def vram_budget(device: torch.device, memory: MemoryOptions, model_bytes: int = 0) -> VramBudget:
     """The VRAM this run may plan for: vram_budget= if given; on CUDA, what this process may use
     (torch's per-process fraction, and what other processes leave free) less the headroom
-    (vram_headroom's share, 64 MiB at least)."""
-    if config["vram_budget"] is not None:
-        return int(config["vram_budget"])
+    (vram_headroom's share, 64 MiB at least) and what it holds besides the model
+    (``model_bytes`` of it on ``device``)."""
+    if memory.vram_budget is not None:
+        return VramBudget(int(memory.vram_budget))
     if device.type != "cuda":
-        return None
+        return VramBudget(None)
     total = torch.cuda.get_device_properties(device).total_memory
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     limit = total * (float(getter(device)) if getter is not None else 1.0)
@@ -63,9 +75,8 @@ def vram_budget(device: torch.device, config: dict, model_bytes: int = 0) -> int
     _make_matmul_workspaces(device)
     # Tensors this process holds besides the model's (another model, a cache) stay where they are.
     others = max(0, torch.cuda.memory_allocated(device) - model_bytes)
-    config["_others_bytes"] = others
-    headroom = max(float(config["vram_headroom"]) * limit, _ALLOCATOR_SLACK_BYTES)
-    return max(0, int(limit - headroom - others))
+    headroom = max(float(memory.vram_headroom) * limit, _ALLOCATOR_SLACK_BYTES)
+    return VramBudget(max(0, int(limit - headroom - others)), others)
 
 
 def _make_matmul_workspaces(device: torch.device) -> None:
@@ -80,7 +91,7 @@ def _make_matmul_workspaces(device: torch.device) -> None:
     torch.nn.functional.linear(x, x, x[0]).float().sum().backward()
 
 
-def paging_choice(model: torch.nn.Module, config: dict,
+def paging_choice(model: torch.nn.Module, config: WrapOptions,
                   device: torch.device) -> PagingChoice | None:
     """The block stack's paging and recompute, from param_offload, activation_offload and
     recompute (each "auto" by default: planned against the VRAM budget); checked before anything
@@ -89,9 +100,9 @@ def paging_choice(model: torch.nn.Module, config: dict,
 
     # Their kinds of value, and prefetch_depth, were checked with wrap()'s other options
     # (options.py); which blocks a list names is checked here, against the stack.
-    weights, acts, again = (config["param_offload"], config["activation_offload"],
-                            config["recompute"])
-    depth = config["prefetch_depth"]
+    weights, acts, again = (config.memory.param_offload, config.memory.activation_offload,
+                            config.memory.recompute)
+    depth = config.memory.prefetch_depth
 
     def is_auto(value: Any) -> bool:
         return isinstance(value, str) and value == "auto"
@@ -100,12 +111,13 @@ def paging_choice(model: torch.nn.Module, config: dict,
         return value is None or value is False or is_auto(value)
     on_device = sum(t.numel() * t.element_size() for t in
                     list(model.parameters()) + list(model.buffers()) if t.device == device)
-    budget = vram_budget(device, config, on_device)
+    measured = vram_budget(device, config.memory, on_device)
+    budget = measured.bytes
     planned = budget is not None and (is_auto(weights) or (is_auto(acts) and is_auto(again)))
     if is_off(weights) and is_off(acts) and is_off(again) and not planned:
         return None
-    explicit = config["blocks"] is not None
-    blocks = list(config["blocks"]) if explicit else find_blocks(model)
+    explicit = config.memory.blocks is not None
+    blocks = list(config.memory.blocks) if explicit else find_blocks(model)
     uncalled = [i for i, b in enumerate(blocks) if not has_forward(b)]
     if uncalled:
         raise InvalidArgumentError(
@@ -156,7 +168,7 @@ def paging_choice(model: torch.nn.Module, config: dict,
     if not (paged or offloaded or recomputed or adaptive):
         return None
     return PagingChoice(blocks, paged, offloaded, recomputed, depth, budget, adaptive,
-                        is_auto(weights), events)
+                        is_auto(weights), events, measured.others_bytes)
 
 
 def place_model(model: torch.nn.Module, device: torch.device,
@@ -223,7 +235,8 @@ class FrozenWeights:
 
 
 def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: OffloadAdamW,
-                 config: dict, events: list, initial: dict, frozen: FrozenWeights) -> tuple:
+                 config: WrapOptions, events: list, initial: dict,
+                 frozen: FrozenWeights) -> tuple:
     """Starts weight and activation paging and recompute for the chosen blocks; returns the
     pager and the recompute (each None when there is none)."""
     from .pager import BlockPager
@@ -262,19 +275,19 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
     def arena():
         from .activation_arena import ActivationArena
 
-        if config["host_arena"] is None or config["host_arena"] is False:
+        if config.memory.host_arena is None or config.memory.host_arena is False:
             return None  # private pinned memory
         return ActivationArena(
             lambda name, nbytes: client.allocate(name, nbytes, tag="activations"),
             f"activations/{client.session_id}",
-            cap=0 if config["host_arena"] == "auto" else int(config["host_arena"]))
+            cap=0 if config.memory.host_arena == "auto" else int(config.memory.host_arena))
 
     device = next(iter(offload.trained_params)).device
-    inflight = config["max_inflight_bytes"]
+    inflight = config.memory.max_inflight_bytes
     if inflight is None:
         inflight = min(1 << 30, (choice.budget or (10 << 30)) // 10)
     pager = BlockPager(blocks, [], host_copy, depth,
-                       min_offload_bytes=int(config["min_offload_bytes"]), arena=arena,
+                       min_offload_bytes=int(config.memory.min_offload_bytes), arena=arena,
                        device=device, max_inflight_bytes=int(inflight))
     stream_weights(offload, pager, paged)
     pager.set_activation_blocks(offloaded)
@@ -297,7 +310,7 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
     if offloaded:
         events.append(("wrap.activation_offload",
                        f"{len(offloaded)} of {len(blocks)} blocks page their saved activations "
-                       f"to host memory (those of {config['min_offload_bytes']} bytes and up)"))
+                       f"to host memory (those of {config.memory.min_offload_bytes} bytes and up)"))
     return pager, recompute
 
 
@@ -371,7 +384,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
     other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
     link = 0.0
-    if pager.cuda and session.config["profile"]:
+    if pager.cuda and session.config.memory.profile:
         from ..transport.hardware import profile_hardware
 
         gpu = profile_hardware().get("gpu") or {}
@@ -396,8 +409,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
         seconds /= max(1, int(info.get("threads", 1)))
         return seconds, offload.host_updated_elements()
 
-    option = session.config["gpu_state_blocks"]
-    staged_option = session.config["staged_state_blocks"]
+    option = session.config.memory.gpu_state_blocks
+    staged_option = session.config.memory.staged_state_blocks
     refusal = offload.gpu_state_refusal()
     if refusal is not None:
         option = staged_option = 0
@@ -410,7 +423,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     update_transfer = (4, offload.gradient_dtype.itemsize if offload.gradient_dtype else 4)
 
     frozen_at_wrap = session.frozen.bytes
-    arena = session.config["host_arena"]
+    arena = session.config.memory.host_arena
     arena_cap = arena if type(arena) is int else 0  # host_arena= bytes (not "auto" or False)
 
     def plan_host(activation_bytes: int) -> None:
@@ -426,7 +439,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
                         plan_host=plan_host, host_free=host_free, note=session.note,
                         other_weight_bytes=other, prefetch_depth=paging.depth,
                         link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
-                        others_bytes=session.config.get("_others_bytes", 0),
+                        others_bytes=paging.others_bytes,
                         transfer_bytes=transfers,
                         host_cap=arena_cap, gpu_state=option,
                         set_gpu_state=lambda blocks, staged: gpu_state(

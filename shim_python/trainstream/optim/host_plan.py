@@ -12,10 +12,12 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ResourceExhaustedError
+from ..options import OptimizerOptions, WrapOptions
 
 
-def job_host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dict, ranks: int,
-                   machines: int, other_buffers: Sequence[int] = ()) -> int:
+def job_host_bytes(client: Any, model: torch.nn.Module, moment: Any,
+                   optimizer: OptimizerOptions, ranks: int, machines: int,
+                   other_buffers: Sequence[int] = ()) -> int:
     """The host memory the daemon will hold for this job, as the daemon counts it with the code
     that allocates it: the optimizer's state for each trainable tensor (master, moments, a
     model-dtype copy, a gradient slot per rank, a summing buffer), plus ``other_buffers`` (the
@@ -23,13 +25,13 @@ def job_host_bytes(client: Any, model: torch.nn.Module, moment: Any, config: dic
     from ..transport.host_optimizer import ParameterSpec, estimate_host_memory
     from .offload_adamw import GRADIENT_DTYPES, MOMENT_DTYPES
 
-    grad_dtype = GRADIENT_DTYPES.get(config["gradient_dtype"]) if config["gradient_dtype"] else None
+    grad_dtype = GRADIENT_DTYPES.get(optimizer.gradient_dtype) if optimizer.gradient_dtype else None
     cuda = next(model.parameters()).is_cuda
     trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     specs = [ParameterSpec(f"p{i}", tuple(p.shape), p.dtype, grad_dtype or p.dtype)
              for i, p in enumerate(trainable)]
     # CUDA gradients are summed over micro-steps in the daemon (OffloadAdamW's choice).
-    accumulation = config["accumulation_steps"] if cuda else 1
+    accumulation = optimizer.accumulation_steps if cuda else 1
     return estimate_host_memory(client, specs, MOMENT_DTYPES[moment], accumulation, machines,
                                 ranks, other_buffers).bytes
 
@@ -54,16 +56,16 @@ class Admission:
     chose_bf16: str = ""  # why moment_dtype="auto" chose bf16 moments, if it did
 
 
-def admit(client: Any, model: torch.nn.Module, moment: str, config: dict, ranks: int,
+def admit(client: Any, model: torch.nn.Module, moment: str, config: WrapOptions, ranks: int,
           machines: int, frozen: Sequence[int], job_id: str, events: list) -> Admission:
     """Plans the job's host memory with the daemon (waiting up to ``memory_wait_s``): fp32 or
     bf16 moments as ``moment`` says, or bf16 when fp32 ones are refused under
     ``moment_dtype="auto"``. Refused: ResourceExhaustedError with the bytes, the bytes per
     trained parameter and the options that would take less. Appends its events."""
-    wait_s = float(config["memory_wait_s"])
+    wait_s = float(config.memory.memory_wait_s)
 
     def bytes_for(dtype: str) -> int:
-        return job_host_bytes(client, model, dtype, config, ranks, machines, frozen)
+        return job_host_bytes(client, model, dtype, config.optimizer, ranks, machines, frozen)
 
     planned = bytes_for(moment)
     chose_bf16 = ""
@@ -71,7 +73,7 @@ def admit(client: Any, model: torch.nn.Module, moment: str, config: dict, ranks:
         try:
             client.plan_host_memory(planned, wait_s=wait_s)
         except ResourceExhaustedError as e:
-            if config["moment_dtype"] != "auto":
+            if config.optimizer.moment_dtype != "auto":
                 raise
             # bf16 moments (stochastically rounded) when fp32 ones do not fit; the master
             # weights stay fp32.
