@@ -67,10 +67,24 @@ absl::StatusOr<HostMemoryEstimate> HostOptimizer::EstimateHostMemory(
   RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
     return impl.channel().stub().EstimateHostMemory(c, request, &reply);
   }));
-  return HostMemoryEstimate{reply.bytes(),         reply.optimizer_bytes(),
-                            reply.buffer_bytes(),  reply.buffers(),
-                            reply.segment_bytes(), reply.segment_granularity()};
+  return HostMemoryEstimate{reply.bytes(),   reply.optimizer_bytes(), reply.buffer_bytes(),
+                            reply.buffers(), reply.segment_bytes(),   reply.segment_granularity()};
 }
+
+namespace {
+
+// The job's optimizer as the daemon sees it now, asked by session `session_id`.
+absl::StatusOr<v1::OptimizerInfo> OptimizerInfoOf(ControlChannel& channel,
+                                                  const std::string& session_id) {
+  v1::GetOptimizerRequest request;
+  request.set_session_id(session_id);
+  v1::OptimizerInfo reply;
+  RETURN_IF_ERROR(channel.Call(
+      [&](grpc::ClientContext* c) { return channel.stub().GetOptimizer(c, request, &reply); }));
+  return reply;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<HostOptimizer>> HostOptimizer::Create(
     Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params) {
@@ -98,9 +112,11 @@ absl::StatusOr<HostOptimizer::Registered> HostOptimizer::Register(
   reg.set_session_id(impl.id());
   for (const ParameterInfo& p : params) ToProto(p, reg.add_params());
   v1::RegisterParametersReply reply;
-  RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
-    return impl.channel().stub().RegisterParameters(c, reg, &reply);
-  }, kLongCallTimeout));
+  RETURN_IF_ERROR(impl.channel().CallWithTimeout(
+      [&](grpc::ClientContext* c) {
+        return impl.channel().stub().RegisterParameters(c, reg, &reply);
+      },
+      kLongCallTimeout));
   // Map the buffers of parameters this process has not seen yet (all of them the first time).
   for (const v1::ParameterBuffers& b : reply.params()) {
     if (b.index() < params_.size()) continue;
@@ -138,9 +154,9 @@ absl::Status HostOptimizer::AddDeviceTargets(std::vector<DeviceTarget> targets) 
   if (device_return_ == nullptr) return absl::FailedPreconditionError("no device returns");
   const size_t have = device_return_->size();
   if (have + targets.size() != params_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%d device targets given; parameters %d to %d have none", targets.size(), have,
-        params_.size() - 1));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d device targets given; parameters %d to %d have none", targets.size(),
+                        have, params_.size() - 1));
   }
   std::vector<std::shared_ptr<HostBuffer>> sources;
   for (size_t i = have; i < params_.size(); ++i) {
@@ -162,8 +178,7 @@ absl::Status HostOptimizer::PostGradient(uint32_t index, uint64_t iteration, uin
 absl::Status HostOptimizer::PostNormContribution(uint64_t iteration, double sum_squares) {
   if (!(sum_squares >= 0) || !std::isfinite(sum_squares)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "a gradient norm contribution must be a finite sum of squares >= 0, got %g",
-        sum_squares));
+        "a gradient norm contribution must be a finite sum of squares >= 0, got %g", sum_squares));
   }
   return session_.Ring({Kind(ipc::DoorbellKind::kNormContribution), 0, iteration,
                         std::bit_cast<uint64_t>(sum_squares), 0u});
@@ -176,8 +191,7 @@ absl::Status HostOptimizer::SendGradient(uint32_t index, uint64_t iteration, uin
 }
 
 absl::Status HostOptimizer::SendGradients(uint64_t iteration, int device,
-                                          const std::vector<GradientCopy>& copies,
-                                          void* stream) {
+                                          const std::vector<GradientCopy>& copies, void* stream) {
   std::vector<GradientSender::Copy> sends;
   sends.reserve(copies.size());
   for (const GradientCopy& c : copies) {
@@ -191,10 +205,10 @@ absl::Status HostOptimizer::SendGradients(uint64_t iteration, int device,
   {
     absl::MutexLock lock(&sender_mu_);
     if (sender_ == nullptr) {
-      ASSIGN_OR_RETURN(sender_, GradientSender::Create(
-                                    device, [this](uint32_t i, uint64_t it, uint32_t m) {
-                                      return PostGradient(i, it, m);
-                                    }));
+      ASSIGN_OR_RETURN(sender_,
+                       GradientSender::Create(device, [this](uint32_t i, uint64_t it, uint32_t m) {
+                         return PostGradient(i, it, m);
+                       }));
     }
     sender = sender_.get();  // lives as long as this object
   }
@@ -211,16 +225,14 @@ absl::Status HostOptimizer::DrainGradients() {
 }
 
 absl::Status HostOptimizer::ExplainFailure() {
-  absl::StatusOr<std::string> info = InfoJson();
-  std::string why = "the job's optimizer failed";
-  if (info.ok()) {
-    size_t at = info->find("\"state\":\"");
-    if (at != std::string::npos) {
-      at += 9;
-      why = info->substr(at, info->find('"', at) - at);
-    }
+  // The daemon keeps the reason in the job's state ("failed: <why>"): read from the reply's
+  // field, never from its JSON text.
+  Session::Impl& impl = *session_.impl_;
+  absl::StatusOr<v1::OptimizerInfo> info = OptimizerInfoOf(impl.channel(), impl.id());
+  if (!info.ok() || info->state().empty()) {
+    return absl::FailedPreconditionError("the job's optimizer failed");
   }
-  return absl::FailedPreconditionError(why);
+  return absl::FailedPreconditionError(info->state());
 }
 
 HostOptimizer::HostOptimizer(Session& session) : session_(session) {}
@@ -318,8 +330,7 @@ absl::Status HostOptimizer::WaitGradientConsumed(uint32_t index, uint64_t iterat
 absl::StatusOr<bool> HostOptimizer::WaitReduceReady(uint32_t index, uint64_t iteration,
                                                     int timeout_ms) {
   uint64_t had_gradient = 0;
-  RETURN_IF_ERROR(WaitForNotice(Kind(ipc::DoorbellKind::kReduceReady), index, iteration,
-                                timeout_ms,
+  RETURN_IF_ERROR(WaitForNotice(Kind(ipc::DoorbellKind::kReduceReady), index, iteration, timeout_ms,
                                 "parameter %d's machine-summed gradient did not arrive in time "
                                 "(has every rank of this machine posted it?)",
                                 &had_gradient));
@@ -336,9 +347,8 @@ absl::Status HostOptimizer::PostReduced(uint32_t index, uint64_t iteration, bool
       {Kind(ipc::DoorbellKind::kReduced), index, iteration, any_gradient ? 1u : 0u, 0u});
 }
 
-absl::Status HostOptimizer::WaitForNotice(uint32_t kind, uint32_t index,
-                                          uint64_t iteration, int timeout_ms,
-                                          const absl::FormatSpec<uint32_t>& late,
+absl::Status HostOptimizer::WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration,
+                                          int timeout_ms, const absl::FormatSpec<uint32_t>& late,
                                           uint64_t* value) {
   for (auto it = held_.begin(); it != held_.end(); ++it) {
     if (it->kind == kind && it->id == index && it->step == iteration) {
@@ -454,9 +464,11 @@ absl::StatusOr<uint64_t> HostOptimizer::Save(const std::string& path) {
     request.set_path(file.name);
     request.set_file_grant(grant);
     v1::CheckpointReply reply;
-    RETURN_IF_ERROR(impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
-      return impl.channel().stub().SaveCheckpoint(c, request, &reply);
-    }, kLongCallTimeout));
+    RETURN_IF_ERROR(impl.channel().CallWithTimeout(
+        [&](grpc::ClientContext* c) {
+          return impl.channel().stub().SaveCheckpoint(c, request, &reply);
+        },
+        kLongCallTimeout));
     return reply.bytes();
   }();
   if (!written.ok()) {
@@ -479,19 +491,16 @@ absl::Status HostOptimizer::Load(const std::string& path) {
   request.set_file_grant(grant);
   v1::CheckpointReply reply;
   ForgetNotices();
-  return impl.channel().CallWithTimeout([&](grpc::ClientContext* c) {
-    return impl.channel().stub().LoadCheckpoint(c, request, &reply);
-  }, kLongCallTimeout);
+  return impl.channel().CallWithTimeout(
+      [&](grpc::ClientContext* c) {
+        return impl.channel().stub().LoadCheckpoint(c, request, &reply);
+      },
+      kLongCallTimeout);
 }
 
 absl::StatusOr<std::string> HostOptimizer::InfoJson() {
   Session::Impl& impl = *session_.impl_;
-  v1::GetOptimizerRequest request;
-  request.set_session_id(impl.id());
-  v1::OptimizerInfo reply;
-  RETURN_IF_ERROR(impl.channel().Call([&](grpc::ClientContext* c) {
-    return impl.channel().stub().GetOptimizer(c, request, &reply);
-  }));
+  ASSIGN_OR_RETURN(v1::OptimizerInfo reply, OptimizerInfoOf(impl.channel(), impl.id()));
   return ToJson(reply);
 }
 
