@@ -10,7 +10,7 @@ import pytest
 
 import trainstream
 from trainstream import BlockFacts, MemoryPlanError, PlanInputs, plan_memory
-from trainstream.memory.planner import staged_block_indices, spread_order
+from trainstream.memory.planner import fetch_bytes, staged_block_indices, spread_order
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -359,3 +359,34 @@ def test_profile_hardware_times_a_matmul_and_a_host_adamw_step(tmp_path, monkeyp
                          (dict(threads=True), "threads=True must be None")):
         with pytest.raises(trainstream.InvalidArgumentError, match=message):
             trainstream.profile_hardware(**bad)
+
+
+def test_a_70b_nf4_base_streams_most_blocks_in_its_stored_format_under_24_gib():
+    # Qwen2.5-72B in NF4 under a 24 GiB cap: 80 blocks of about 0.49 GiB as stored (a quarter
+    # of bf16's 1.75 GiB), the bf16 embeddings and head outside (4.6 GiB), LoRA adapters the
+    # only trained weights, 2048 tokens of activations. No plan keeps every block; the plan
+    # streams enough of them, and its PCIe a step is their fetches as stored (plus the
+    # activations it pages).
+    stored, bf16 = int(0.49 * GiB), int(1.75 * GiB)
+    facts = tuple(BlockFacts(weight_bytes=stored, activation_bytes=GiB // 4,
+                             input_bytes=32 << 20, trained_share=0.01, trainable=2_700_000)
+                  for _ in range(80))
+    budget = 21 * GiB
+
+    def plan(blocks):
+        return plan_memory(PlanInputs(blocks=blocks, other_weight_bytes=int(4.6 * GiB),
+                                      other_trainable=0, working_bytes=2 * GiB,
+                                      vram_budget=budget, host_budget=100 * GiB))
+
+    nf4 = plan(facts)
+    assert 40 <= len(nf4.paged_blocks) < 80
+    assert nf4.vram_bytes <= budget
+    paged_activations = nf4.activation_policy.count("offload") * (GiB // 4)
+    assert nf4.pcie_bytes_per_step == (fetch_bytes([stored] * len(nf4.paged_blocks), 1)
+                                       + 2 * paged_activations)
+    # The same stack as bf16 streams more blocks, four times the bytes each.
+    as_bf16 = plan(tuple(BlockFacts(weight_bytes=bf16, activation_bytes=GiB // 4,
+                                    input_bytes=32 << 20, trained_share=0.01,
+                                    trainable=2_700_000) for _ in range(80)))
+    assert len(as_bf16.paged_blocks) > len(nf4.paged_blocks)
+    assert as_bf16.pcie_bytes_per_step > 3 * nf4.pcie_bytes_per_step
