@@ -119,7 +119,7 @@ def test_a_streamed_shared_base_is_read_where_the_daemon_holds_it(daemon_socket,
         streamed, s_opt = trainstream.wrap(twin, **common, param_offload=True)
         session = streamed._trainstream_session
         layer = streamed.blocks[2].mlp[2]
-        assert layer.host_shared
+        assert set(layer.host_views) == {"data", "scales"}
         # The host copy a streamed layer is fetched from is the base's memory: no copy made.
         data, _ = base.raw("blocks.2.mlp.2.weight")
         host = session.pager.host[id(layer._buffers["data"])]
@@ -129,6 +129,14 @@ def test_a_streamed_shared_base_is_read_where_the_daemon_holds_it(daemon_socket,
         assert shared > 0 and session.frozen.bytes == 0  # nothing else in the blocks is frozen
         assert train_steps(resident, r_opt, 4, DEVICE) == train_steps(streamed, s_opt, 4,
                                                                       DEVICE)
+        # A resident layer whose buffer wrap() moved to the GPU (a copy: here, a clone) still
+        # streams from the base's memory when a later plan streams its block.
+        from trainstream.memory.blocks import shared_host_buffers
+
+        kept = resident.blocks[0].mlp[0]
+        kept._buffers["data"] = kept.data.clone()
+        data, _ = base.raw("blocks.0.mlp.0.weight")
+        assert shared_host_buffers(resident)[id(kept.data)].data_ptr() == data.data_ptr()
         trainstream.unwrap(streamed)
         trainstream.unwrap(resident)
         for a, b in zip(trained(resident), trained(streamed)):

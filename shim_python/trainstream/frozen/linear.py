@@ -133,9 +133,10 @@ class BaseLinear(nn.Linear):
         self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
         self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
         self.pooled = False  # its bytes are a view of a daemon GPU pool (attach_base)
-        # Its bytes are a shared base's host memory itself (attach_base on the CPU, or
-        # keep_on_host): a block streaming them reads them there.
-        self.host_shared = False
+        # Where its bytes are a shared base's host memory itself (attach_base on the CPU, or
+        # keep_on_host; a random base's daemon buffers): those views, by buffer name. A block
+        # streaming them reads them there, even after wrap() moved a resident copy to the GPU.
+        self.host_views: dict = {}
         # Its block streams its weights (memory/weight_slots.py): the stored bytes are bound to
         # a device slot only around the block's forward and backward.
         self.streams = False
@@ -235,6 +236,12 @@ class BaseLinear(nn.Linear):
                 f"stored={self.stored.stored}, bias={self.bias is not None}{path}")
 
 
+def host_views(data: torch.Tensor, scales: torch.Tensor) -> dict:
+    """A ``BaseLinear.host_views`` of host bytes: tensors of their own over the same memory, so
+    that the pager pointing the layer's buffers elsewhere (``.data =``) leaves them be."""
+    return {"data": data.detach(), "scales": scales.detach()}
+
+
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Puts ``new`` in place of ``model``'s submodule ``name``."""
     parent_name, _, child = name.rpartition(".")
@@ -319,7 +326,8 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
                            fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
-        layer.host_shared = pool is None and (keep_on_host or device.type == "cpu")
+        if pool is None and (keep_on_host or device.type == "cpu"):
+            layer.host_views = host_views(data, scales)
         replace_module(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from .formats import BaseTensor
-from .linear import BaseLinear, quantize_on_every_core, quantized_sizes, replace_module
+from .linear import (BaseLinear, host_views, quantize_on_every_core, quantized_sizes,
+                     replace_module)
 
 _ALIGN = 256  # each tensor's bytes start at a multiple of this in its buffer (DMA, vector loads)
 
@@ -111,7 +112,8 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                                  scales if on_host else scales.to(device), bias,
                                  compute_dtype=layer.weight.dtype, fp8_matmul=fp8_matmul,
                                  outliers=outliers)
-                new.host_shared = on_host
+                if on_host:
+                    new.host_views = host_views(data, scales)
                 replace_module(model, name, new)
                 base.stored_bytes += data_bytes + scale_bytes
             if progress is not None:

@@ -263,9 +263,9 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
         if i is not None:
             return offload.host.param(i)
         if id(p) in shared:
-            # Stored bytes of a shared base that stay in its host memory (keep_on_host, or a
-            # CPU run): read where they are, pinned by the client's registration.
-            return initial.get(id(p), p.data)
+            # Stored bytes of a shared base in its host memory (keep_on_host, a CPU run, a
+            # random base): read where they are, pinned by the client's registration.
+            return shared[id(p)]
         # A frozen weight: its own daemon buffer, filled once.
         return frozen.copy(p, _safe(names.get(id(p), f"param{id(p)}")),
                            initial.get(id(p), p.data))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def _signature(module: Any) -> tuple:
     return (type(module), tuple((name, tuple(p.shape), p.dtype)
@@ -56,8 +58,6 @@ def stored_buffers(module: Any) -> list:
     """The stored weight bytes of ``module``'s frozen quantized (or shared-base) linear layers:
     buffers, not parameters, that a block streaming its weights moves with them. Empty ones
     (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out."""
-    import torch
-
     from ..frozen.linear import BaseLinear
 
     found = []
@@ -74,14 +74,21 @@ def streamed_tensors(module: Any) -> list:
     return list(module.parameters()) + stored_buffers(module)
 
 
-def shared_host_buffers(module: Any) -> set:
-    """Ids of the stored buffers (:func:`stored_buffers`) that are a shared base's host memory
-    itself (``attach_base`` on the CPU, or with ``keep_on_host``): streaming reads them where
-    they are, with no copy of its own."""
+def shared_host_buffers(module: Any) -> dict:
+    """The stored buffers (by id) whose bytes are a shared base's host memory (``attach_base``
+    on the CPU or with ``keep_on_host``, a random base's daemon buffers), each with that host
+    view: streaming reads them there, with no copy of its own, even once ``wrap()`` has moved
+    the buffer itself to the GPU."""
     from ..frozen.linear import BaseLinear
 
-    return {id(b) for m in module.modules()
-            if isinstance(m, BaseLinear) and m.host_shared for b in stored_buffers(m)}
+    found = {}
+    for m in module.modules():
+        if isinstance(m, BaseLinear):
+            for name, view in m.host_views.items():
+                buffer = getattr(m, name, None)
+                if isinstance(buffer, torch.Tensor) and buffer.numel() == view.numel():
+                    found[id(buffer)] = view
+    return found
 
 
 def weight_bytes(module: Any, trained: bool | None = None) -> int:
