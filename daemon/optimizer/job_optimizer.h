@@ -231,6 +231,7 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
     // `backed_up`: this iteration's update is speculative and its copy aside is in `backup`.
     std::unique_ptr<std::byte[]> backup;
     bool backed_up = false;
+    bool restoring = false;  // the copy aside is being put back (RestoreLocked)
   };
 
   // A doorbell message, or a session's end, that came while a checkpoint's I/O was in flight.
@@ -305,6 +306,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   void ResetProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool InProgressLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the ranks of the failure once every speculated tensor has its copy aside back.
+  void AnnounceFailureIfUndoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToRank(uint32_t rank, const ipc::DoorbellMessage& message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendToAll(const ipc::DoorbellMessage& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -401,6 +404,8 @@ class JobOptimizer : public std::enable_shared_from_this<JobOptimizer> {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t iteration_ ABSL_GUARDED_BY(mu_) = 0;  // completed iterations
   std::string failure_ ABSL_GUARDED_BY(mu_);
+  bool failure_unannounced_ ABSL_GUARDED_BY(mu_) = false;  // the ranks not yet told of it
+  size_t undo_pending_ ABSL_GUARDED_BY(mu_) = 0;     // tensors of the failure still to restore
   size_t tasks_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running on the pool
   size_t tasks_running_ ABSL_GUARDED_BY(mu_) = 0;    // handed to the pool (settings_.threads)
   std::deque<std::function<void()>> waiting_tasks_ ABSL_GUARDED_BY(mu_);  // over that limit

@@ -205,6 +205,7 @@ bool JobOptimizer::EnsureBackupLocked(Parameter& p) {
 void JobOptimizer::RestoreLocked(uint32_t index) {
   Parameter& p = params_[index];
   p.phase = Phase::kUpdating;
+  p.restoring = true;
   const kernels::AdamWTensor tensor =
       StateOf(p.master_ptr, p.exp_avg_ptr, p.exp_avg_sq_ptr, p.param_ptr, settings_.moment_type,
               p.desc.param_type, p.desc.numel);
@@ -221,8 +222,11 @@ void JobOptimizer::RestoreLocked(uint32_t index) {
       Parameter& q = self->params_[index];
       if (--q.chunks_left != 0) return;
       q.backed_up = false;
+      q.restoring = false;
       if (!self->failure_.empty()) {
         q.phase = Phase::kStatsDone;  // untouched by the failed iteration
+        if (self->undo_pending_ > 0) --self->undo_pending_;
+        self->AnnounceFailureIfUndoneLocked();
         return;
       }
       // A skipped step: the tensor keeps its weights and moments, and the ranks copy nothing.

@@ -379,6 +379,21 @@ void JobOptimizer::FailLocked(const std::string& why) {
   RollBackOnFailureLocked();
   deps_.events->Emit("optimizer.failed", absl::StrFormat("job '%s': %s", job_.job_id, why),
                      {{"iteration", static_cast<double>(iteration_ + 1)}}, "", job_.uid);
+  // A rank that reads its tensors when told of the failure must find the speculated ones
+  // restored, never half-way: the error waits for the restores above and for those of the
+  // speculating passes still running (PassDoneLocked). Updates under way are not waited for:
+  // they complete and count (see the class comment).
+  undo_pending_ = 0;
+  for (const Parameter& p : params_) {
+    if (p.restoring || (p.phase == Phase::kSpeculating && p.backed_up)) ++undo_pending_;
+  }
+  failure_unannounced_ = true;
+  AnnounceFailureIfUndoneLocked();
+}
+
+void JobOptimizer::AnnounceFailureIfUndoneLocked() {
+  if (!failure_unannounced_ || undo_pending_ != 0) return;
+  failure_unannounced_ = false;
   SendToAll(
       Message(ipc::DoorbellKind::kError, ~uint64_t{0}, iteration_ + 1, kFailedPreconditionCode));
 }

@@ -120,8 +120,7 @@ TEST_F(JobOptimizerTest, TwoRanksGradientsAreAveraged) {
   // The state is shared; each rank posts into a gradient slot of its own.
   EXPECT_EQ(r0->registration.params[0].master.buffer_id,
             r1->registration.params[0].master.buffer_id);
-  EXPECT_NE(r0->registration.params[0].grad.buffer_id,
-            r1->registration.params[0].grad.buffer_id);
+  EXPECT_NE(r0->registration.params[0].grad.buffer_id, r1->registration.params[0].grad.buffer_id);
   std::vector<std::vector<float>> initial = Initialize(*r0, params);
   std::vector<ReferenceAdamW> refs;
   for (const auto& w : initial) refs.emplace_back(Hyper(), w);
@@ -258,15 +257,19 @@ TEST_F(JobOptimizerTest, SkipStepLeavesEveryTensorUntouchedAndTheNextStepRuns) {
 TEST_F(JobOptimizerTest, ErrorPolicyFailsTheJobNamingTheTensorAndTouchesNothing) {
   OptimizerSettings settings = Settings();
   settings.nonfinite = NonFinitePolicy::kError;
+  // One worker and small chunks make 'a''s restore slow: the error must still come after it.
+  settings.threads = 1;
+  settings.chunk_elements = 4096;
   auto opt = Make(settings);
   ASSERT_NE(opt, nullptr);
-  const std::vector<ParameterDescription> params = {Param("a", 64), Param("b", 8)};
+  constexpr uint64_t kLarge = uint64_t{1} << 20;
+  const std::vector<ParameterDescription> params = {Param("a", kLarge), Param("b", 8)};
   std::unique_ptr<Rank> r = Join(*opt, 0, params);
   ASSERT_NE(r, nullptr);
   std::vector<std::vector<float>> initial = Initialize(*r, params);
   std::vector<float> bad = RandomFloats(8, 5);
   bad[0] = std::numeric_limits<float>::quiet_NaN();
-  Post(*opt, *r, 0, RandomFloats(64, 6), 1);
+  Post(*opt, *r, 0, RandomFloats(kLarge, 6), 1);
   Post(*opt, *r, 1, bad, 1);
   std::vector<DoorbellMessage> m = Receive(*r, 1);
   ASSERT_EQ(m.size(), 1u);
@@ -278,7 +281,7 @@ TEST_F(JobOptimizerTest, ErrorPolicyFailsTheJobNamingTheTensorAndTouchesNothing)
   EXPECT_EQ(report.iteration, 0u);
   for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(Master(*r, i), initial[i]) << i;
   // A failed job answers every further gradient with an error.
-  Post(*opt, *r, 0, RandomFloats(64, 6), 1);
+  Post(*opt, *r, 0, RandomFloats(kLarge, 6), 1);
   m = Receive(*r, 1);
   ASSERT_EQ(m.size(), 1u);
   EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
@@ -339,8 +342,8 @@ TEST_F(JobOptimizerTest, GuardCountsOnlyTensorsUpdatedBeforeTheNonFiniteOne) {
   EXPECT_EQ(UpdatesDone(*r, 1, 1)[2], ipc::kFlagSkipped);
   // The event follows the last kUpdateDone under the job's lock, which Report takes.
   EXPECT_EQ(opt->Report().iteration, 1u);
-  std::vector<Event> skipped = events_->Since(
-      0, [](const Event& e) { return e.kind == "optimizer.step_skipped"; });
+  std::vector<Event> skipped =
+      events_->Since(0, [](const Event& e) { return e.kind == "optimizer.step_skipped"; });
   ASSERT_EQ(skipped.size(), 1u);
   EXPECT_TRUE(absl::StrContains(skipped[0].message, "(1 of 3 had been before it"))
       << skipped[0].message;
@@ -405,8 +408,8 @@ TEST_F(JobOptimizerTest, ClippingCountsTheSumOfSquaresARankUpdatesOnItsGpu) {
   for (float x : g) host += static_cast<double>(x) * x;
   const double device = 9.0 * host;  // the norm is sqrt(10) times the host's alone
   Post(*opt, *r, 0, g, 1);
-  opt->OnNormContribution(r->session_id, {static_cast<uint32_t>(DoorbellKind::kNormContribution),
-                                          0, 0, 1, std::bit_cast<uint64_t>(device)});
+  opt->OnNormContribution(r->session_id, {static_cast<uint32_t>(DoorbellKind::kNormContribution), 0,
+                                          0, 1, std::bit_cast<uint64_t>(device)});
   PostNone(*opt, *r, 1, 1);
   UpdatesDone(*r, 2, 1);
   const double norm = std::sqrt(host + device);
@@ -505,9 +508,8 @@ class NormContributionTest : public JobOptimizerTest {
     if (opt == nullptr) return "no optimizer";
     std::unique_ptr<Rank> r = Join(*opt, 0, {Param("a", 8)});
     if (r == nullptr) return "no rank";
-    opt->OnNormContribution(r->session_id,
-                            {static_cast<uint32_t>(DoorbellKind::kNormContribution), 0, 0, step,
-                             std::bit_cast<uint64_t>(sum_squares)});
+    opt->OnNormContribution(r->session_id, {static_cast<uint32_t>(DoorbellKind::kNormContribution),
+                                            0, 0, step, std::bit_cast<uint64_t>(sum_squares)});
     return opt->Report().state;
   }
 };

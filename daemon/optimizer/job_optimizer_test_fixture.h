@@ -8,10 +8,10 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <atomic>
 #include <map>
 #include <memory>
 #include <random>
@@ -72,7 +72,7 @@ struct ReferenceAdamW {
 // The largest |got - want| beyond atol + rtol * |want|, as a multiple of that allowance (<= 1:
 // close). Counts a NaN as far.
 inline double Excess(const std::vector<float>& got, const std::vector<double>& want, double atol,
-              double rtol = 1e-5) {
+                     double rtol = 1e-5) {
   if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -211,9 +211,7 @@ class JobOptimizerTest : public ::testing::Test {
     doorbells_ = std::move(*doorbells);
   }
 
-  JobOptimizer::Deps Deps() {
-    return {arena_.get(), pool_.get(), doorbells_.get(), events_.get()};
-  }
+  JobOptimizer::Deps Deps() { return {arena_.get(), pool_.get(), doorbells_.get(), events_.get()}; }
 
   std::shared_ptr<JobOptimizer> Make(const OptimizerSettings& settings, uint32_t world_size = 1,
                                      const std::string& job_id = "job") {
@@ -243,10 +241,9 @@ class JobOptimizerTest : public ::testing::Test {
     EXPECT_TRUE(mapping.ok()) << mapping.status();
     if (!mapping.ok()) return nullptr;
     r->mapping = std::move(*mapping);
-    auto endpoint =
-        ipc::DoorbellEndpoint::Attach(r->mapping.data(), r->mapping.size(),
-                                      ipc::DoorbellSide::kClient, r->to_daemon.get(),
-                                      r->to_client.get());
+    auto endpoint = ipc::DoorbellEndpoint::Attach(r->mapping.data(), r->mapping.size(),
+                                                  ipc::DoorbellSide::kClient, r->to_daemon.get(),
+                                                  r->to_client.get());
     EXPECT_TRUE(endpoint.ok()) << endpoint.status();
     if (!endpoint.ok()) return nullptr;
     r->doorbell = std::make_unique<ipc::DoorbellEndpoint>(std::move(*endpoint));
@@ -293,13 +290,17 @@ class JobOptimizerTest : public ::testing::Test {
   void Post(JobOptimizer& opt, const Rank& r, uint32_t index, const std::vector<float>& grad,
             uint64_t step, uint64_t micro = 0) {
     Write(r.registration.params.at(index).grad, grad);
-    opt.OnGradientReady(r.session_id, {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0,
-                                       index, step, micro});
+    opt.OnGradientReady(
+        r.session_id, {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0, index, step, micro});
   }
   // A post for a parameter the job doesn't have: fails the job, as a rank out of turn does.
-  void PostOutOfTurn(JobOptimizer& opt, Rank& r) {
+  void FailOutOfTurn(JobOptimizer& opt, const Rank& r) {
     opt.OnGradientReady(r.session_id,
                         {static_cast<uint32_t>(DoorbellKind::kGradientReady), 0, 1000, 1, 0});
+  }
+  // The same, and the error that tells the rank (once its speculated tensors are restored).
+  void PostOutOfTurn(JobOptimizer& opt, Rank& r) {
+    FailOutOfTurn(opt, r);
     std::vector<DoorbellMessage> m = Receive(r, 1);
     ASSERT_EQ(m.size(), 1u);
     EXPECT_EQ(m[0].kind, static_cast<uint32_t>(DoorbellKind::kError));
