@@ -22,7 +22,7 @@ class GradientRouting:
     """OffloadAdamW's gradient routing (a part of the class: it reads the facade's state)."""
 
     def _on_gradient(self, p: torch.Tensor) -> None:
-        if self._completed_early:
+        if self._iteration.completed_early:
             raise FailedPreconditionError(
                 f"backward pass {self.accumulation_steps + 1} before step(); accumulation_steps "
                 f"is {self.accumulation_steps} (pass accumulation_steps= to wrap). A forward "
@@ -47,7 +47,7 @@ class GradientRouting:
             # it, as torch's do), and a forward after the last backward still completes the
             # iteration first.
             if micro + 1 == self.accumulation_steps:
-                self._finish_after_backward()
+                self._finish_after_backward(updated_by_daemon=False)
                 if i in self._staged_indices and self._update_on_gpu:
                     # Final: its update starts now, beside the rest of backward; with clipping
                     # or a reported norm, at step(), once the global norm is known.
@@ -70,16 +70,14 @@ class GradientRouting:
                 slot.copy_(p.grad)
                 p.grad = slot
             if micro + 1 == self.accumulation_steps:  # the slot holds the sum of the passes
-                self._updates_landing = True
-                self._finish_after_backward()
+                self._finish_after_backward(updated_by_daemon=True)
                 self._host.post(i)
             return
         if micro > 0:
             self._send_batch()  # the last micro-step's gradient may still wait in it
             self._host.wait_consumed(i)
         if micro + 1 == self.accumulation_steps:
-            self._updates_landing = True
-            self._finish_after_backward()
+            self._finish_after_backward(updated_by_daemon=True)
         grad = p.grad
         convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
         nbytes = grad.numel() * self._grad_sizes[i]
@@ -120,13 +118,10 @@ class GradientRouting:
         if batch:
             self._host.send_gradients(batch, self._batch_stream)
 
-    def _finish_after_backward(self) -> None:
+    def _finish_after_backward(self, *, updated_by_daemon: bool) -> None:
         # The iteration may be completed early only once the backward that produced its last
-        # gradients has ended (not from another thread while it runs): marked at its end. A
-        # gradient still arriving (an outer backward after a recompute's inner one) unmarks it
-        # until its own end.
-        self._finishable = False
-        self._finish_pending = True
+        # gradients has ended (not from another thread while it runs): marked at its end.
+        self._iteration.last_gradient_out(updated_by_daemon=updated_by_daemon)
         self._at_backward_end()
 
     def _at_backward_end(self) -> None:
@@ -141,20 +136,17 @@ class GradientRouting:
         self._send_batch()
         if self._staged is not None:
             self._staged.flush(cuda_device.current(self._device_index))
-        if self._finish_pending:
-            self._finish_pending = False
-            self._finishable = True
+        self._iteration.backward_ended()
 
     def _settle_updates(self) -> None:
         """Between the last backward and step(), updates are still landing: a forward, or a
         checkpoint, completes the iteration first and reads the new values, all of them. Not
         in a data-parallel job, where completing waits for every rank's gradients and joins
         the machines' all-reduce, which the other ranks reach only from their step()."""
-        if (self._finishable and not in_backward() and self._gpu_optimizer is None
-                and self._world_size == 1 and self._machines == 1):
-            self._finishable = False  # once: a failure is raised again by step(), not here
+        if (self._gpu_optimizer is None and self._world_size == 1 and self._machines == 1
+                and not in_backward() and self._iteration.start_early_completion()):
             self._complete_iteration()
-            self._completed_early = True
+            self._iteration.completed_before_step()
 
     def _reduce_across_machines(self) -> None:
         """Sums every parameter's machine-summed gradient over the machines, in place in the

@@ -30,6 +30,7 @@ from .checkpoints import Checkpoints
 from .gpu_switch import AUTO_STEPS, GpuSwitch
 from .gradients import GradientRouting
 from .groups import daemon_group, safe_name
+from .iteration import Iteration
 from .pass_options import check_pass_options
 from .placement import (BF16_MOMENTS_REFUSAL, StatePlacement, gpu_update_refusal,
                         unregister_exit_return)
@@ -230,10 +231,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._targets: list[int] = []
         self._module_indices: dict[int, list[int]] = {}
         self._waited_modules: set[int] = set()  # modules whose forward waited since step()
-        self._updates_landing = False  # a last micro-step's gradient left: updates come back
-        self._completed_early = False  # a forward completed this iteration before step()
-        self._finishable = False  # the last backward before step() has ended
-        self._finish_pending = False  # a backward running now carries last micro-step gradients
+        self._iteration = Iteration()
         self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
         if self._device_return:
             self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
@@ -352,9 +350,9 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             raise FailedPreconditionError(
                 f"step() after {backwards} backward pass(es); accumulation_steps is "
                 f"{self.accumulation_steps}")
-        if not self._completed_early:
+        if not self._iteration.completed_early:
             self._complete_iteration()
-        self._completed_early = self._finishable = self._finish_pending = False
+        self._iteration.stepped()
         now = time.perf_counter()
         if self._last_step_end is not None:
             self._step_times.append(now - self._last_step_end)
@@ -404,7 +402,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         # Every update of this step is on its way back (the router enqueued each copy before
         # passing its notice on): the next forward of each module waits again.
         self._waited_modules.clear()
-        self._updates_landing = False
+        self._iteration.updates_returned()
         if self._pager is not None:
             self._pager.weights_changed()
         if self._cuda:

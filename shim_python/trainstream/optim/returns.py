@@ -81,7 +81,7 @@ class DeviceReturns:
     def _wait_for_own_parameters(self, module: Any, args: Any) -> None:
         self._settle_updates()  # a submodule called on its own, say
         key = id(module)
-        if key in self._waited_modules and (not self._updates_landing or in_backward()):
+        if key in self._waited_modules and (not self._iteration.updates_landing or in_backward()):
             # Waited on since the last step(), and no update of its own can have come back
             # since: updates land only once the last backward before step() has produced
             # their gradients, after the module's last forward or recompute in it. (A forward
