@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -232,8 +233,10 @@ def _parameter_count(preset: str) -> int:
     return _bf16_bytes(preset) // 2
 
 
+@functools.cache
 def _bf16_bytes(preset: str) -> int:
-    """Bytes of ``preset``'s weights in bf16, from a model built on the meta device."""
+    """Bytes of ``preset``'s weights in bf16, from a model built on the meta device (once a
+    preset: a 72B model takes seconds to build even there, and each refused tool asks)."""
     import torch
 
     import hf_models
