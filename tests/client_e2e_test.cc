@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The C++ client library against the real daemon.
+#include "trainstream/client.h"
+
 #include <sys/wait.h>
 
 #include <cstring>
@@ -8,7 +10,6 @@
 
 #include "daemon_process.h"
 #include "gtest/gtest.h"
-#include "trainstream/client.h"
 #include "trainstream/cuda_transfer.h"
 
 #ifdef TRAINSTREAM_HAVE_CUDA
@@ -53,6 +54,51 @@ TEST(ClientE2eTest, DoorbellRoundTripsAndHeartbeats) {
     ASSERT_TRUE(rtt.ok()) << rtt.status();
   }
   EXPECT_TRUE(session->Heartbeat().ok());
+}
+
+// Inspection comes back as typed structs: 64-bit counts past 2^32 as numbers, lists as vectors.
+TEST(ClientE2eTest, InspectionRepliesAreTyped) {
+  testing::DaemonProcess daemon({"--memory_budget=6G"});
+  auto session = Open(daemon, "typed");
+  ASSERT_NE(session, nullptr);
+  auto buffer = session->Allocate("x", 1 << 20, {"grad", 0, false});
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+
+  absl::StatusOr<client::DaemonStatus> status = session->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->budget_bytes, uint64_t{6} << 30);
+  EXPECT_EQ(status->socket_path, daemon.socket_path());
+  EXPECT_EQ(status->sessions, 1u);
+
+  absl::StatusOr<std::vector<client::SessionInfo>> sessions = session->ListSessions();
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  ASSERT_EQ(sessions->size(), 1u);
+  EXPECT_EQ((*sessions)[0].session_id, session->id());
+  EXPECT_EQ((*sessions)[0].job_id, "typed");
+  EXPECT_EQ((*sessions)[0].buffers, 1u);
+
+  absl::StatusOr<client::MemoryReport> memory = session->GetMemory();
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  EXPECT_EQ(memory->budget_bytes, uint64_t{6} << 30);
+  uint64_t grad_bytes = 0;
+  for (const client::UsageRow& row : memory->by_tag)
+    grad_bytes += row.key == "grad" ? row.bytes : 0;
+  EXPECT_EQ(grad_bytes, uint64_t{1} << 20);
+
+  absl::StatusOr<uint64_t> seq =
+      session->ReportEvent("typed_check", "numbers travel as numbers", {{"answer", 42}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  absl::StatusOr<std::vector<client::Event>> events = session->ReadEvents(*seq - 1);
+  ASSERT_TRUE(events.ok()) << events.status();
+  ASSERT_FALSE(events->empty());
+  const client::Event& event = events->front();
+  EXPECT_EQ(event.seq, *seq);
+  EXPECT_EQ(event.kind, "client.typed_check");
+  EXPECT_EQ(event.numbers.at("answer"), 42.0);
+
+  absl::StatusOr<std::vector<client::BaseInfo>> bases = session->ListBases();
+  ASSERT_TRUE(bases.ok()) << bases.status();
+  EXPECT_TRUE(bases->empty());
 }
 
 TEST(ClientE2eTest, DaemonStopIsReportedNotAHang) {

@@ -498,10 +498,10 @@ absl::Status HostOptimizer::Load(const std::string& path) {
       kLongCallTimeout);
 }
 
-absl::StatusOr<std::string> HostOptimizer::InfoJson() {
+absl::StatusOr<OptimizerInfo> HostOptimizer::Info() {
   Session::Impl& impl = *session_.impl_;
   ASSIGN_OR_RETURN(v1::OptimizerInfo reply, OptimizerInfoOf(impl.channel(), impl.id()));
-  return ToJson(reply);
+  return FromProto(reply);
 }
 
 }  // namespace trainstream::client

@@ -1,15 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
+#include "ipc/daemon_discovery.h"
 #include "session_impl.h"
 
-
-#include "ipc/daemon_discovery.h"
-
 namespace trainstream::client {
-
-BufferInfo FromProto(const v1::Buffer& b) {
-  return BufferInfo{b.buffer_id(), b.name(),  b.segment_id(), b.offset(),
-                    b.bytes(),     b.tag(),   b.read_only(),  b.owner_session_id()};
-}
 
 absl::Status ReplyStatus(const v1::DataReply& reply) {
   return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
@@ -59,52 +52,68 @@ void Session::SetTransferTotals(uint64_t h2d_bytes, uint64_t d2h_bytes) {
 absl::Status Session::Ring(const Notice& notice) { return impl_->Ring(notice); }
 absl::StatusOr<Notice> Session::Wait(int timeout_ms) { return impl_->Wait(timeout_ms); }
 absl::StatusOr<absl::Duration> Session::Ping() { return impl_->Ping(); }
-absl::StatusOr<std::string> Session::StatusJson() {
-  return impl_->Inspect<v1::GetStatusRequest, v1::Status>(&v1::TrainStream::Stub::GetStatus);
+absl::StatusOr<DaemonStatus> Session::GetStatus() {
+  ASSIGN_OR_RETURN(
+      v1::Status reply,
+      (impl_->Inspect<v1::GetStatusRequest, v1::Status>(&v1::TrainStream::Stub::GetStatus)));
+  return FromProto(reply);
 }
-absl::StatusOr<std::string> Session::SessionsJson() {
-  return impl_->Inspect<v1::ListSessionsRequest, v1::ListSessionsReply>(
-      &v1::TrainStream::Stub::ListSessions);
+absl::StatusOr<std::vector<SessionInfo>> Session::ListSessions() {
+  ASSIGN_OR_RETURN(v1::ListSessionsReply reply,
+                   (impl_->Inspect<v1::ListSessionsRequest, v1::ListSessionsReply>(
+                       &v1::TrainStream::Stub::ListSessions)));
+  return FromProto(reply);
 }
-absl::StatusOr<std::string> Session::MemoryJson() {
-  return impl_->Inspect<v1::GetMemoryRequest, v1::MemoryReport>(&v1::TrainStream::Stub::GetMemory);
+absl::StatusOr<MemoryReport> Session::GetMemory() {
+  ASSIGN_OR_RETURN(
+      v1::MemoryReport reply,
+      (impl_->Inspect<v1::GetMemoryRequest, v1::MemoryReport>(&v1::TrainStream::Stub::GetMemory)));
+  return FromProto(reply);
 }
-absl::StatusOr<std::string> Session::EventsJson(uint64_t since_seq) {
-  return impl_->EventsJson(since_seq);
+absl::StatusOr<std::vector<Event>> Session::ReadEvents(uint64_t since_seq) {
+  return impl_->ReadEvents(since_seq);
 }
 
-absl::StatusOr<std::string> Session::LoadBase(const LoadBaseOptions& options) {
-  return impl_->LoadBase(options);
+absl::StatusOr<BaseInfo> Session::LoadBase(const LoadBaseOptions& options) {
+  ASSIGN_OR_RETURN(v1::BaseInfo info, impl_->LoadBase(options));
+  return FromProto(info);
 }
-absl::StatusOr<std::string> Session::GetBaseJson(uint64_t base_id) {
+absl::StatusOr<BaseInfo> Session::GetBase(uint64_t base_id) {
   ASSIGN_OR_RETURN(v1::BaseInfo info, impl_->GetBase(base_id));
-  return ToJson(info);
+  return FromProto(info);
 }
 absl::Status Session::DetachBase(uint64_t base_id) { return impl_->DetachBase(base_id); }
-absl::StatusOr<std::string> Session::BasesJson() {
-  return impl_->Inspect<v1::ListBasesRequest, v1::ListBasesReply>(
-      &v1::TrainStream::Stub::ListBases);
+absl::StatusOr<std::vector<BaseInfo>> Session::ListBases() {
+  ASSIGN_OR_RETURN(v1::ListBasesReply reply,
+                   (impl_->Inspect<v1::ListBasesRequest, v1::ListBasesReply>(
+                       &v1::TrainStream::Stub::ListBases)));
+  std::vector<BaseInfo> bases;
+  for (const v1::BaseInfo& b : reply.bases()) bases.push_back(FromProto(b));
+  return bases;
 }
 absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> Session::MapBase(uint64_t base_id) {
   return impl_->MapBase(base_id);
 }
 
-absl::StatusOr<std::string> Session::PlaceBaseOnGpu(uint64_t base_id,
-                                                    const std::string& gpu_uuid) {
-  return impl_->PlaceBaseOnGpu(base_id, gpu_uuid);
+absl::StatusOr<GpuPoolInfo> Session::PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid) {
+  ASSIGN_OR_RETURN(v1::GpuPoolInfo pool, impl_->PlaceBaseOnGpu(base_id, gpu_uuid));
+  return FromProto(pool);
 }
 absl::StatusOr<std::unique_ptr<GpuPoolMapping>> Session::ImportGpuPool(uint64_t pool_id,
                                                                        int device) {
   return impl_->ImportGpuPool(pool_id, device);
 }
 absl::Status Session::ReleaseGpuPool(uint64_t pool_id) { return impl_->ReleaseGpuPool(pool_id); }
-absl::StatusOr<std::string> Session::GpuPoolsJson() {
-  return impl_->Inspect<v1::ListGpuPoolsRequest, v1::ListGpuPoolsReply>(
-      &v1::TrainStream::Stub::ListGpuPools);
+absl::StatusOr<GpuPools> Session::ListGpuPools() {
+  ASSIGN_OR_RETURN(v1::ListGpuPoolsReply reply,
+                   (impl_->Inspect<v1::ListGpuPoolsRequest, v1::ListGpuPoolsReply>(
+                       &v1::TrainStream::Stub::ListGpuPools)));
+  return FromProto(reply);
 }
 
-absl::StatusOr<std::string> Session::PlanHostMemory(uint64_t bytes, absl::Duration wait) {
-  return impl_->PlanHostMemory(bytes, wait);
+absl::StatusOr<HostPlan> Session::PlanHostMemory(uint64_t bytes, absl::Duration wait) {
+  ASSIGN_OR_RETURN(v1::HostPlan plan, impl_->PlanHostMemory(bytes, wait));
+  return FromProto(plan);
 }
 
 absl::StatusOr<uint64_t> Session::ReportEvent(

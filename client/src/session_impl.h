@@ -28,13 +28,13 @@
 #include "ipc/socket_trust.h"
 #include "ipc/unix_socket.h"
 #include "mapped_segment.h"
+#include "replies.h"
 #include "trainstream/client.h"
 #include "trainstream/status_macros.h"
 #include "trainstream/version.h"
 
 namespace trainstream::client {
 
-BufferInfo FromProto(const v1::Buffer& b);
 absl::Status ReplyStatus(const v1::DataReply& reply);
 
 class Session::Impl {
@@ -121,8 +121,9 @@ class Session::Impl {
     request.set_tag(options.tag);
     request.set_sealable(options.sealable);
     v1::Buffer reply;
-    RETURN_IF_ERROR(channel_.Call(
-        [&](grpc::ClientContext* c) { return channel_.stub().AllocateBuffer(c, request, &reply); }));
+    RETURN_IF_ERROR(channel_.Call([&](grpc::ClientContext* c) {
+      return channel_.stub().AllocateBuffer(c, request, &reply);
+    }));
     return MapBuffer(FromProto(reply));
   }
 
@@ -153,9 +154,10 @@ class Session::Impl {
       absl::MutexLock lock(&segments_mu_);
       auto it = segments_.find(info.segment_id);
       if (it != segments_.end() && !it->second.expired()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "buffer '", info.name, "' is still mapped in this process; drop every reference "
-            "to it (tensors, views) before sealing"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("buffer '", info.name,
+                         "' is still mapped in this process; drop every reference "
+                         "to it (tensors, views) before sealing"));
       }
     }
     v1::SealBufferRequest request;
@@ -188,8 +190,8 @@ class Session::Impl {
   }
 
   absl::StatusOr<Notice> Wait(int timeout_ms) {
-    const absl::Time deadline = timeout_ms < 0 ? absl::InfiniteFuture()
-                                               : absl::Now() + absl::Milliseconds(timeout_ms);
+    const absl::Time deadline =
+        timeout_ms < 0 ? absl::InfiniteFuture() : absl::Now() + absl::Milliseconds(timeout_ms);
     while (true) {
       // Checked between short waits, so a daemon that died ends a wait within a lease period.
       RETURN_IF_ERROR(CheckUsable());
@@ -217,7 +219,8 @@ class Session::Impl {
     const uint64_t token = ++ping_counter_;
     absl::Time start = absl::Now();
     RETURN_IF_ERROR(Ring({static_cast<uint32_t>(ipc::DoorbellKind::kPing), token, 0, 0}));
-    ASSIGN_OR_RETURN(Notice pong, Wait(static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));
+    ASSIGN_OR_RETURN(Notice pong,
+                     Wait(static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));
     if (pong.kind != static_cast<uint32_t>(ipc::DoorbellKind::kPong) || pong.id != token) {
       return absl::InternalError("doorbell answered something other than the ping");
     }
@@ -225,33 +228,28 @@ class Session::Impl {
   }
 
   template <typename Request, typename Reply, typename Method>
-  absl::StatusOr<std::string> Inspect(Method method) {
+  absl::StatusOr<Reply> Inspect(Method method) {
     Request request;
     Reply reply;
-    RETURN_IF_ERROR(channel_.Call([&](grpc::ClientContext* c) {
-      return (channel_.stub().*method)(c, request, &reply);
-    }));
-    return ToJson(reply);
+    RETURN_IF_ERROR(channel_.Call(
+        [&](grpc::ClientContext* c) { return (channel_.stub().*method)(c, request, &reply); }));
+    return reply;
   }
 
-  absl::StatusOr<std::string> EventsJson(uint64_t since_seq) {
+  absl::StatusOr<std::vector<Event>> ReadEvents(uint64_t since_seq) {
     v1::StreamEventsRequest request;
     request.set_since_seq(since_seq);
     grpc::ClientContext context;
     channel_.PrepareContext(&context);
     auto reader = channel_.stub().StreamEvents(&context, request);
-    std::string out = "[";
+    std::vector<Event> events;
     v1::Event event;
-    bool first = true;
-    while (reader->Read(&event)) {
-      absl::StrAppend(&out, first ? "" : ",", ToJson(event));
-      first = false;
-    }
+    while (reader->Read(&event)) events.push_back(FromProto(event));
     RETURN_IF_ERROR(channel_.Explain(reader->Finish()));
-    return out + "]";
+    return events;
   }
 
-  absl::StatusOr<std::string> PlanHostMemory(uint64_t bytes, absl::Duration wait) {
+  absl::StatusOr<v1::HostPlan> PlanHostMemory(uint64_t bytes, absl::Duration wait) {
     RETURN_IF_ERROR(CheckUsable());
     v1::PlanHostMemoryRequest request;
     request.set_session_id(id_);
@@ -261,7 +259,7 @@ class Session::Impl {
     RETURN_IF_ERROR(channel_.CallWithTimeout(
         [&](grpc::ClientContext* c) { return channel_.stub().PlanHostMemory(c, request, &reply); },
         wait + absl::Seconds(10)));
-    return ToJson(reply);
+    return reply;
   }
 
   // Hands `files` to the daemon (DataRequest.grant_files), as many a message as one may carry;
@@ -284,7 +282,7 @@ class Session::Impl {
     return grant;
   }
 
-  absl::StatusOr<std::string> LoadBase(const Session::LoadBaseOptions& options) {
+  absl::StatusOr<v1::BaseInfo> LoadBase(const Session::LoadBaseOptions& options) {
     RETURN_IF_ERROR(CheckUsable());
     // The files are opened here, with this process's rights, and handed over: the daemon reads
     // what the caller could, whichever user it runs as.
@@ -302,7 +300,7 @@ class Session::Impl {
     v1::BaseInfo reply;
     RETURN_IF_ERROR(channel_.Call(
         [&](grpc::ClientContext* c) { return channel_.stub().LoadBase(c, request, &reply); }));
-    return ToJson(reply);
+    return reply;
   }
 
   absl::StatusOr<v1::BaseInfo> GetBase(uint64_t base_id) {
@@ -329,9 +327,9 @@ class Session::Impl {
   absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id) {
     ASSIGN_OR_RETURN(v1::BaseInfo info, GetBase(base_id));
     if (info.state() != "ready") {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "base %d is %s%s", base_id, info.state(),
-          info.error().empty() ? "" : absl::StrCat(": ", info.error())));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("base %d is %s%s", base_id, info.state(),
+                          info.error().empty() ? "" : absl::StrCat(": ", info.error())));
     }
     std::vector<std::shared_ptr<HostBuffer>> buffers;
     for (const v1::Buffer& b : info.buffers()) {
@@ -341,7 +339,7 @@ class Session::Impl {
     return buffers;
   }
 
-  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid) {
+  absl::StatusOr<v1::GpuPoolInfo> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid) {
     RETURN_IF_ERROR(CheckUsable());
     v1::PlaceBaseOnGpuRequest request;
     request.set_session_id(id_);
@@ -352,7 +350,7 @@ class Session::Impl {
     RETURN_IF_ERROR(channel_.CallWithTimeout(
         [&](grpc::ClientContext* c) { return channel_.stub().PlaceBaseOnGpu(c, request, &reply); },
         options_.rpc_timeout + absl::Minutes(10)));
-    return ToJson(reply);
+    return reply;
   }
 
   absl::StatusOr<std::unique_ptr<GpuPoolMapping>> ImportGpuPool(uint64_t pool_id, int device) {
@@ -421,14 +419,14 @@ class Session::Impl {
     std::vector<ipc::UniqueFd> fds;
   };
   // One request and its reply on the data socket, serialised with other exchanges.
-  absl::StatusOr<ParsedReply> DataExchangeParsed(const v1::DataRequest& request,
-                                                 size_t max_fds,
+  absl::StatusOr<ParsedReply> DataExchangeParsed(const v1::DataRequest& request, size_t max_fds,
                                                  std::span<const int> send_fds = {}) {
     absl::MutexLock lock(&data_mu_);
     RETURN_IF_ERROR(ipc::SendMessage(data_.get(), request.SerializeAsString(), send_fds));
-    ASSIGN_OR_RETURN(ipc::ReceivedMessage answer,
-                     ipc::ReceiveMessage(data_.get(), max_fds,
-                                         static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));
+    ASSIGN_OR_RETURN(
+        ipc::ReceivedMessage answer,
+        ipc::ReceiveMessage(data_.get(), max_fds,
+                            static_cast<int>(absl::ToInt64Milliseconds(options_.rpc_timeout))));
     ParsedReply parsed;
     if (!parsed.reply.ParseFromString(answer.payload)) {
       return absl::InternalError("the daemon's data-socket reply did not parse");
@@ -472,7 +470,7 @@ class Session::Impl {
     return segment;
   }
 
-public:
+ public:
   absl::StatusOr<std::shared_ptr<HostBuffer>> MapBuffer(BufferInfo info) {
     ASSIGN_OR_RETURN(std::shared_ptr<MappedSegment> segment, SegmentFor(info.segment_id));
     if (info.offset > segment->size() || info.bytes > segment->size() - info.offset) {
@@ -555,7 +553,6 @@ public:
   absl::Mutex segments_mu_;
   std::map<uint64_t, std::weak_ptr<MappedSegment>> segments_ ABSL_GUARDED_BY(segments_mu_);
 };
-
 
 }  // namespace trainstream::client
 

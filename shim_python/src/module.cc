@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // trainstream._trainstream: the client library for Python. Blocking calls release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
-
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include "cpu/adamw.h"
 #include "cpu/quantize.h"
@@ -15,6 +15,7 @@
 #include "cuda/cross_entropy.h"
 #include "cuda/dequantize.h"
 #endif
+#include "replies_bindings.h"
 #include "status_exceptions.h"
 #include "trainstream/client.h"
 #include "trainstream/cuda_transfer.h"
@@ -108,6 +109,7 @@ trainstream::client::OptimizerOptions OptimizerOptionsFrom(const py::dict& spec)
 PYBIND11_MODULE(_trainstream, m) {
   m.doc() = "trainstream client library (C++), used by the trainstream package";
   m.attr("__version__") = trainstream::kTrainStreamVersion;
+  trainstream::python::BindReplies(m);
   m.def("default_socket_path", &trainstream::client::DefaultSocketPath);
   m.def("find_daemon_socket", [] { return Released(trainstream::client::FindDaemonSocket); });
   // AdamW on raw pointers (torch tensors' data_ptr()): the host path's scalar reference
@@ -116,60 +118,61 @@ PYBIND11_MODULE(_trainstream, m) {
   // uint64 `nonfinite`, queued on `stream`; nothing when the device float `skip_if` is set),
   // which agree bit for bit. Types are "float32", "bfloat16" or "float16"; `step` is 1-based;
   // `decoupled` false is Adam (weight decay folded into the gradient).
-  m.def("adamw", [](bool on_gpu, uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                    const std::string& moment_type, uintptr_t grad, const std::string& grad_type,
-                    uintptr_t param, const std::string& param_type, uint64_t numel, double lr,
-                    double beta1, double beta2, double eps, double weight_decay, uint64_t step,
-                    float grad_scale, uint64_t rounding_seed, uintptr_t nonfinite,
-                    uintptr_t stream, bool decoupled, uintptr_t skip_if) -> uint64_t {
-    namespace k = trainstream::kernels;
-    auto type = [](const std::string& name) {
-      if (name == "float32") return k::ScalarType::kFloat32;
-      if (name == "bfloat16") return k::ScalarType::kBFloat16;
-      if (name == "float16") return k::ScalarType::kFloat16;
-      throw py::value_error("a type is float32, bfloat16 or float16, not " + name);
-    };
-    k::AdamWStep s;
-    s.lr = lr;
-    s.beta1 = beta1;
-    s.beta2 = beta2;
-    s.eps = eps;
-    s.weight_decay = weight_decay;
-    s.grad_scale = grad_scale;
-    s.rounding_seed = rounding_seed;
-    s.decoupled_weight_decay = decoupled;
-    k::SetStepNumber(&s, step);
-    if (!on_gpu) {
-      const void* grads[] = {reinterpret_cast<const void*>(grad)};
-      k::AdamWTensor t;
-      t.master = reinterpret_cast<float*>(master);
-      t.exp_avg = reinterpret_cast<void*>(exp_avg);
-      t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-      t.moment_type = type(moment_type);
-      t.grads = grads;
-      t.grad_type = type(grad_type);
-      t.param_out = reinterpret_cast<void*>(param);
-      t.param_type = type(param_type);
-      t.numel = numel;
-      uint64_t count = 0;
-      py::gil_scoped_release release;
-      OkOrThrow(k::AdamWUpdate(t, 0, numel, s, k::Isa::kScalar, &count));
-      return count;
-    }
+  m.def("adamw",
+        [](bool on_gpu, uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+           const std::string& moment_type, uintptr_t grad, const std::string& grad_type,
+           uintptr_t param, const std::string& param_type, uint64_t numel, double lr, double beta1,
+           double beta2, double eps, double weight_decay, uint64_t step, float grad_scale,
+           uint64_t rounding_seed, uintptr_t nonfinite, uintptr_t stream, bool decoupled,
+           uintptr_t skip_if) -> uint64_t {
+          namespace k = trainstream::kernels;
+          auto type = [](const std::string& name) {
+            if (name == "float32") return k::ScalarType::kFloat32;
+            if (name == "bfloat16") return k::ScalarType::kBFloat16;
+            if (name == "float16") return k::ScalarType::kFloat16;
+            throw py::value_error("a type is float32, bfloat16 or float16, not " + name);
+          };
+          k::AdamWStep s;
+          s.lr = lr;
+          s.beta1 = beta1;
+          s.beta2 = beta2;
+          s.eps = eps;
+          s.weight_decay = weight_decay;
+          s.grad_scale = grad_scale;
+          s.rounding_seed = rounding_seed;
+          s.decoupled_weight_decay = decoupled;
+          k::SetStepNumber(&s, step);
+          if (!on_gpu) {
+            const void* grads[] = {reinterpret_cast<const void*>(grad)};
+            k::AdamWTensor t;
+            t.master = reinterpret_cast<float*>(master);
+            t.exp_avg = reinterpret_cast<void*>(exp_avg);
+            t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+            t.moment_type = type(moment_type);
+            t.grads = grads;
+            t.grad_type = type(grad_type);
+            t.param_out = reinterpret_cast<void*>(param);
+            t.param_type = type(param_type);
+            t.numel = numel;
+            uint64_t count = 0;
+            py::gil_scoped_release release;
+            OkOrThrow(k::AdamWUpdate(t, 0, numel, s, k::Isa::kScalar, &count));
+            return count;
+          }
 #ifdef TRAINSTREAM_HAVE_CUDA
-    k::MappedAdamWTensor t;
-    t.master = reinterpret_cast<float*>(master);
-    t.exp_avg = reinterpret_cast<void*>(exp_avg);
-    t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
-    t.moment_type = type(moment_type);
-    t.grad = reinterpret_cast<const void*>(grad);
-    t.grad_type = type(grad_type);
-    t.param = reinterpret_cast<void*>(param);
-    t.param_type = type(param_type);
-    t.numel = numel;
-    OkOrThrow(k::AdamWMappedOnDevice(t, s, reinterpret_cast<unsigned long long*>(nonfinite),
-                                     reinterpret_cast<void*>(stream),
-                                     reinterpret_cast<const float*>(skip_if)));
+          k::MappedAdamWTensor t;
+          t.master = reinterpret_cast<float*>(master);
+          t.exp_avg = reinterpret_cast<void*>(exp_avg);
+          t.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+          t.moment_type = type(moment_type);
+          t.grad = reinterpret_cast<const void*>(grad);
+          t.grad_type = type(grad_type);
+          t.param = reinterpret_cast<void*>(param);
+          t.param_type = type(param_type);
+          t.numel = numel;
+          OkOrThrow(k::AdamWMappedOnDevice(t, s, reinterpret_cast<unsigned long long*>(nonfinite),
+                                           reinterpret_cast<void*>(stream),
+                                           reinterpret_cast<const float*>(skip_if)));
 #else
     (void)nonfinite;
     (void)stream;
@@ -177,8 +180,8 @@ PYBIND11_MODULE(_trainstream, m) {
     OkOrThrow(absl::FailedPreconditionError(
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
-    return 0;
-  });
+          return 0;
+        });
   // The host path's stochastic-rounding seed of parameter `index`'s step `t`, for updates of
   // that parameter made elsewhere (optimizer_mode="gpu") to round the same.
   m.def("adamw_rounding_seed", &trainstream::kernels::RoundingSeed);
@@ -251,18 +254,18 @@ PYBIND11_MODULE(_trainstream, m) {
                           reinterpret_cast<uint8_t*>(data), reinterpret_cast<uint8_t*>(scales)));
   });
   // The GPU dequantizer, on device pointers (torch tensors' data_ptr()), queued on `stream`.
-  m.def("dequantize_cuda", [](const std::string& format, int block, uint64_t numel,
-                              uintptr_t data, uintptr_t scales, float tensor_scale, uintptr_t out,
-                              bool bf16, uintptr_t stream) {
+  m.def("dequantize_cuda", [](const std::string& format, int block, uint64_t numel, uintptr_t data,
+                              uintptr_t scales, float tensor_scale, uintptr_t out, bool bf16,
+                              uintptr_t stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
     namespace k = trainstream::kernels;
     const k::QuantLayout layout =
         ValueOrThrow(k::LayoutFor(ValueOrThrow(k::ParseQuantFormat(format)), numel, block));
-    OkOrThrow(k::DequantizeOnDevice(
-        layout, reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const uint8_t*>(scales),
-        tensor_scale, reinterpret_cast<void*>(out),
-        bf16 ? k::DeviceOutput::kBFloat16 : k::DeviceOutput::kFloat32,
-        reinterpret_cast<void*>(stream)));
+    OkOrThrow(k::DequantizeOnDevice(layout, reinterpret_cast<const uint8_t*>(data),
+                                    reinterpret_cast<const uint8_t*>(scales), tensor_scale,
+                                    reinterpret_cast<void*>(out),
+                                    bf16 ? k::DeviceOutput::kBFloat16 : k::DeviceOutput::kFloat32,
+                                    reinterpret_cast<void*>(stream)));
 #else
     OkOrThrow(absl::FailedPreconditionError(
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
@@ -283,8 +286,11 @@ PYBIND11_MODULE(_trainstream, m) {
 #ifdef TRAINSTREAM_HAVE_CUDA
     namespace k = trainstream::kernels;
     const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
-                                ValueOrThrow(k::ParseLogitType(dtype)), rows, vocab,
-                                reinterpret_cast<const int64_t*>(targets), ignore_index};
+                                ValueOrThrow(k::ParseLogitType(dtype)),
+                                rows,
+                                vocab,
+                                reinterpret_cast<const int64_t*>(targets),
+                                ignore_index};
     OkOrThrow(k::CrossEntropyForwardOnDevice(r, reinterpret_cast<float*>(lse),
                                              reinterpret_cast<float*>(loss),
                                              reinterpret_cast<void*>(stream)));
@@ -293,38 +299,37 @@ PYBIND11_MODULE(_trainstream, m) {
         "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
   });
-  m.def("cross_entropy_backward", [](const std::string& dtype, int64_t rows, int64_t vocab,
-                                     uintptr_t logits, uintptr_t targets, int64_t ignore_index,
-                                     uintptr_t lse, uintptr_t scale, uintptr_t grad,
-                                     uintptr_t stream) {
+  m.def(
+      "cross_entropy_backward",
+      [](const std::string& dtype, int64_t rows, int64_t vocab, uintptr_t logits, uintptr_t targets,
+         int64_t ignore_index, uintptr_t lse, uintptr_t scale, uintptr_t grad, uintptr_t stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
-    namespace k = trainstream::kernels;
-    const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
-                                ValueOrThrow(k::ParseLogitType(dtype)), rows, vocab,
-                                reinterpret_cast<const int64_t*>(targets), ignore_index};
-    OkOrThrow(k::CrossEntropyBackwardOnDevice(r, reinterpret_cast<const float*>(lse),
-                                              reinterpret_cast<const float*>(scale),
-                                              reinterpret_cast<void*>(grad),
-                                              reinterpret_cast<void*>(stream)));
+        namespace k = trainstream::kernels;
+        const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
+                                    ValueOrThrow(k::ParseLogitType(dtype)),
+                                    rows,
+                                    vocab,
+                                    reinterpret_cast<const int64_t*>(targets),
+                                    ignore_index};
+        OkOrThrow(k::CrossEntropyBackwardOnDevice(
+            r, reinterpret_cast<const float*>(lse), reinterpret_cast<const float*>(scale),
+            reinterpret_cast<void*>(grad), reinterpret_cast<void*>(stream)));
 #else
-    OkOrThrow(absl::FailedPreconditionError(
-        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+        OkOrThrow(absl::FailedPreconditionError(
+            "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
 #endif
-  });
+      });
   // Host<->device copies of (dst, src, bytes) pointer pieces, queued on `stream` in one call.
   using Piece = std::tuple<uintptr_t, uintptr_t, uint64_t>;
-  m.def("copy_pieces",
-        [](uintptr_t stream, const std::vector<Piece>& pieces) {
-          std::vector<trainstream::client::CopyPiece> batch;
-          batch.reserve(pieces.size());
-          for (const auto& [dst, src, bytes] : pieces) {
-            batch.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                             bytes});
-          }
-          Released([&] {
-            return trainstream::client::CopyPieces(batch, reinterpret_cast<void*>(stream));
-          });
-        });
+  m.def("copy_pieces", [](uintptr_t stream, const std::vector<Piece>& pieces) {
+    std::vector<trainstream::client::CopyPiece> batch;
+    batch.reserve(pieces.size());
+    for (const auto& [dst, src, bytes] : pieces) {
+      batch.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes});
+    }
+    Released(
+        [&] { return trainstream::client::CopyPieces(batch, reinterpret_cast<void*>(stream)); });
+  });
   m.def("cuda_available", [] {
     std::string why;
     bool ok = trainstream::client::CudaAvailable(&why);
@@ -346,8 +351,8 @@ PYBIND11_MODULE(_trainstream, m) {
                              [](const HostBuffer& b) { return b.info().owner_session_id; })
       .def_property_readonly("cuda_registered", &HostBuffer::cuda_registered)
       .def_property_readonly("registration_piece_bytes", &HostBuffer::registration_piece_bytes)
-      .def_property_readonly("address",
-                             [](const HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly(
+          "address", [](const HostBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_buffer([](HostBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1}, !b.writable());
@@ -357,8 +362,8 @@ PYBIND11_MODULE(_trainstream, m) {
               uintptr_t stream) {
              Released([&] {
                return trainstream::client::CopyToDevice(b, offset,
-                                                        reinterpret_cast<void*>(device_ptr),
-                                                        nbytes, reinterpret_cast<void*>(stream));
+                                                        reinterpret_cast<void*>(device_ptr), nbytes,
+                                                        reinterpret_cast<void*>(stream));
              });
            })
       .def("copy_to_host", [](const HostBuffer& b, uint64_t offset, uintptr_t device_ptr,
@@ -376,19 +381,17 @@ PYBIND11_MODULE(_trainstream, m) {
       .def_property_readonly("id", &Session::id)
       .def_property_readonly("socket_path", &Session::socket_path)
       .def(
-          "close",
-          [](Session& s, bool end_job) { Released([&] { return s.Close(end_job); }); },
+          "close", [](Session& s, bool end_job) { Released([&] { return s.Close(end_job); }); },
           py::arg("end_job") = false)
       .def("allocate",
            [](Session& s, const std::string& name, uint64_t nbytes, const std::string& tag,
               uint64_t alignment, bool sealable) {
-             return Released([&] {
-               return s.Allocate(name, nbytes, {tag, alignment, sealable});
-             });
+             return Released([&] { return s.Allocate(name, nbytes, {tag, alignment, sealable}); });
            })
-      .def("lookup", [](Session& s, const std::string& name) {
-        return Released([&] { return s.Lookup(name); });
-      })
+      .def("lookup",
+           [](Session& s, const std::string& name) {
+             return Released([&] { return s.Lookup(name); });
+           })
       .def("free", [](Session& s, const HostBuffer& b) { Released([&] { return s.Free(b); }); })
       .def("seal",
            [](Session& s, uint64_t buffer_id, uint64_t segment_id, const std::string& name) {
@@ -398,69 +401,66 @@ PYBIND11_MODULE(_trainstream, m) {
              info.name = name;
              return Released([&] { return s.Seal(info); });
            })
-      .def("ring", [](Session& s, uint32_t kind, uint64_t id, uint64_t step, uint64_t value) {
-        Released([&] { return s.Ring({kind, id, step, value}); });
-      })
-      .def("wait", [](Session& s, int timeout_ms) {
-        auto n = Released([&] { return s.Wait(timeout_ms); });
-        return py::make_tuple(n.kind, n.id, n.step, n.value);
-      })
-      .def("ping", [](Session& s) {
-        return absl::ToDoubleSeconds(Released([&] { return s.Ping(); }));
-      })
-      .def("status_json", [](Session& s) { return Released([&] { return s.StatusJson(); }); })
-      .def("sessions_json", [](Session& s) { return Released([&] { return s.SessionsJson(); }); })
-      .def("memory_json", [](Session& s) { return Released([&] { return s.MemoryJson(); }); })
-      .def("events_json", [](Session& s, uint64_t since) {
-        return Released([&] { return s.EventsJson(since); });
-      })
+      .def("ring",
+           [](Session& s, uint32_t kind, uint64_t id, uint64_t step, uint64_t value) {
+             Released([&] { return s.Ring({kind, id, step, value}); });
+           })
+      .def("wait",
+           [](Session& s, int timeout_ms) {
+             auto n = Released([&] { return s.Wait(timeout_ms); });
+             return py::make_tuple(n.kind, n.id, n.step, n.value);
+           })
+      .def("ping",
+           [](Session& s) { return absl::ToDoubleSeconds(Released([&] { return s.Ping(); })); })
+      .def("status", [](Session& s) { return Released([&] { return s.GetStatus(); }); })
+      .def("sessions", [](Session& s) { return Released([&] { return s.ListSessions(); }); })
+      .def("memory", [](Session& s) { return Released([&] { return s.GetMemory(); }); })
+      .def("events",
+           [](Session& s, uint64_t since) { return Released([&] { return s.ReadEvents(since); }); })
       .def("plan_host_memory",
            [](Session& s, uint64_t bytes, double wait_s) {
              return Released([&] { return s.PlanHostMemory(bytes, absl::Seconds(wait_s)); });
            })
       .def("set_transfer_totals", &Session::SetTransferTotals)
-      .def("report_event", [](Session& s, const std::string& kind, const std::string& message,
-                              const std::vector<std::pair<std::string, double>>& numbers) {
-        return Released([&] { return s.ReportEvent(kind, message, numbers); });
-      })
-      .def("load_base",
-           [](Session& s, const std::string& path, const std::string& format, uint32_t block,
-              const std::vector<std::string>& quantize, const std::string& name,
-              bool plan_only) {
-             Session::LoadBaseOptions options;
-             options.path = path;
-             options.format = format;
-             options.block = block;
-             options.quantize = quantize;
-             options.name = name;
-             options.plan_only = plan_only;
-             return Released([&] { return s.LoadBase(options); });
-           },
-           py::arg("path"), py::arg("format"), py::arg("block"), py::arg("quantize"),
-           py::arg("name"), py::arg("plan_only") = false)
-      .def("base_json", [](Session& s, uint64_t id) {
-        return Released([&] { return s.GetBaseJson(id); });
-      })
-      .def("detach_base", [](Session& s, uint64_t id) {
-        Released([&] { return s.DetachBase(id); });
-      })
-      .def("bases_json", [](Session& s) { return Released([&] { return s.BasesJson(); }); })
-      .def("map_base", [](Session& s, uint64_t id) {
-        return Released([&] { return s.MapBase(id); });
-      })
-      .def("place_base_on_gpu", [](Session& s, uint64_t base_id, const std::string& uuid) {
-        return Released([&] { return s.PlaceBaseOnGpu(base_id, uuid); });
-      })
-      .def("import_gpu_pool", [](Session& s, uint64_t pool_id, int device) {
-        return std::shared_ptr<GpuPoolMapping>(
-            Released([&] { return s.ImportGpuPool(pool_id, device); }));
-      })
-      .def("release_gpu_pool", [](Session& s, uint64_t pool_id) {
-        Released([&] { return s.ReleaseGpuPool(pool_id); });
-      })
-      .def("gpu_pools_json", [](Session& s) {
-        return Released([&] { return s.GpuPoolsJson(); });
-      });
+      .def("report_event",
+           [](Session& s, const std::string& kind, const std::string& message,
+              const std::vector<std::pair<std::string, double>>& numbers) {
+             return Released([&] { return s.ReportEvent(kind, message, numbers); });
+           })
+      .def(
+          "load_base",
+          [](Session& s, const std::string& path, const std::string& format, uint32_t block,
+             const std::vector<std::string>& quantize, const std::string& name, bool plan_only) {
+            Session::LoadBaseOptions options;
+            options.path = path;
+            options.format = format;
+            options.block = block;
+            options.quantize = quantize;
+            options.name = name;
+            options.plan_only = plan_only;
+            return Released([&] { return s.LoadBase(options); });
+          },
+          py::arg("path"), py::arg("format"), py::arg("block"), py::arg("quantize"),
+          py::arg("name"), py::arg("plan_only") = false)
+      .def("base", [](Session& s, uint64_t id) { return Released([&] { return s.GetBase(id); }); })
+      .def("detach_base",
+           [](Session& s, uint64_t id) { Released([&] { return s.DetachBase(id); }); })
+      .def("bases", [](Session& s) { return Released([&] { return s.ListBases(); }); })
+      .def("map_base",
+           [](Session& s, uint64_t id) { return Released([&] { return s.MapBase(id); }); })
+      .def("place_base_on_gpu",
+           [](Session& s, uint64_t base_id, const std::string& uuid) {
+             return Released([&] { return s.PlaceBaseOnGpu(base_id, uuid); });
+           })
+      .def("import_gpu_pool",
+           [](Session& s, uint64_t pool_id, int device) {
+             return std::shared_ptr<GpuPoolMapping>(
+                 Released([&] { return s.ImportGpuPool(pool_id, device); }));
+           })
+      .def(
+          "release_gpu_pool",
+          [](Session& s, uint64_t pool_id) { Released([&] { return s.ReleaseGpuPool(pool_id); }); })
+      .def("gpu_pools", [](Session& s) { return Released([&] { return s.ListGpuPools(); }); });
 
   m.def("cuda_device_uuid", [](int device) {
     return Released([&] { return trainstream::client::CudaDeviceUuid(device); });
@@ -489,13 +489,6 @@ PYBIND11_MODULE(_trainstream, m) {
       });
 
   namespace tc = trainstream::client;
-  py::class_<tc::HostMemoryEstimate>(m, "HostMemoryEstimate")
-      .def_readonly("bytes", &tc::HostMemoryEstimate::bytes)
-      .def_readonly("optimizer_bytes", &tc::HostMemoryEstimate::optimizer_bytes)
-      .def_readonly("buffer_bytes", &tc::HostMemoryEstimate::buffer_bytes)
-      .def_readonly("buffers", &tc::HostMemoryEstimate::buffers)
-      .def_readonly("segment_bytes", &tc::HostMemoryEstimate::segment_bytes)
-      .def_readonly("segment_granularity", &tc::HostMemoryEstimate::segment_granularity);
   m.def(
       "estimate_host_memory",
       [](Session& session, py::dict spec, py::list params, uint32_t ranks,
@@ -597,13 +590,11 @@ PYBIND11_MODULE(_trainstream, m) {
            [](HostOptimizer& o, uint64_t iteration, std::vector<uint64_t> steps) {
              Released([&] { return o.SetStep(iteration, steps); });
            })
-      .def("save", [](HostOptimizer& o, const std::string& path) {
-        return Released([&] { return o.Save(path); });
-      })
-      .def("load", [](HostOptimizer& o, const std::string& path) {
-        Released([&] { return o.Load(path); });
-      })
-      .def("info_json", [](HostOptimizer& o) { return Released([&] { return o.InfoJson(); }); })
+      .def("save", [](HostOptimizer& o,
+                      const std::string& path) { return Released([&] { return o.Save(path); }); })
+      .def("load", [](HostOptimizer& o,
+                      const std::string& path) { Released([&] { return o.Load(path); }); })
+      .def("info", [](HostOptimizer& o) { return Released([&] { return o.Info(); }); })
       .def("return_updates_to_device",
            [](HostOptimizer& o, int device, std::vector<std::pair<uintptr_t, uint64_t>> targets) {
              std::vector<tc::DeviceTarget> ts;
@@ -614,13 +605,11 @@ PYBIND11_MODULE(_trainstream, m) {
            [](HostOptimizer& o, uint32_t index, uintptr_t ptr, uint64_t bytes) {
              Released([&] { return o.RetargetDevice(index, {ptr, bytes}); });
            })
-      .def("wait_for_parameters",
-           [](HostOptimizer& o, std::vector<uint32_t> indices, uintptr_t stream) {
-             Released([&] {
-               return o.WaitForParameters(indices, reinterpret_cast<void*>(stream));
-             });
-           })
-      .def("synchronize_device_returns", [](HostOptimizer& o) {
-        Released([&] { return o.SynchronizeDeviceReturns(); });
-      });
+      .def(
+          "wait_for_parameters",
+          [](HostOptimizer& o, std::vector<uint32_t> indices, uintptr_t stream) {
+            Released([&] { return o.WaitForParameters(indices, reinterpret_cast<void*>(stream)); });
+          })
+      .def("synchronize_device_returns",
+           [](HostOptimizer& o) { Released([&] { return o.SynchronizeDeviceReturns(); }); });
 }

@@ -80,15 +80,15 @@ def test_matches_torch_after_20_steps(client, case):
         result = opt.step(micro if k > 1 else micro[0])
         assert not result["skipped"] and all(result["updated"])
         if case.get("clip"):
-            assert opt.info()["last_step"]["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+            assert opt.info().last_step.grad_norm == pytest.approx(norm.item(), rel=1e-5)
         if case.get("schedule"):
             for i, g in enumerate(torch_opt.param_groups):
                 g["lr"] *= 0.9
             opt.set_groups([dict(g) for g in torch_opt.param_groups])
     assert max_diff(opt, ref) <= 1e-6
     info = opt.info()
-    assert info["step"] == 20 and info["state"] == "ready"
-    assert info["param_steps"] == [20] * len(ref)
+    assert info.step == 20 and info.state == "ready"
+    assert info.param_steps == [20] * len(ref)
 
 
 def test_bf16_moments_stay_close_to_fp32(daemon):
@@ -121,9 +121,9 @@ def test_nonfinite_policies(daemon):
         r = opt.step(bad)
         assert r["skipped"] and not any(r["updated"])
         assert all(torch.equal(opt.master(i), before[i]) for i in range(2))
-        assert opt.info()["param_steps"] == [0, 0]
+        assert opt.info().param_steps == [0, 0]
         assert not opt.step(good)["skipped"]
-        assert opt.info()["param_steps"] == [1, 1]
+        assert opt.info().param_steps == [1, 1]
         assert any(e["kind"] == "optimizer.step_skipped" for e in c.events())
     # error: the job fails with the parameter named, state untouched
     with trainstream.connect(daemon.socket, job_id="nan-error") as c:
@@ -138,7 +138,7 @@ def test_nonfinite_policies(daemon):
         opt = HostOptimizer(c, specs(ref))
         opt.load_weights([p.detach() for p in ref])
         opt.step(bad)
-        assert opt.info()["last_step"]["nonfinite"] == 1
+        assert opt.info().last_step.nonfinite == 1
         assert any(e["kind"] == "optimizer.nonfinite" for e in c.events())
 
 
@@ -149,7 +149,7 @@ def test_parameters_without_gradients_are_left_alone(client):
     r = opt.step([torch.ones(10), None])
     assert r["updated"] == [True, False]
     assert torch.equal(opt.master(1), ref[1].detach())
-    assert opt.info()["param_steps"] == [1, 0]
+    assert opt.info().param_steps == [1, 0]
 
 
 def test_ranks_that_disagree_on_a_parameter_are_refused(start_daemon):
@@ -223,10 +223,10 @@ def test_checkpoint_round_trip_continues_bit_identical(daemon, tmp_path):
         straight, _ = run(c, range(10))
     with trainstream.connect(daemon.socket, job_id="first-half") as c:
         _, opt = run(c, range(5), save_after=4)
-        assert opt.info()["step"] == 5
+        assert opt.info().step == 5
     with trainstream.connect(daemon.socket, job_id="second-half") as c:
         resumed, opt = run(c, range(5, 10), load=path)
-        assert opt.info()["step"] == 10
+        assert opt.info().step == 10
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     # It is a real safetensors file: tensors and metadata readable by others.
     from safetensors import safe_open
@@ -303,7 +303,7 @@ def test_daemon_killed_mid_checkpoint_leaves_the_previous_one(start_daemon, tmp_
         restored = HostOptimizer(c2, [ParameterSpec("w", (n,))], groups=[dict(lr=1e-3)],
                                  timeout_s=60)
         restored.load(path)
-        assert restored.info()["step"] == 1
+        assert restored.info().step == 1
         restored.step([grads[1]])
         with trainstream.connect(second.socket, job_id="straight") as c3:
             straight = HostOptimizer(c3, [ParameterSpec("w", (n,))], groups=[dict(lr=1e-3)],
@@ -385,7 +385,7 @@ def test_cross_machine_reduction_updates_with_every_machines_gradient(daemon):
             opt.post_reduced(i)
         result = opt.wait()
         assert result["updated"] == [True] * unused + [False]
-        assert opt.info()["param_steps"][unused] == 0
+        assert opt.info().param_steps[unused] == 0
     torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
     for i, (p, a, b) in enumerate(zip(ref, mine, theirs)):
         p.grad = None if i == unused else (a + b) / 2  # the mean over both machines' ranks

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "trainstream/replies.h"
 
 namespace trainstream::client {
 
@@ -23,17 +24,6 @@ struct SessionOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Register every mapped segment with CUDA (pinned, DMA-capable) when a GPU is present.
   bool register_with_cuda = true;
-};
-
-struct BufferInfo {
-  uint64_t buffer_id = 0;
-  std::string name;
-  uint64_t segment_id = 0;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  std::string tag;
-  bool read_only = false;
-  std::string owner_session_id;
 };
 
 struct AllocateOptions {
@@ -74,10 +64,15 @@ class GpuPoolMapping {
 
  private:
   friend class GpuPoolMapper;  // the only maker: it owns what the destructor undoes
-  GpuPoolMapping(uint64_t pool_id, int device, uint64_t device_pointer, uint64_t bytes,
-                 Kind kind, bool read_only, std::string note)
-      : pool_id_(pool_id), device_(device), address_(device_pointer), bytes_(bytes), kind_(kind),
-        read_only_(read_only), note_(std::move(note)) {}
+  GpuPoolMapping(uint64_t pool_id, int device, uint64_t device_pointer, uint64_t bytes, Kind kind,
+                 bool read_only, std::string note)
+      : pool_id_(pool_id),
+        device_(device),
+        address_(device_pointer),
+        bytes_(bytes),
+        kind_(kind),
+        read_only_(read_only),
+        note_(std::move(note)) {}
   uint64_t pool_id_;
   int device_;
   uint64_t address_;
@@ -149,16 +144,15 @@ class Session {
   // One doorbell round trip (ping, pong); returns its duration.
   absl::StatusOr<absl::Duration> Ping();
 
-  // Inspection, as the canonical JSON of the API's messages.
-  absl::StatusOr<std::string> StatusJson();
-  absl::StatusOr<std::string> SessionsJson();
-  absl::StatusOr<std::string> MemoryJson();
-  // Events after `since_seq`, as a JSON array.
-  absl::StatusOr<std::string> EventsJson(uint64_t since_seq);
+  // Inspection.
+  absl::StatusOr<DaemonStatus> GetStatus();
+  absl::StatusOr<std::vector<SessionInfo>> ListSessions();
+  absl::StatusOr<MemoryReport> GetMemory();
+  // Events after `since_seq`, oldest first.
+  absl::StatusOr<std::vector<Event>> ReadEvents(uint64_t since_seq);
   // Admission: declares all the host memory this session's job will hold (0 drops the plan),
   // waiting up to `wait` for room; RESOURCE_EXHAUSTED with the numbers when it does not fit.
-  // Returns the plan as JSON (HostPlan).
-  absl::StatusOr<std::string> PlanHostMemory(uint64_t bytes, absl::Duration wait);
+  absl::StatusOr<HostPlan> PlanHostMemory(uint64_t bytes, absl::Duration wait);
   // Records a decision of this client in the daemon's event log (kind stored as
   // "client.<kind>"); returns the event's sequence number.
   absl::StatusOr<uint64_t> ReportEvent(const std::string& kind, const std::string& message,
@@ -166,7 +160,7 @@ class Session {
 
   // Shared frozen bases. LoadBase attaches this session to the base of a checkpoint (the
   // daemon reads it once per user and content, converting and quantizing as it reads) and
-  // returns at once with its state as JSON (BaseInfo); GetBaseJson reads the state again
+  // returns at once with its state; GetBase reads the state again
   // (progress while it loads, the tensor table once it is ready).
   struct LoadBaseOptions {
     std::string path;
@@ -176,21 +170,21 @@ class Session {
     std::string name;
     bool plan_only = false;  // only its size as stored (state "planned"); nothing is loaded
   };
-  absl::StatusOr<std::string> LoadBase(const LoadBaseOptions& options);
-  absl::StatusOr<std::string> GetBaseJson(uint64_t base_id);
+  absl::StatusOr<BaseInfo> LoadBase(const LoadBaseOptions& options);
+  absl::StatusOr<BaseInfo> GetBase(uint64_t base_id);
   absl::Status DetachBase(uint64_t base_id);
-  absl::StatusOr<std::string> BasesJson();
+  absl::StatusOr<std::vector<BaseInfo>> ListBases();
   // A ready base's buffers, mapped read-only, in the order of BaseInfo.buffers.
   absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> MapBase(uint64_t base_id);
 
   // GPU pools. PlaceBaseOnGpu puts a base this session is attached to in the daemon's pool on
   // the GPU named `gpu_uuid` (CudaDeviceUuid; one VRAM copy per base and GPU, shared by every
-  // session that asks) and returns the pool as JSON (GpuPoolInfo); this session is one of its
+  // session that asks) and returns the pool; this session is one of its
   // importers until ReleaseGpuPool or its end. ImportGpuPool maps it on CUDA device `device`.
-  absl::StatusOr<std::string> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid);
+  absl::StatusOr<GpuPoolInfo> PlaceBaseOnGpu(uint64_t base_id, const std::string& gpu_uuid);
   absl::StatusOr<std::unique_ptr<GpuPoolMapping>> ImportGpuPool(uint64_t pool_id, int device);
   absl::Status ReleaseGpuPool(uint64_t pool_id);
-  absl::StatusOr<std::string> GpuPoolsJson();
+  absl::StatusOr<GpuPools> ListGpuPools();
 
  private:
   friend class HostOptimizer;

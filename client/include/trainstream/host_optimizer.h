@@ -31,14 +31,6 @@ struct DeviceTarget {
 
 enum class DType { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
 
-struct OptimizerGroup {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 1e-2;
-};
-
 enum class NonFinite { kError = 1, kSkipStep = 2, kIgnore = 3 };
 
 struct OptimizerOptions {
@@ -87,8 +79,8 @@ struct ParameterBuffers {
 // What one iteration did, as seen by this rank.
 struct IterationResult {
   uint64_t iteration = 0;
-  bool skipped = false;            // non-finite gradients and nonfinite=kSkipStep
-  std::vector<bool> updated;       // per parameter: false when no rank had a gradient
+  bool skipped = false;       // non-finite gradients and nonfinite=kSkipStep
+  std::vector<bool> updated;  // per parameter: false when no rank had a gradient
 };
 
 // Thread-safe except that one iteration's Post/Wait calls come from one thread at a time.
@@ -97,9 +89,8 @@ class HostOptimizer {
   // Creates the job's optimizer (or joins it: every rank of a job passes the same options and
   // parameters) and maps the parameters' buffers. When `initialize()` is true this rank must
   // write the initial fp32 master weights (and the `param` copies) before the first step.
-  static absl::StatusOr<std::unique_ptr<HostOptimizer>> Create(Session& session,
-                                                               const OptimizerOptions& options,
-                                                               const std::vector<ParameterInfo>& params);
+  static absl::StatusOr<std::unique_ptr<HostOptimizer>> Create(
+      Session& session, const OptimizerOptions& options, const std::vector<ParameterInfo>& params);
   // The host memory a job would hold with an optimizer created with `options` over `params`,
   // joined by `ranks` ranks on this machine, plus `other_buffers` of its own (AllocateBuffer's
   // default alignment): what to hand Session::PlanHostMemory. Allocates nothing.
@@ -185,8 +176,8 @@ class HostOptimizer {
   // Checkpoint by the daemon (atomic rename); returns bytes written.
   absl::StatusOr<uint64_t> Save(const std::string& path);
   absl::Status Load(const std::string& path);
-  // The job's optimizer figures (OptimizerInfo) as JSON.
-  absl::StatusOr<std::string> InfoJson();
+  // The job's optimizer figures.
+  absl::StatusOr<OptimizerInfo> Info();
 
  private:
   explicit HostOptimizer(Session& session);
@@ -200,9 +191,8 @@ class HostOptimizer {
   absl::Status ExplainFailure();
   absl::StatusOr<Notice> NextNotice(int timeout_ms);
   // Waits for the notice (kind, index, iteration), holding others for later waits.
-  absl::Status WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration,
-                             int timeout_ms, const absl::FormatSpec<uint32_t>& late,
-                             uint64_t* value = nullptr);
+  absl::Status WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration, int timeout_ms,
+                             const absl::FormatSpec<uint32_t>& late, uint64_t* value = nullptr);
   void RouteNotices();
   // The job starts over (a new step count, a loaded checkpoint): notices and a failure seen
   // so far no longer apply.

@@ -405,8 +405,8 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     def host_pass() -> tuple:
         # The last step's pass: the workers' busy time over their count, and what it covered.
         info = offload.host.info()
-        seconds = float(info.get("last_step", {}).get("update_seconds", 0.0))
-        seconds /= max(1, int(info.get("threads", 1)))
+        seconds = info.last_step.update_seconds if info.last_step is not None else 0.0
+        seconds /= max(1, info.threads)
         return seconds, offload.host_updated_elements()
 
     option = session.config.memory.gpu_state_blocks

@@ -168,8 +168,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             info = self._host.info()
             # Tensors whose state is older than the job's step: kept in VRAM by a process that
             # ended without unwrap() or a checkpoint since (or without gradients since).
-            self.behind_on_resume = [i for i, steps in enumerate(info.get("param_steps", []))
-                                     if 0 < steps < info["step"]]
+            self.behind_on_resume = [i for i, steps in enumerate(info.param_steps)
+                                     if 0 < steps < info.step]
         self._moment_dtype = MOMENT_DTYPES[moment_dtype]
         self._reports_norm = bool(max_grad_norm) or compute_grad_norm
         self._max_grad_norm = float(max_grad_norm or 0.0)
@@ -394,7 +394,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         if clip_on_device:
             coef = 1.0
             if not result["skipped"]:
-                coef = self._host.info()["last_step"].get("clip_coef", 1.0)
+                last = self._host.info().last_step
+                coef = last.clip_coef if last is not None else 1.0
                 self._clip_on_device(coef)
             self._step_on_device(coef)
         if result["skipped"] and self._nonfinite == "guard":
@@ -412,7 +413,8 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._backwards = [0] * len(self._params)
         self._grads_this_iteration = 0
         if self._reports_norm:
-            self.last_grad_norm = self._host.info()["last_step"]["grad_norm"]
+            last = self._host.info().last_step
+            self.last_grad_norm = last.grad_norm if last is not None else 0.0
         if self._cuda and not self._device_return:
             stream = self._copy_stream
             for i, p in enumerate(self._params):
@@ -525,7 +527,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
 
     def stats(self) -> dict:
         """The daemon's figures for this job's optimizer (and where the optimizer runs now)."""
-        info = self._host.info()
+        info = _client.reply_dict(self._host.info())
         info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
         # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
         info["gpu_state"] = {"tensors": len(self._device_indices - self._staged_indices),

@@ -82,8 +82,8 @@ class StatePlacement:
             return True
         if not (self._max_grad_norm > 0 or self._nonfinite in ("skip", "error")):
             return False
-        last = self._host.info().get("last_step", {})
-        return float(last.get("clip_coef", 1.0)) < 1.0 or bool(last.get("skipped", False))
+        last = self._host.info().last_step
+        return last is not None and (last.clip_coef < 1.0 or last.skipped)
 
     def gpu_update_refusal(self) -> str | None:
         """Why optimizer_mode="gpu" cannot update this job's parameters on the GPU."""
@@ -389,7 +389,7 @@ class StatePlacement:
 
     def _param_steps(self) -> list[int]:
         """Every parameter's AdamW step count as the daemon has it."""
-        return list(self._host.info().get("param_steps", [0] * len(self._params)))
+        return list(self._host.info().param_steps or [0] * len(self._params))
 
     def _device_state_from_daemon(self) -> None:
         """The VRAM-held state takes the daemon's (after a load)."""

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 import weakref
@@ -18,29 +17,23 @@ from ..errors import DaemonUnavailableError, InvalidArgumentError, PermissionDen
 # The client library's version (the daemon's own is in its status).
 VERSION: str = _trainstream.__version__
 
-# Canonical protobuf JSON writes 64-bit integers as strings; these fields read back as ints.
-_INT64_FIELDS = frozenset({
-    "budget_bytes", "reserved_bytes", "uid_quota_bytes", "segments", "bytes", "buffer_bytes",
-    "total_bytes", "seq", "buffer_id", "segment_id", "offset", "step", "params",
-    "state_bytes", "nonfinite", "param_steps", "speculated_steps", "rolled_back_steps",
-    # shared bases
-    "base_id", "stored_bytes", "source_bytes", "read_bytes", "read_total", "shape",
-    "data_offset", "data_bytes", "scale_offset", "scale_bytes",
-})
+def reply_dict(reply: Any) -> Any:
+    """A reply of the native module (a class of read-only attributes, typed by the C++ client)
+    as the dicts and lists its Python callers and users read by key. An absent part (None:
+    a step's figures before the first step) is left out."""
+    if isinstance(reply, list):
+        return [reply_dict(r) for r in reply]
+    if not type(reply).__module__.startswith("trainstream"):
+        return reply  # a number, a string, a dict of numbers
+    fields = _REPLY_FIELDS.get(type(reply))
+    if fields is None:
+        fields = _REPLY_FIELDS[type(reply)] = tuple(
+            name for name, value in vars(type(reply)).items() if isinstance(value, property))
+    return {name: reply_dict(value) for name in fields
+            if (value := getattr(reply, name)) is not None}
 
 
-def _int64_fields(obj: dict) -> dict:
-    for key in _INT64_FIELDS.intersection(obj):
-        if isinstance(obj[key], str) and obj[key].lstrip("-").isdigit():
-            obj[key] = int(obj[key])
-        elif isinstance(obj[key], list):
-            obj[key] = [int(x) if isinstance(x, str) else x for x in obj[key]]
-    return obj
-
-
-def decode_json(text: str) -> Any:
-    """A reply of the native module (protobuf JSON), its 64-bit integers as ints."""
-    return json.loads(text, object_hook=_int64_fields)
+_REPLY_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 # Doorbell kinds (client/ipc/doorbell_ring.h).
@@ -179,22 +172,22 @@ class Client:
         return self._native.ping()
 
     def status(self) -> dict:
-        return decode_json(self._native.status_json())
+        return reply_dict(self._native.status())
 
     def sessions(self) -> list:
-        return decode_json(self._native.sessions_json()).get("sessions", [])
+        return reply_dict(self._native.sessions())
 
     def memory(self) -> dict:
-        return decode_json(self._native.memory_json())
+        return reply_dict(self._native.memory())
 
     def events(self, since: int = 0) -> list:
-        return decode_json(self._native.events_json(since))
+        return reply_dict(self._native.events(since))
 
     def plan_host_memory(self, nbytes: int, wait_s: float = 0.0) -> dict:
         """Admission: declares all the host memory this job will hold (0 drops the plan). The
         daemon keeps it for the job, or raises :class:`ResourceExhaustedError` with the numbers
         (after waiting up to ``wait_s`` for other jobs to make room)."""
-        return decode_json(self._native.plan_host_memory(int(nbytes), float(wait_s)))
+        return reply_dict(self._native.plan_host_memory(int(nbytes), float(wait_s)))
 
     # Shared bases and their GPU pools (frozen/ builds on these).
     def load_base(self, path: str, format: str, block: int, quantize: list, name: str,
@@ -202,12 +195,12 @@ class Client:
         """Asks the daemon for the base of the checkpoint at ``path``; its state, "loading"
         while the daemon reads it. ``plan_only``: only the bytes it would be stored in (state
         "planned"), from the daemon's own layout; nothing is loaded."""
-        return decode_json(self._native.load_base(path, format, block, list(quantize), name,
-                                                  plan_only))
+        return reply_dict(self._native.load_base(path, format, block, list(quantize), name,
+                                                 plan_only))
 
     def base_info(self, base_id: int) -> dict:
         """The daemon's view of base ``base_id`` now (state, progress, users, tensors)."""
-        return decode_json(self._native.base_json(int(base_id)))
+        return reply_dict(self._native.base(int(base_id)))
 
     def map_base(self, base_id: int) -> list:
         """Maps a ready base's buffers into this process, read-only: one buffer object each."""
@@ -219,12 +212,12 @@ class Client:
 
     def bases(self) -> list:
         """This user's bases in the daemon (all users' for an admin)."""
-        return decode_json(self._native.bases_json()).get("bases", [])
+        return reply_dict(self._native.bases())
 
     def place_base_on_gpu(self, base_id: int, device_uuid: str) -> dict:
         """Asks the daemon to hold base ``base_id`` in its pool on the GPU named by UUID
         (copied there the first time): the pool's id and the base's buffer offsets in it."""
-        return decode_json(self._native.place_base_on_gpu(int(base_id), device_uuid))
+        return reply_dict(self._native.place_base_on_gpu(int(base_id), device_uuid))
 
     def import_gpu_pool(self, pool_id: int, device_index: int) -> Any:
         """Maps GPU pool ``pool_id`` into this process on CUDA device ``device_index``."""
@@ -236,7 +229,7 @@ class Client:
 
     def gpu_pools(self) -> dict:
         """The daemon's GPU pools of this user: {"pools": [...], "note": ...}."""
-        return decode_json(self._native.gpu_pools_json())
+        return reply_dict(self._native.gpu_pools())
 
     def set_transfer_totals(self, h2d_bytes: int, d2h_bytes: int) -> None:
         """What this session moved to and from its GPU so far, by this process's count: the

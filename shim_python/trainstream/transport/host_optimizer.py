@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .client import Client, decode_json
+from .client import Client
 from ..errors import InvalidArgumentError
 
 _NONFINITE = {"error": 1, "skip": 2, "ignore": 3, "guard": 4}
@@ -329,8 +329,7 @@ class HostOptimizer:
         master weights under ``"master"``: loadable by torch and by :meth:`load_state_dict`."""
         import torch
 
-        info = self.info()
-        steps = info.get("param_steps", [0] * len(self.params))
+        steps = self.info().param_steps or [0] * len(self.params)
         state = {}
         for i in range(len(self.params)):
             if steps[i] == 0:
@@ -395,10 +394,10 @@ class HostOptimizer:
         """Restores a checkpoint written by :meth:`save` for the same parameters (opened by
         this process, read by the daemon)."""
         self._native.load(os.path.abspath(os.fspath(path)))
-        self.iteration = self.info()["step"]
+        self.iteration = self.info().step
 
-    def info(self) -> dict:
-        """The job's optimizer figures: step, state, last step's norm, time and GB/s."""
-        info = decode_json(self._native.info_json())
-        info["step"] = int(info.get("step", 0))
-        return info
+    def info(self) -> Any:
+        """The job's optimizer figures (the native OptimizerInfo: step, state, param_steps,
+        spec, and last_step with its norm, clip, time and GB/s; reply_dict() makes it a
+        dict)."""
+        return self._native.info()
