@@ -159,3 +159,22 @@ def test_the_plan_counts_stored_bytes_as_block_weights(daemon_socket):
     budget = outside + 7 * size
     streamed = weight_plan(model, blocks, budget, 1, probe=False)
     assert 2 <= len(streamed) <= 5
+
+
+def test_layers_read_from_a_gpu_pool_are_not_block_weights(daemon_socket):
+    # A pooled layer's bytes are a view of the daemon's VRAM, off the budget already: counting
+    # them as block weights would stream a block that fits, and free nothing.
+    from trainstream.memory.blocks import base_host_views
+
+    model = frozen_gpt(9, layers=2)
+    trainstream.quantize_model(model, "nf4")
+    block = model.blocks[0]
+    layers = [m for m in block.modules() if isinstance(m, trainstream.frozen.linear.BaseLinear)]
+    assert layers and len(stored_buffers(block)) == 2 * len(layers)
+    layers[0].pooled = True
+    assert len(stored_buffers(block)) == 2 * (len(layers) - 1)
+    assert all(b is not layers[0].data and b is not layers[0].scales
+               for b in stored_buffers(block))
+    assert weight_bytes(block, trained=False) == sum(
+        t.numel() * t.element_size() for t in streamed_tensors(block) if not t.requires_grad)
+    assert base_host_views(block) == []  # quantized here: no shared base's bytes to read

@@ -45,8 +45,11 @@ def _weight(layer: "BaseLinear", device: torch.device, stored: tuple | None = No
     if layer.fp8_rows is not None:  # requantized for FP8 tensor cores (see fp8_matmul)
         return fp8_matmul.rowwise_weight(data, scales, layer.compute_dtype)
     t = layer.stored
-    if data.device != device:  # kept on the host: this use's copy (DMA from registered memory)
+    # Kept on the host: this use's copy (DMA from registered memory). Each on its own: an
+    # unwrap() that ran out of VRAM may have left one of the two on the host.
+    if data.device != device:
         data = data.to(device, non_blocking=True)
+    if scales.device != device:
         scales = scales.to(device, non_blocking=True)
     if t.stored in ("bf16", "as_is"):  # as_is: a float kept as the file has it
         dtype = torch.bfloat16 if t.stored == "bf16" else getattr(torch, source_dtype(t))
@@ -326,8 +329,11 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
                            fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
-        if pool is None and (keep_on_host or device.type == "cpu"):
-            layer.host_views = host_views(data, scales)
+        if pool is None:
+            # The base's host bytes, which the attached base keeps mapped: a block that
+            # streams reads them there, with no copy of its own, also when they were copied
+            # to the GPU here.
+            layer.host_views = host_views(*base.raw(key))
         replace_module(model, name, layer)
         taken["linear"].append(f"{name}.weight")
         taken["bytes"] += stored.data_bytes + stored.scale_bytes

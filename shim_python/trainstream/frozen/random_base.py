@@ -112,8 +112,9 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                                  scales if on_host else scales.to(device), bias,
                                  compute_dtype=layer.weight.dtype, fp8_matmul=fp8_matmul,
                                  outliers=outliers)
-                if on_host:
-                    new.host_views = host_views(data, scales)
+                # The daemon buffer stays with the base (base.buffers): a block that streams
+                # reads it there, also when the layer's bytes were copied to the GPU.
+                new.host_views = host_views(data, scales)
                 replace_module(model, name, new)
                 base.stored_bytes += data_bytes + scale_bytes
             if progress is not None:

@@ -381,8 +381,11 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     (the loss is the integration's: chunked or the model's own)."""
     from .adaptive import AdaptivePlan
 
-    inside = {id(p) for blk in paging.blocks for p in blk.parameters()}
-    other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
+    inside = {id(t) for blk in paging.blocks for t in streamed_tensors(blk)}
+    # Outside the blocks: parameters, and the stored bytes of quantized (or shared-base) layers
+    # held on the GPU, a head of a shared base say; the wrap-time plan counts them too.
+    other = sum(t.numel() * t.element_size() for t in streamed_tensors(model)
+                if id(t) not in inside and (isinstance(t, torch.nn.Parameter) or t.is_cuda))
     link = 0.0
     if pager.cuda and session.config.memory.profile:
         from ..transport.hardware import profile_hardware

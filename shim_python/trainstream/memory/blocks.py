@@ -57,12 +57,14 @@ _STORED_BUFFERS = ("data", "scales", "fp8_rows", "fp8_row_scales")
 def stored_buffers(module: Any) -> list:
     """The stored weight bytes of ``module``'s frozen quantized (or shared-base) linear layers:
     buffers, not parameters, that a block streaming its weights moves with them. Empty ones
-    (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out."""
+    (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out,
+    and so are layers read in place from a daemon GPU pool (``attach_base(gpu_pool=True)``):
+    that VRAM is the daemon's, already off the budget, and streaming it would free none."""
     from ..frozen.linear import BaseLinear
 
     found = []
     for m in module.modules():
-        if isinstance(m, BaseLinear):
+        if isinstance(m, BaseLinear) and not m.pooled:
             found.extend(b for name in _STORED_BUFFERS
                          if isinstance(b := getattr(m, name, None), torch.Tensor) and b.numel())
     return found
@@ -89,6 +91,15 @@ def shared_host_buffers(module: Any) -> dict:
                 if isinstance(buffer, torch.Tensor) and buffer.numel() == view.numel():
                     found[id(buffer)] = view
     return found
+
+
+def base_host_views(module: Any) -> list:
+    """Every host view of a shared base's bytes that ``module``'s layers keep (see
+    :func:`shared_host_buffers`), whatever their buffers hold now."""
+    from ..frozen.linear import BaseLinear
+
+    return [view for m in module.modules() if isinstance(m, BaseLinear)
+            for view in m.host_views.values()]
 
 
 def weight_bytes(module: Any, trained: bool | None = None) -> int:

@@ -41,7 +41,7 @@ from ..errors import InvalidArgumentError
 from ..hooks import HookClock
 from ..transport import device as cuda_device
 from .block_timing import BlockTiming
-from .blocks import streamed_tensors
+from .blocks import base_host_views, streamed_tensors
 from .saved_tensors import OffloadedActivation, SavedTensorPaging
 from .weight_slots import Slot, WeightSlots, mark_streaming
 
@@ -263,13 +263,15 @@ class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
         self.left_on_host_bytes = 0
         for b in self.paged:
             mark_streaming(self.blocks[b], False)
+            shared = {v.data_ptr() for v in base_host_views(self.blocks[b])}
             for p in self.params[b]:
                 host = self.host[id(p)]
                 try:
                     p.data = host.to(self.device, copy=True)
                 except torch.OutOfMemoryError:
                     # A model bigger than VRAM: the rest stays on the CPU, out of the daemon's
-                    # segment, instead of failing with half the weights moved.
-                    p.data = host.clone()
+                    # segment, instead of failing with half the weights moved. A shared base's
+                    # bytes stay where the base keeps them (no private copy of tens of GB).
+                    p.data = host if host.data_ptr() in shared else host.clone()
                     self.left_on_host_bytes += host.numel() * host.element_size()
         self.saved = {b: [] for b in self.offloading}
