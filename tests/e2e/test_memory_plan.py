@@ -114,15 +114,15 @@ def test_a_measured_block_is_replayed_for_its_time_without_changing_the_step():
 
     pager, blocks, cache, out, after = step(measure=True)
     _, plain_blocks, plain_cache, plain_out, plain_after = step(measure=False)
-    assert pager.measured[1]["replay_s"] > 0
-    assert pager.forward_seconds(1) == pager.measured[1]["replay_s"]
+    assert pager.timing.measured[1]["replay_s"] > 0
+    assert pager.timing.forward_seconds(1) == pager.timing.measured[1]["replay_s"]
     assert torch.equal(out, plain_out) and torch.equal(after, plain_after)
     assert len(cache) == len(plain_cache) == 2 and blocks[1].caches_seen == 1
     assert torch.equal(blocks[1].norm.running_mean, plain_blocks[1].norm.running_mean)
     assert blocks[1].training  # back in training mode after the replay
     # A block that cannot be replayed: the step goes on, timed as it ran.
     pager, _, _, failing_out, _ = step(measure=True, fails=True)
-    assert pager.measured[1]["replay_s"] is None and pager.forward_seconds(1) > 0
+    assert pager.timing.measured[1]["replay_s"] is None and pager.timing.forward_seconds(1) > 0
     assert torch.equal(failing_out, plain_out)
 
 
@@ -135,7 +135,7 @@ def test_a_warm_step_times_the_block_again_and_replans_when_it_differs(daemon_so
     resident, r_opt, planned, p_opt, _, _ = planned_twins(12, 4)
     pager = planned._trainstream_session.pager
     times = iter([0.010, warm_ms / 1e3])
-    pager.forward_seconds = lambda b: next(times)
+    pager.timing.forward_seconds = lambda b: next(times)
     losses = train(planned, p_opt, 4, device="cpu")
     measured = trainstream.memory_report(planned)["plan"]["measured"]
     assert measured["forward_s_probe"] == 0.010

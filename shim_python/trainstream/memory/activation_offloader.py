@@ -226,13 +226,13 @@ class ActivationOffloader:
         if self._baseline is None:
             self._baseline = self._device_bytes()  # the probe step starts: weights, inputs
             return
-        if len(pager.measured) < len(self.blocks):
+        if len(pager.timing.measured) < len(self.blocks):
             return  # the probe step has not reached every block yet
         self._decide()
 
     def _decide(self) -> None:
         pager, count = self._pager, len(self.blocks)
-        saved = [int(pager.measured[b]["saved_bytes"]) for b in range(count)]
+        saved = [int(pager.timing.measured[b]["saved_bytes"]) for b in range(count)]
         pager.measure = set()
         for h in self._hooks:
             h.remove()

@@ -480,7 +480,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         return applied
 
     def _start_measuring(self, reason: str) -> None:
-        self.pager.measured.pop(self.probe_block, None)
+        self.pager.timing.measured.pop(self.probe_block, None)
         self.pager.measure = {self.probe_block}
         self._measure_next = reason
         if self.cuda:
@@ -512,11 +512,11 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         from the probe's by more than a quarter; after the watchdog, always plans again."""
         reason, self._measure_next = self._measure_next, None
         self.pager.measure = set()
-        if self.probe_block not in self.pager.measured:
+        if self.probe_block not in self.pager.timing.measured:
             return False  # the step did not run the block with gradients: nothing to read
         peak = self._peak() - self.others if self.cuda else 0
         facts, act, forward_s = self._facts()
-        self.pager.measured.pop(self.probe_block)
+        self.pager.timing.measured.pop(self.probe_block)
         working = self._working_from_peak(facts)
         before = dict(self.measured)
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A measured block's forward time (a part of BlockPager, memory/pager.py): the block replayed
+"""The forward times of the blocks the pager measures (memory/pager.py): each block replayed
 without gradients where it can be, else its forward as timed in the step."""
 
 from __future__ import annotations
@@ -28,7 +28,29 @@ def _plain(value: Any) -> bool:
 
 
 class BlockTiming:
-    """BlockPager's forward timing (a part of the class: it reads the pager's state)."""
+    """What the pager measured of each block it was asked to (the probe step): the bytes its
+    forward saves for backward, its input's bytes and its forward's time, by block index."""
+
+    def __init__(self, device: torch.device, cuda: bool):
+        self.device = device
+        self.cuda = cuda
+        self.measured: dict[int, dict] = {}
+        # The step's VRAM peak when a measured block was replayed (the replay's own memory is
+        # not the step's); read with the allocator's peak since, and cleared with it.
+        self.peak_before_replay = 0
+
+    def record(self, b: int, module: torch.nn.Module, measuring: dict) -> None:
+        """Block ``b``'s forward has ended (``measuring``: what its start noted): its figures,
+        replayed while its weights are still bound."""
+        end = None
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self.measured[b] = {"saved_bytes": measuring["saved_bytes"],
+                            "input_bytes": measuring["input_bytes"],
+                            "events": (measuring["start"], end),
+                            "wall_s": time.perf_counter() - measuring["clock"],
+                            "replay_s": self._replay_seconds(module, *measuring["call"])}
 
     def _replay_seconds(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> float | None:
         """The block's forward run again without gradients, after one warm-up: its time with

@@ -61,7 +61,7 @@ def _storages_of(values: Any) -> set:
     return found
 
 
-class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
+class BlockPager(WeightSlots, SavedTensorPaging):
     """Pages the weights of ``blocks[i]`` for every ``i`` in ``paged``, and the saved
     activations of every ``i`` in ``activations``.
 
@@ -141,11 +141,8 @@ class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
         # Measurement (the probe step): bytes each measured block's forward saves for backward
         # (weights excluded), its input's bytes, and its forward's time.
         self.measure: set[int] = set()
-        self.measured: dict[int, dict] = {}
+        self.timing = BlockTiming(self.device, self.cuda)
         self._measuring: dict[int, Any] = {}
-        # The step's VRAM peak when a measured block was replayed (the replay's own memory is
-        # not the step's); read with the allocator's peak since, and cleared with it.
-        self.peak_before_replay = 0
         self.hooks: list = []
         self._saved_hooks: dict[int, Any] = {}
         self.clock = HookClock()  # the CPU time its hooks take (memory_report)
@@ -229,16 +226,7 @@ class BlockPager(WeightSlots, SavedTensorPaging, BlockTiming):
             self._paged_storages.pop(b, None)
             measuring = self._measuring.pop(b, None)
             if measuring is not None:
-                end = None
-                if self.cuda:
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                self.measured[b] = {"saved_bytes": measuring["saved_bytes"],
-                                    "input_bytes": measuring["input_bytes"],
-                                    "events": (measuring["start"], end),
-                                    "wall_s": time.perf_counter() - measuring["clock"],
-                                    # while its weights are still bound
-                                    "replay_s": self._replay_seconds(module, *measuring["call"])}
+                self.timing.record(b, module, measuring)  # while its weights are still bound
             if b in self.position:
                 self._unbind(b)
         return hook

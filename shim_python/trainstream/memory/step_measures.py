@@ -27,11 +27,12 @@ class StepMeasures:
 
     def _peak(self) -> int:
         """The VRAM peak since the last reset, a replay's own memory left out."""
-        return max(torch.cuda.max_memory_allocated(self.device), self.pager.peak_before_replay)
+        return max(torch.cuda.max_memory_allocated(self.device),
+                   self.pager.timing.peak_before_replay)
 
     def _reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.pager.peak_before_replay = 0
+        self.pager.timing.peak_before_replay = 0
 
     def _process_limit(self) -> int:
         """What the caching allocator may reserve in this process (torch's per-process
@@ -77,11 +78,11 @@ class StepMeasures:
             b in self.pager.position) else weight_bytes(self.blocks[b])
 
     def _facts(self) -> tuple[list, int, float]:
-        m = self.pager.measured.get(self.probe_block)
+        m = self.pager.timing.measured.get(self.probe_block)
         if m is None:
             raise MemoryPlanError("the probe step did not run the last block's forward with "
                                   "gradients enabled; train with the model's forward")
-        forward_s = self.pager.forward_seconds(self.probe_block)
+        forward_s = self.pager.timing.forward_seconds(self.probe_block)
         facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
                             activation_bytes=m["saved_bytes"], input_bytes=m["input_bytes"],
                             trained_share=self._trained_share(b),
