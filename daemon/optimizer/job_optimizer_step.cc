@@ -66,8 +66,12 @@ void JobOptimizer::GradientReadyLocked(const std::string& session_id,
   const std::optional<uint32_t> rank = RankOfSenderLocked(session_id, message);
   if (!rank) return;
   if (!failure_.empty()) {
-    SendToRank(*rank, Message(ipc::DoorbellKind::kError, message.id, message.step,
-                              kFailedPreconditionCode));
+    // Until its speculated tensors are restored, the failure's own announcement is still to
+    // come (AnnounceFailureIfUndoneLocked): an error now would let the rank read them half-way.
+    if (!failure_unannounced_) {
+      SendToRank(*rank, Message(ipc::DoorbellKind::kError, message.id, message.step,
+                                kFailedPreconditionCode));
+    }
     return;
   }
   if (!departed_.empty()) {
@@ -321,7 +325,11 @@ void JobOptimizer::ResetProgressLocked() {
     p.stats = {};
     p.chunks_left = 0;
     p.backed_up = false;
+    p.restoring = false;
   }
+  // Called with the failure's tasks all run (AwaitQuietLocked), its announcement made.
+  undo_pending_ = 0;
+  failure_unannounced_ = false;
   iteration_started_ = false;
   speculating_ = false;
   memory_seen_ = false;

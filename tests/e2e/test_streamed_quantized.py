@@ -164,7 +164,8 @@ def test_the_plan_counts_stored_bytes_as_block_weights(daemon_socket):
 def test_layers_read_from_a_gpu_pool_are_not_block_weights(daemon_socket):
     # A pooled layer's bytes are a view of the daemon's VRAM, off the budget already: counting
     # them as block weights would stream a block that fits, and free nothing.
-    from trainstream.memory.blocks import base_host_views
+    from trainstream.memory.blocks import base_host_views, weight_tensors
+    from trainstream.memory.weight_slots import mark_streaming
 
     model = frozen_gpt(9, layers=2)
     trainstream.quantize_model(model, "nf4")
@@ -178,3 +179,9 @@ def test_layers_read_from_a_gpu_pool_are_not_block_weights(daemon_socket):
     assert weight_bytes(block, trained=False) == sum(
         t.numel() * t.element_size() for t in streamed_tensors(block) if not t.requires_grad)
     assert base_host_views(block) == []  # quantized here: no shared base's bytes to read
+    # Still weights the block reads (the pager tells them from saved activations), and never
+    # marked as streaming (which would refuse their FP8 tensor-core matmul for no reason).
+    held = weight_tensors(block)
+    assert any(t is layers[0].data for t in held) and any(t is layers[0].scales for t in held)
+    mark_streaming(block, True)
+    assert not layers[0].streams and all(m.streams for m in layers[1:])

@@ -136,9 +136,9 @@ class BaseLinear(nn.Linear):
         self.matmul_choice: dict | None = None  # what was chosen, and why (memory_report)
         self.note: Any = None  # wrap() sets its session's note(kind, message, **numbers)
         self.pooled = False  # its bytes are a view of a daemon GPU pool (attach_base)
-        # Where its bytes are a shared base's host memory itself (attach_base on the CPU, or
-        # keep_on_host; a random base's daemon buffers): those views, by buffer name. A block
-        # streaming them reads them there, even after wrap() moved a resident copy to the GPU.
+        # Where its bytes are a shared base's host memory (attach_base without a GPU pool, a
+        # random base's daemon buffers): those views, by buffer name. A block streaming them
+        # reads them there, also when the layer's own copy is on the GPU.
         self.host_views: dict = {}
         # Its block streams its weights (memory/weight_slots.py): the stored bytes are bound to
         # a device slot only around the block's forward and backward.

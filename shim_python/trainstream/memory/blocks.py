@@ -54,17 +54,18 @@ def find_blocks(model: Any) -> list:
 _STORED_BUFFERS = ("data", "scales", "fp8_rows", "fp8_row_scales")
 
 
-def stored_buffers(module: Any) -> list:
+def stored_buffers(module: Any, pooled: bool = False) -> list:
     """The stored weight bytes of ``module``'s frozen quantized (or shared-base) linear layers:
     buffers, not parameters, that a block streaming its weights moves with them. Empty ones
     (what an FP8 layer leaves behind once it multiplies from its row-scaled copy) are left out,
-    and so are layers read in place from a daemon GPU pool (``attach_base(gpu_pool=True)``):
-    that VRAM is the daemon's, already off the budget, and streaming it would free none."""
+    and so are layers read in place from a daemon GPU pool (``attach_base(gpu_pool=True)``)
+    unless ``pooled``: that VRAM is the daemon's, already off the budget, and streaming it would
+    free none."""
     from ..frozen.linear import BaseLinear
 
     found = []
     for m in module.modules():
-        if isinstance(m, BaseLinear) and not m.pooled:
+        if isinstance(m, BaseLinear) and (pooled or not m.pooled):
             found.extend(b for name in _STORED_BUFFERS
                          if isinstance(b := getattr(m, name, None), torch.Tensor) and b.numel())
     return found
@@ -74,6 +75,13 @@ def streamed_tensors(module: Any) -> list:
     """Everything streaming ``module``'s weights moves: its parameters (trained ones included),
     then the stored bytes of its quantized layers (:func:`stored_buffers`)."""
     return list(module.parameters()) + stored_buffers(module)
+
+
+def weight_tensors(module: Any) -> list:
+    """Every tensor ``module``'s forward reads weights from: what streams, and the stored bytes
+    of layers read in place from a GPU pool, which never stream. The pager tells them from the
+    activations a block saves for backward by their storage."""
+    return list(module.parameters()) + stored_buffers(module, pooled=True)
 
 
 def shared_host_buffers(module: Any) -> dict:

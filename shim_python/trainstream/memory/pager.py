@@ -41,7 +41,7 @@ from ..errors import InvalidArgumentError
 from ..hooks import HookClock
 from ..transport import device as cuda_device
 from .block_timing import BlockTiming
-from .blocks import base_host_views, streamed_tensors
+from .blocks import base_host_views, weight_tensors
 from .saved_tensors import OffloadedActivation, SavedTensorPaging
 from .weight_slots import Slot, WeightSlots, mark_streaming
 
@@ -191,7 +191,7 @@ class BlockPager(WeightSlots, SavedTensorPaging):
                 # block's weights, and what it was called with besides its input (rotary
                 # tables, a mask: the model holds them for every block).
                 self.weight_storages[b] = {t.untyped_storage().data_ptr()
-                                           for t in streamed_tensors(self.blocks[b])}
+                                           for t in weight_tensors(self.blocks[b])}
                 called_with = {k: v for k, v in kwargs.items() if args or k != "hidden_states"}
                 self.weight_storages[b].update(_storages_of((*args[1:], *called_with.values())))
                 self._paged_storages[b] = {}

@@ -17,11 +17,12 @@ from .blocks import streamed_tensors
 
 def mark_streaming(block: torch.nn.Module, streams: bool) -> None:
     """Tells ``block``'s quantized layers whether their stored bytes stream (an FP8 layer then
-    keeps multiplying from them instead of a row-scaled copy of its own)."""
+    keeps multiplying from them instead of a row-scaled copy of its own). Layers read from a
+    GPU pool never stream."""
     from ..frozen.linear import BaseLinear
 
     for m in block.modules():
-        if isinstance(m, BaseLinear):
+        if isinstance(m, BaseLinear) and not m.pooled:
             m.streams = streams
 
 
