@@ -86,9 +86,8 @@ def weight_tensors(module: Any) -> list:
 
 def shared_host_buffers(module: Any) -> dict:
     """The stored buffers (by id) whose bytes are a shared base's host memory (``attach_base``
-    on the CPU or with ``keep_on_host``, a random base's daemon buffers), each with that host
-    view: streaming reads them there, with no copy of its own, even once ``wrap()`` has moved
-    the buffer itself to the GPU."""
+    without a GPU pool, a random base's daemon buffers), each with that host view: streaming
+    reads them there, with no copy of its own, also when the buffer itself is on the GPU."""
     from ..frozen.linear import BaseLinear
 
     found = {}
