@@ -185,3 +185,22 @@ def test_layers_read_from_a_gpu_pool_are_not_block_weights(daemon_socket):
     assert any(t is layers[0].data for t in held) and any(t is layers[0].scales for t in held)
     mark_streaming(block, True)
     assert not layers[0].streams and all(m.streams for m in layers[1:])
+
+
+def test_a_fetch_by_raw_pointers_never_spans_two_cuda_registrations():
+    # A segment the driver would not register whole is registered in 1 GiB pieces; a streamed
+    # block's fetch copies by raw pointers, which fails across two. Such bytes are then not read
+    # in place (the pager makes a copy of its own).
+    from types import SimpleNamespace
+
+    from trainstream.transport.client import in_one_registration
+
+    gib = 1 << 30
+    whole = SimpleNamespace(offset=5 * gib, registration_piece_bytes=0)  # whole, or unregistered
+    assert in_one_registration(whole, gib - 10, 20)
+    pieces = SimpleNamespace(offset=gib - 4096, registration_piece_bytes=gib)
+    assert in_one_registration(pieces, 0, 4096)  # ends on the boundary
+    assert not in_one_registration(pieces, 0, 4097)  # one byte past it
+    assert in_one_registration(pieces, 4096, gib)  # the whole next piece
+    assert not in_one_registration(pieces, 4095, 2)
+    assert in_one_registration(pieces, 4095, 0)  # nothing to copy

@@ -329,10 +329,10 @@ def attach_base(model: nn.Module, base: SharedBase, device: Any = None,
         layer = BaseLinear(stored, data, scales, bias, compute_dtype=module.weight.dtype,
                            fp8_matmul=fp8_matmul, outliers=outliers)
         layer.pooled = pool is not None
-        if pool is None:
+        if pool is None and base.in_one_registration(key):
             # The base's host bytes, which the attached base keeps mapped: a block that
             # streams reads them there, with no copy of its own, also when they were copied
-            # to the GPU here.
+            # to the GPU here. (Across two registrations, it makes a copy of its own.)
             layer.host_views = host_views(*base.raw(key))
         replace_module(model, name, layer)
         taken["linear"].append(f"{name}.weight")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..transport.client import in_one_registration
 from .formats import BaseTensor
 from .linear import (BaseLinear, host_views, quantize_on_every_core, quantized_sizes,
                      replace_module)
@@ -89,10 +90,10 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
             memory = buffer.tensor(torch.uint8, (max(total, 1),))
             offset = 0
             for (name, layer), (data_bytes, scale_bytes, _) in zip(layers, sizes):
-                data = memory[offset:offset + data_bytes]
-                offset += _aligned(data_bytes)
-                scales = memory[offset:offset + scale_bytes]
-                offset += _aligned(scale_bytes)
+                data_at, scales_at = offset, offset + _aligned(data_bytes)
+                data = memory[data_at:data_at + data_bytes]
+                scales = memory[scales_at:scales_at + scale_bytes]
+                offset = scales_at + _aligned(scale_bytes)
                 numel = layer.weight.numel()
                 scratch[:numel].normal_(0.0, std, generator=g)
                 if host_scratch is not scratch:
@@ -113,8 +114,11 @@ def quantize_random_layers(model: nn.Module, groups: list, format: str, block: i
                                  compute_dtype=layer.weight.dtype, fp8_matmul=fp8_matmul,
                                  outliers=outliers)
                 # The daemon buffer stays with the base (base.buffers): a block that streams
-                # reads it there, also when the layer's bytes were copied to the GPU.
-                new.host_views = host_views(data, scales)
+                # reads it there, also when the layer's bytes were copied to the GPU (unless
+                # they span two CUDA registrations: it then makes a copy of its own).
+                if (in_one_registration(buffer, data_at, data_bytes)
+                        and in_one_registration(buffer, scales_at, scale_bytes)):
+                    new.host_views = host_views(data, scales)
                 replace_module(model, name, new)
                 base.stored_bytes += data_bytes + scale_bytes
             if progress is not None:

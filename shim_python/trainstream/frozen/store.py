@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from ..transport import kernels
-from ..transport.client import Client, connect
+from ..transport.client import Client, connect, in_one_registration
 from ..errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from .formats import E2M1_VALUES, FORMATS, NF4_VALUES, BaseTensor, source_dtype  # noqa: F401
 from .gpu_pool import place_on_gpu
@@ -43,6 +43,14 @@ class SharedBase:
     source = property(lambda self: self._info["source"])
     stored_bytes = property(lambda self: int(self._info["stored_bytes"]))
     load_seconds = property(lambda self: float(self._info["load_seconds"]))
+
+    def in_one_registration(self, name: str) -> bool:
+        """Whether ``name``'s stored bytes (data, and scales) each lie inside one CUDA host
+        registration of their buffer, as a streamed block's fetch by raw pointers needs."""
+        t = self.record(name)
+        buffer = self._buffers[t.buffer]
+        return (in_one_registration(buffer, t.data_offset, t.data_bytes)
+                and in_one_registration(buffer, t.scale_offset, t.scale_bytes))
 
     def info(self) -> dict:
         """The daemon's view now (users, bytes, state)."""

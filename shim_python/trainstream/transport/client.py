@@ -36,6 +36,18 @@ def reply_dict(reply: Any) -> Any:
 _REPLY_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
+def in_one_registration(buffer: Any, offset: int, nbytes: int) -> bool:
+    """Whether ``nbytes`` at ``offset`` in ``buffer`` (a daemon buffer, native or not) lie inside
+    one of its segment's CUDA host registrations. A copy by raw pointers spanning two fails
+    (cudaErrorInvalidValue); a segment is registered in pieces only when the driver refused it
+    whole. Memory registered whole, or not at all, is one range."""
+    piece = buffer.registration_piece_bytes
+    if piece <= 0 or nbytes <= 0:
+        return True
+    start = buffer.offset + offset
+    return start // piece == (start + nbytes - 1) // piece
+
+
 # Doorbell kinds (client/ipc/doorbell_ring.h).
 PING, PONG, GRADIENT_READY, UPDATE_DONE, ERROR = 1, 2, 10, 11, 255
 
