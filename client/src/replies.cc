@@ -147,6 +147,10 @@ BaseInfo FromProto(const v1::BaseInfo& b) {
   return out;
 }
 
+std::vector<BaseInfo> FromProto(const v1::ListBasesReply& reply) {
+  return ListOf(reply.bases(), [](const v1::BaseInfo& b) { return FromProto(b); });
+}
+
 GpuPoolInfo FromProto(const v1::GpuPoolInfo& p) {
   return GpuPoolInfo{p.pool_id(),
                      p.gpu_uuid(),

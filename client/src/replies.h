@@ -17,6 +17,7 @@ MemoryReport FromProto(const v1::MemoryReport& m);
 Event FromProto(const v1::Event& e);
 HostPlan FromProto(const v1::HostPlan& p);
 BaseInfo FromProto(const v1::BaseInfo& b);
+std::vector<BaseInfo> FromProto(const v1::ListBasesReply& reply);
 GpuPoolInfo FromProto(const v1::GpuPoolInfo& p);
 GpuPools FromProto(const v1::ListGpuPoolsReply& reply);
 OptimizerInfo FromProto(const v1::OptimizerInfo& info);

@@ -87,9 +87,7 @@ absl::StatusOr<std::vector<BaseInfo>> Session::ListBases() {
   ASSIGN_OR_RETURN(v1::ListBasesReply reply,
                    (impl_->Inspect<v1::ListBasesRequest, v1::ListBasesReply>(
                        &v1::TrainStream::Stub::ListBases)));
-  std::vector<BaseInfo> bases;
-  for (const v1::BaseInfo& b : reply.bases()) bases.push_back(FromProto(b));
-  return bases;
+  return FromProto(reply);
 }
 absl::StatusOr<std::vector<std::shared_ptr<HostBuffer>>> Session::MapBase(uint64_t base_id) {
   return impl_->MapBase(base_id);
