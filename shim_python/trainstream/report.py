@@ -66,8 +66,9 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
     report["activations"] = {
         "policy": policy,
         "offloaded_bytes": pager.bytes_offloaded if pager else 0,  # device to host, since wrap()
-        "host_bytes": pager.arena.reserved_bytes if pager and pager.arena else 0,
-        "host_refused": pager.arena_refused if pager else None,
+        "host_bytes": (pager.activations.arena.reserved_bytes
+                       if pager and pager.activations.arena else 0),
+        "host_refused": pager.activations.arena_refused if pager else None,
         # TrainStream 0.6's names: the blocks that page their activations, those that
         # recompute their forward, and what decided it.
         "offloaded_blocks": [i for i, p in enumerate(policy) if p == "offload"],
@@ -91,7 +92,7 @@ def memory_report(model: torch.nn.Module | None = None) -> dict:
         "slot_bytes": pager.resident_bytes() if pager else 0,
         "optimizer_state_bytes": 8 * opt.device_state_elements,
     }
-    report["activations"]["inflight_waits"] = pager.inflight_waits if pager else 0
+    report["activations"]["inflight_waits"] = pager.activations.inflight_waits if pager else 0
     # The CPU time trainstream's hooks took, by hook: what the client adds to the thread that
     # issues the GPU's work (a paged step that waits on the CPU is slowed by it).
     hooks = {**opt.clock.report(opt.steps), **(pager.clock.report(opt.steps) if pager else {})}

@@ -215,6 +215,9 @@ def test_with_the_streamed_blocks_chosen_a_tight_first_step_is_said_not_refused(
 # step at 45% (1.26 GiB): its loss alone works on 0.73 GiB of logits, and with every block
 # streaming, the copies in flight and the headroom it cannot fit; the probe refuses it there now
 # (the CPU tests show the refusal), and it trains at 55%.
+# The step a capped run's plan settles by: the step model's plan settles within 12, then the
+# whole plans timed against it (memory/plan_trial.py) each settle and run their timed steps.
+SETTLED_WITHIN = 40
 GPU_CASES = [("small-qwen2", "full", 1, 512, 0, 0.45), ("small-qwen2", "full", 0, 512, 0, 0.45),
              ("small-llama", "full", 1, 512, 0, 0.45), ("small-phi3", "lora", 0, 512, 0, 0.55),
              ("small-qwen2", "lora", 0, 512, 0, 0.45), ("small-llama", "lora", 0, 2048, 0, 0.45),
@@ -297,7 +300,8 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandab
     """Under a cap at 45% of what stock PyTorch reserves (55% for one, see GPU_CASES),
     wrap()'s defaults train 60 steps through every transition of the plan: no out-of-memory
     error, no non-finite loss or gradient, every step's reserved peak under the cap, the plan
-    settled within 12 steps, no VRAM held between steps growing once settled, and losses within
+    settled within 40 steps (the whole plans it times after the first settles included: 16 to
+    34 on the H100, 2026-12-07), no VRAM held between steps growing once settled, and losses within
     the tolerance that two stock optimizers (fused and foreach, on the same batches) differ by
     under bf16 autocast. 2,048 positions a sequence keep 2,048 a step (one sequence);
     expandable segments run the allocator the other way people set it."""
@@ -317,9 +321,10 @@ def test_capped_hf_model_trains_like_stock(preset, tune, autocast, seq, expandab
     guarded = [m for kind, m in ours.get("events") or [] if kind == "optimizer.nonfinite"]
     assert not guarded, guarded
     assert max(ours["peak_reserved"]) <= cap * 2**30
-    assert ours["settled_at"] is not None and ours["settled_at"] <= 12, ours.get("events")
+    settled = ours["settled_at"]
+    assert settled is not None and settled <= SETTLED_WITHIN, ours.get("events")
     held = ours["held"]
-    assert max(held[12:]) - held[12] < 64 << 20, held
+    assert max(held[settled:]) - held[settled] < 64 << 20, held
     tolerance = max(5 * noise, 0.02 if autocast else 2e-3)
     diff = max(abs(a - b) for a, b in zip(stock["losses"], ours["losses"]))
     assert diff <= tolerance, (diff, tolerance, stock["losses"], ours["losses"])

@@ -53,14 +53,14 @@ def test_streamed_quantized_blocks_train_bit_identical_to_resident(daemon_socket
     assert isinstance(layer, trainstream.BaseLinear) and layer.streams
     # The stored bytes are in the streamed set, and between steps hold no memory of their own.
     stored = stored_buffers(streamed.blocks[1])
-    assert stored and all(any(t is s for t in pager.params[1]) for s in stored)
+    assert stored and all(any(t is s for t in pager.weights.params[1]) for s in stored)
     assert all(s.untyped_storage().nbytes() <= s.element_size() for s in stored)
     # The slots hold a block's weights as stored: NF4 codes, not bf16 or fp32 values.
     block_bytes = weight_bytes(resident.blocks[1])
-    assert pager.layout_bytes[1] == block_bytes
-    assert pager.layout_bytes[1] < weight_bytes(frozen_gpt(5).blocks[1])
+    assert pager.weights.layout_bytes[1] == block_bytes
+    assert pager.weights.layout_bytes[1] < weight_bytes(frozen_gpt(5).blocks[1])
     assert train_steps(resident, r_opt, 5, DEVICE) == train_steps(streamed, s_opt, 5, DEVICE)
-    assert pager.packed > 0  # backward fetched the stored bytes again through its saved views
+    assert pager.weights.packed > 0  # backward fetched the stored bytes again: its saved views
     said = [e["message"] for e in streamed._trainstream_session.events
             if e["kind"] == "wrap.param_offload"]
     assert said and "4 of 4 blocks stream" in said[0]
@@ -91,8 +91,8 @@ def test_streamed_blocks_page_activations_without_copying_their_stored_bytes(dae
     assert train_steps(resident, r_opt, 3, DEVICE) == train_steps(paged, p_opt, 3, DEVICE)
     # Block 0 keeps its weights in VRAM, block 1 streams them (its saved views of the slot are
     # layouts): both page the same activations, and not a stored byte of the resident block.
-    paged_sizes = [sorted(i.host.numel() * i.host.element_size() for i in pager.saved[b])
-                   for b in (0, 1)]
+    paged_sizes = [sorted(i.host.numel() * i.host.element_size()
+                          for i in pager.activations.saved[b]) for b in (0, 1)]
     assert paged_sizes[0] and paged_sizes[0] == paged_sizes[1]
     trainstream.unwrap(paged)
     trainstream.unwrap(resident)
@@ -122,7 +122,7 @@ def test_a_streamed_shared_base_is_read_where_the_daemon_holds_it(daemon_socket,
         assert set(layer.host_views) == {"data", "scales"}
         # The host copy a streamed layer is fetched from is the base's memory: no copy made.
         data, _ = base.raw("blocks.2.mlp.2.weight")
-        host = session.pager.host[id(layer._buffers["data"])]
+        host = session.pager.weights.host[id(layer._buffers["data"])]
         assert host.data_ptr() == data.data_ptr()
         shared = sum(t.numel() * t.element_size() for b in streamed.blocks
                      for t in stored_buffers(b))

@@ -56,7 +56,7 @@ def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
     w = streamed.blocks[pager.paged[0]].mlp[0].weight
     assert w.untyped_storage().nbytes() == w.element_size()
     assert train(resident, r_opt, 6) == train(streamed, s_opt, 6)
-    assert pager.packed > 0  # backward re-fetched the weights it saved references to
+    assert pager.weights.packed > 0  # backward re-fetched the weights it saved references to
     report = trainstream.memory_report(streamed)["params"]
     assert report["paged_blocks"] == pager.paged and report["load_bytes"] == pager.bytes_fetched
     # A checkpoint of the model while paged holds the real weights, not the placeholders.
@@ -65,8 +65,8 @@ def test_paged_weights_train_bit_identical_to_resident(daemon_socket, paged):
     assert all(torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
     # Each streamed block is fetched for forward and again for backward, except the last ones
     # of forward, still in their slots when backward starts with them.
-    sizes = [sum(n for _, _, n in pager.layout[b]) for b in pager.paged]
-    assert pager.bytes_fetched == 6 * fetch_bytes(sizes, pager.depth) < 6 * 2 * sum(sizes)
+    sizes = [sum(n for _, _, n in pager.weights.layout[b]) for b in pager.paged]
+    assert pager.bytes_fetched == 6 * fetch_bytes(sizes, pager.weights.depth) < 6 * 2 * sum(sizes)
     for a, b in zip(weights(resident), weights(streamed)):
         assert torch.equal(a, b)
 
@@ -186,7 +186,7 @@ def test_views_of_one_storage_are_paged_once_and_whole(daemon_socket):
     assert pager.bytes_offloaded == expected
     # One host copy of the fused projection's output, a view of it for each of q, k and v.
     qkv_bytes = x.numel() * 3 * model.blocks[0].attn.qkv.in_features * 4
-    assert sum(item.host.nbytes == qkv_bytes for item in pager.saved[0]) == 1
+    assert sum(item.host.nbytes == qkv_bytes for item in pager.activations.saved[0]) == 1
     assert train(resident, r_opt, 3, start=1) == train(paged, p_opt, 3, start=1)
     for a, b in zip(weights(resident), weights(paged)):
         assert torch.equal(a, b)
@@ -210,7 +210,7 @@ def test_paged_storages_come_back_for_a_second_backward():
         loss.backward()
     assert pager.bytes_offloaded > 0
     assert all(item.device is None and item.views >= 1 for b in (0, 1)
-               for item in pager.saved[b])
+               for item in pager.activations.saved[b])
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
 

@@ -289,12 +289,13 @@ class ActivationOffloader:
     @property
     def stats(self) -> dict:
         pager = self._pager
+        arena = pager.activations.arena
         return {"offloaded_bytes": pager.bytes_offloaded,
-                "inflight_waits": pager.inflight_waits,
-                "host_bytes": pager.arena.reserved_bytes if pager.arena is not None else None,
+                "inflight_waits": pager.activations.inflight_waits,
+                "host_bytes": arena.reserved_bytes if arena is not None else None,
                 "offloaded_blocks": len(pager.offloading),
                 "recomputed_blocks": len(self._recompute.indices),
-                "host_refused": pager.arena_refused}
+                "host_refused": pager.activations.arena_refused}
 
     def keep_resident(self, k: int) -> list:
         """Keeps the activations of up to ``k`` blocks that "auto" pages or recomputes in VRAM

@@ -295,18 +295,19 @@ def page_blocks(model: torch.nn.Module, choice: PagingChoice | None, offload: Of
 
     def host_copies(module, state_dict, prefix, local_metadata):
         for b in pager.paged:
-            for p in pager.params[b]:
+            for p in pager.weights.params[b]:
                 key = prefix + names.get(id(p), "")
                 if key in state_dict:
-                    state_dict[key] = pager.host[id(p)].detach().clone()
+                    state_dict[key] = pager.weights.host[id(p)].detach().clone()
 
     pager.hooks.append(model._register_state_dict_hook(host_copies))
     if paged:
-        moved = sum(t.numel() * t.element_size() for b in paged for t in pager.params[b])
+        moved = sum(t.numel() * t.element_size() for b in paged for t in pager.weights.params[b])
+        slots = pager.weights
         events.append(("wrap.param_offload",
                        f"{len(paged)} of {len(blocks)} blocks stream their weights from host "
-                       f"memory ({moved / 2**30:.2f} GiB; {len(pager.slots)} device slots of "
-                       f"{pager.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
+                       f"memory ({moved / 2**30:.2f} GiB; {len(slots.slots)} device slots of "
+                       f"{slots.slot_bytes / 2**20:.1f} MiB, prefetch depth {depth})"))
     if offloaded:
         events.append(("wrap.activation_offload",
                        f"{len(offloaded)} of {len(blocks)} blocks page their saved activations "
@@ -330,7 +331,7 @@ def unstream_weights(offload: OffloadAdamW, pager: Any, blocks: list) -> None:
     then the optimizer copies their updates there."""
     if not blocks:
         return
-    ids = {id(p) for b in blocks for p in pager.params.get(b, ())}
+    ids = {id(p) for b in blocks for p in pager.weights.params.get(b, ())}
     pager.unpage_weights(blocks)
     offload.resume_returning(ids)
 
@@ -350,12 +351,12 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
     def before(state_dict, prefix, *rest):
         # The parameters of blocks that stream now (the plan may have changed them since
         # wrap()); quantized layers' stored bytes are not in a state dict.
-        streamed[:] = [p for ps in (pager.params.values() if pager else ()) for p in ps
+        streamed[:] = [p for ps in (pager.weights.params.values() if pager else ()) for p in ps
                        if isinstance(p, torch.nn.Parameter)]
         offload.synchronize()  # no returning copy may land on top of the loaded values
         for p in streamed:  # a real tensor to load into, for the moment (frozen ones too),
             # holding the current value for keys the state dict leaves out
-            p.data = pager.host[id(p)].to(p.device, copy=True)
+            p.data = pager.weights.host[id(p)].to(p.device, copy=True)
 
     def after(module, incompatible):
         with torch.no_grad():
@@ -364,8 +365,8 @@ def keep_daemon_weights_on_load(model: torch.nn.Module, offload: OffloadAdamW,
                     offload.weights_to_daemon(i)
             for p in streamed:
                 if offload.index_of(p) is None:  # frozen: its host copy takes the value
-                    pager.host[id(p)].copy_(p.detach())
-                p.data = pager.placeholders[id(p)]
+                    pager.weights.host[id(p)].copy_(p.detach())
+                p.data = pager.weights.placeholders[id(p)]
         if pager is not None:
             pager.weights_changed()
 

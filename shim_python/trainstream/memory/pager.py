@@ -31,7 +31,6 @@ paged weights.
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any, Callable, Sequence
 
@@ -39,11 +38,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..hooks import HookClock
-from ..transport import device as cuda_device
 from .block_timing import BlockTiming
-from .blocks import base_host_views, weight_tensors
-from .saved_tensors import OffloadedActivation, SavedTensorPaging
-from .weight_slots import Slot, WeightSlots, mark_streaming
+from .blocks import weight_tensors
+from .saved_tensors import SavedTensorPaging, SavedView
+from .weight_slots import PackedWeight, WeightSlots
 
 
 def _storages_of(values: Any) -> set:
@@ -61,9 +59,11 @@ def _storages_of(values: Any) -> set:
     return found
 
 
-class BlockPager(WeightSlots, SavedTensorPaging):
+class BlockPager:
     """Pages the weights of ``blocks[i]`` for every ``i`` in ``paged``, and the saved
-    activations of every ``i`` in ``activations``.
+    activations of every ``i`` in ``activations``: the blocks' forward hooks and saved-tensor
+    hooks hand each block's work to its two collaborators, ``weights`` (a WeightSlots) and
+    ``activations`` (a SavedTensorPaging), and measure the blocks in ``measure``.
 
     ``host_copy(p)`` returns the host tensor holding parameter ``p``'s current value (for a
     model under ``wrap()``, the daemon's buffer its updates land in), with ``p``'s shape and
@@ -77,67 +77,20 @@ class BlockPager(WeightSlots, SavedTensorPaging):
         self.blocks = list(blocks)
         if not self.blocks:
             raise InvalidArgumentError("no blocks to page")
-        self.paged: list[int] = []
-        self.offloading: list[int] = []
-        self.depth = max(1, int(prefetch_depth))
-        self.min_offload_bytes = int(min_offload_bytes)
-        self.params: dict[int, list] = {}
         # The device the blocks run on; paged weights may still sit on the CPU when the model
         # did not fit there (wrap() moves only what stays resident).
         self.device = torch.device(device) if device is not None else next(
             self.blocks[0].parameters()).device
         self.cuda = self.device.type == "cuda"
-        self._device_index = cuda_device.device_index(self.device) if self.cuda else -1
-        self.saved: dict[int, list[OffloadedActivation]] = {}
-        self.bytes_offloaded = 0
-        # Activations still crossing to host memory keep their device memory until the copy
-        # lands; past this many bytes, forward waits for the oldest copies.
-        self.max_inflight_bytes = int(max_inflight_bytes)
-        self._inflight: collections.deque = collections.deque()
-        self._inflight_bytes = 0
-        # Activations the block running now saved, with their device tensors: copied to host
-        # together after its forward, behind one event (a stream switch and an event per
-        # tensor cost the CPU more than the copy's own call).
-        self._unissued: list[tuple[OffloadedActivation, torch.Tensor]] = []
-        self._unissued_bytes = 0
-        self._compute_waited: Any = None  # the last copy-back event the compute stream waited on
-        # Blocks whose backward has asked for their predecessor's activations since their
-        # forward.
-        self._predecessor_asked: set[int] = set()
-        self.inflight_waits = 0
+        self.clock = HookClock()  # the CPU time its hooks take (memory_report)
+        self.weights = WeightSlots(self.blocks, host_copy, max(1, int(prefetch_depth)),
+                                   self.device, self.clock)
+        self.activations = SavedTensorPaging(self.device, arena, min_offload_bytes,
+                                             max_inflight_bytes)
         self.left_on_host_bytes = 0  # paged weights that close() could not put back on the device
-        # Host memory for activations: the daemon's (an ActivationArena, or a callable making
-        # one when the first block starts paging its activations), else private pinned.
-        self._make_arena = arena if callable(arena) and not hasattr(arena, "take") else None
-        self.arena = None if self._make_arena is not None else arena
-        self.arena_refused: str | None = None
-        self.host: dict[int, torch.Tensor] = {}
-        self._host_copy = host_copy
-        self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
-        self.layout_bytes: dict[int, int] = {}  # per block: its weights' bytes
-        self.slot_bytes = 0
-        self.slots: list[Slot] = []
-        # Weights and activations copied on streams of their own: an activation's copy waits
-        # for compute (the copy out for the work that made it, the copy back for the memory it
-        # reuses) and so holds no weight prefetch back, and the link carries activations out
-        # while weights come in.
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.activation_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.placeholders: dict[int, torch.Tensor] = {}
+        # Per block whose saved tensors are paged or measured: the storages a saved tensor may
+        # come from that paging it would not free.
         self.weight_storages: dict[int, set] = {}
-        # Per block whose forward runs now: the storages its saved tensors page, by address
-        # (held until the forward ends, so that an address is not reused meanwhile).
-        self._paged_storages: dict[int, dict] = {}
-        self.position: dict[int, int] = {}  # weight-paged blocks only
-        self.pending_grads: dict[int, int] = {}
-        self._grad_hooks: dict[int, list] = {}
-        self.bound: set[int] = set()
-        # The slot each bound block reads its weights from: _pack runs for every tensor a
-        # block saves, and looks it up here rather than scanning the slots.
-        self._bound_slots: dict[int, Slot] = {}
-        self.generation = 0
-        self.bytes_fetched = 0
-        self.packed = 0  # saved references to paged weights kept as layouts, not tensors
         # Measurement (the probe step): bytes each measured block's forward saves for backward
         # (weights excluded), its input's bytes, and its forward's time.
         self.measure: set[int] = set()
@@ -145,11 +98,8 @@ class BlockPager(WeightSlots, SavedTensorPaging):
         self._measuring: dict[int, Any] = {}
         self.hooks: list = []
         self._saved_hooks: dict[int, Any] = {}
-        self.clock = HookClock()  # the CPU time its hooks take (memory_report)
         self._pack_timed = self.clock.timed("paging.pack", self._pack)
         self._unpack_timed = self.clock.timed("paging.unpack", self._unpack)
-        self._gradient_landed_timed = self.clock.timed("paging.gradient_landed",
-                                                       self._gradient_landed)
         # Every block is hooked once; which ones page weights, page activations or are measured
         # may change between steps (the plan adapts).
         for b, module in enumerate(self.blocks):
@@ -164,29 +114,58 @@ class BlockPager(WeightSlots, SavedTensorPaging):
         self.page_weights(paged)
         self.set_activation_blocks(activations)
 
+    @property
+    def paged(self) -> list[int]:
+        """The blocks streaming their weights, in order."""
+        return self.weights.paged
+
+    @property
+    def offloading(self) -> list[int]:
+        """The blocks paging their saved activations, in order."""
+        return self.activations.offloading
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.weights.bytes_fetched
+
+    @property
+    def bytes_offloaded(self) -> int:
+        return self.activations.bytes_offloaded
+
+    def page_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` start streaming their weights (between steps); returns those that
+        were not paged yet."""
+        if self.cuda and set(int(i) for i in indices) - set(self.paged):
+            self.activations.wait_for_copies()
+        return self.weights.page(indices)
+
+    def unpage_weights(self, indices: Sequence[int]) -> list[int]:
+        """Blocks ``indices`` keep their weights in VRAM again (between steps); returns those
+        that were streaming."""
+        if self.cuda and set(int(i) for i in indices) & set(self.paged):
+            self.activations.wait_for_copies()
+        return self.weights.unpage(indices)
+
+    def weights_changed(self) -> None:
+        """The host copies were updated (an optimizer step): later fetches read them anew."""
+        self.weights.weights_changed()
+
     def set_activation_blocks(self, indices: Sequence[int]) -> None:
         """From the next forward, blocks ``indices`` page their saved activations."""
-        self.offloading = sorted(set(int(i) for i in indices))
-        self.saved = {b: self.saved.get(b, []) for b in self.offloading}
-        if self.offloading and self.arena is None and self._make_arena is not None:
-            self.arena = self._make_arena()  # made when first needed
+        self.activations.set_blocks(indices)
 
     def _involved(self, b: int) -> bool:
-        return b in self.position or b in self.saved or b in self.measure
+        return b in self.weights.position or b in self.activations.saved or b in self.measure
 
     def _before_forward(self, b: int):
         def hook(module, args, kwargs):
             if not self._involved(b):
                 return
-            if b in self.position:
-                self._bind(b)
-                self._prefetch_after(b, +1)
-            if b in self.saved:
-                self.saved[b] = []  # last step's are gone with its graph
-                self._predecessor_asked.discard(b)
-                if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
-                    self.arena.reset()  # a new step: the last one's backward is over
-            if b in self.saved or b in self.measure:
+            if b in self.weights.position:
+                self.weights.forward_starting(b)
+            if b in self.activations.saved:
+                self.activations.forward_starting(b)
+            if b in self.activations.saved or b in self.measure:
                 # Storages a saved tensor may come from that paging it would not free: the
                 # block's weights, and what it was called with besides its input (rotary
                 # tables, a mask: the model holds them for every block).
@@ -194,7 +173,6 @@ class BlockPager(WeightSlots, SavedTensorPaging):
                                            for t in weight_tensors(self.blocks[b])}
                 called_with = {k: v for k, v in kwargs.items() if args or k != "hidden_states"}
                 self.weight_storages[b].update(_storages_of((*args[1:], *called_with.values())))
-                self._paged_storages[b] = {}
             if b in self.measure and torch.is_grad_enabled():
                 first = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 start = torch.cuda.Event(enable_timing=True) if self.cuda else None
@@ -216,50 +194,54 @@ class BlockPager(WeightSlots, SavedTensorPaging):
             saved = self._saved_hooks.pop(b, None)
             if saved is not None:
                 saved.__exit__(None, None, None)
-                if self._unissued:
-                    self._issue_offloads()
-                if b in self.position:
-                    # Its last gradient landing frees the slot early, unless frozen weights
-                    # (LoRA's base) are still read for the input gradient after it.
-                    trained = [p.requires_grad for p in self.params[b]]
-                    self.pending_grads[b] = sum(trained) if all(trained) else -1
-            self._paged_storages.pop(b, None)
+            self.activations.forward_ended(b)
             measuring = self._measuring.pop(b, None)
             if measuring is not None:
                 self.timing.record(b, module, measuring)  # while its weights are still bound
-            if b in self.position:
-                self._unbind(b)
+            if b in self.weights.position:
+                self.weights.forward_ended(b, gradients_follow=saved is not None)
         return hook
 
+    def _pack(self, b: int, t: torch.Tensor) -> Any:
+        # Called for every tensor an involved block saves for backward: the cheap tests first.
+        packed = self.weights.pack(b, t)
+        if packed is not None:
+            return packed
+        if self._measuring:
+            measuring = self._measuring.get(b)
+            if measuring is not None:
+                key = t.untyped_storage().data_ptr()
+                if key not in self.weight_storages.get(b, ()) and key not in measuring["storages"]:
+                    measuring["storages"].add(key)
+                    measuring["saved_bytes"] += t.untyped_storage().nbytes()
+        # Saved weights arrive detached, not as Parameters: told apart by their storage.
+        if b in self.activations.saved:
+            view = self.activations.pack(b, t, self.weight_storages.get(b, ()))
+            if view is not None:
+                return view
+        # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
+        return t.detach()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedView):
+            return self.activations.unpack(packed)
+        if isinstance(packed, PackedWeight):
+            return self.weights.unpack(packed)
+        return packed
+
     def activation_policy(self) -> list:
-        return ["offload" if b in self.saved else "keep" for b in range(len(self.blocks))]
+        return ["offload" if b in self.activations.saved else "keep"
+                for b in range(len(self.blocks))]
 
     def resident_bytes(self) -> int:
-        return self.slot_bytes * len(self.slots)
+        return self.weights.slot_bytes * len(self.weights.slots)
 
     def close(self) -> None:
         """Stops paging: every paged parameter gets a tensor of its own again."""
         if self.cuda:
-            self._wait_for_copies()
-        self.bound.clear()
-        self._bound_slots.clear()
-        for h in self.hooks + [h for hs in self._grad_hooks.values() for h in hs]:
+            self.activations.wait_for_copies()
+        for h in self.hooks:
             h.remove()
         self.hooks.clear()
-        self._grad_hooks.clear()
-        self.slots.clear()  # back to the allocator before the weights' own copies are made
-        self.left_on_host_bytes = 0
-        for b in self.paged:
-            mark_streaming(self.blocks[b], False)
-            shared = {v.data_ptr() for v in base_host_views(self.blocks[b])}
-            for p in self.params[b]:
-                host = self.host[id(p)]
-                try:
-                    p.data = host.to(self.device, copy=True)
-                except torch.OutOfMemoryError:
-                    # A model bigger than VRAM: the rest stays on the CPU, out of the daemon's
-                    # segment, instead of failing with half the weights moved. A shared base's
-                    # bytes stay where the base keeps them (no private copy of tens of GB).
-                    p.data = host if host.data_ptr() in shared else host.clone()
-                    self.left_on_host_bytes += host.numel() * host.element_size()
-        self.saved = {b: [] for b in self.offloading}
+        self.left_on_host_bytes = self.weights.close()
+        self.activations.close()

@@ -78,7 +78,7 @@ class PlanApplication:
         state's place) and starts settling it."""
         offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
         again = [b for b, p in enumerate(plan.activation_policy) if p == "recompute"]
-        added = [b for b in plan.paged_blocks if b not in self.pager.position]
+        added = [b for b in plan.paged_blocks if b not in self.pager.weights.position]
         removed = [b for b in self.pager.paged if b not in plan.paged_blocks]
         host_bytes = sum(self._facts_cache[b].activation_bytes for b in offload)
         # Weights first (streaming frozen ones adds host copies), then the job's host plan with

@@ -70,7 +70,7 @@ class ProbeStep:
         sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
         # Streamed blocks page their activations in the probe: copies still crossing to host
         # memory hold device memory up to the pager's cap.
-        in_flight = self.pager.max_inflight_bytes if self.cuda else 0
+        in_flight = self.pager.activations.max_inflight_bytes if self.cuda else 0
         # Backward holds a block's gradients while the one before it computes its own (the
         # first are still crossing to the optimizer): beside the loss and the activations, as
         # in wrap()'s plan for the probe (weight_plan.weight_plan).

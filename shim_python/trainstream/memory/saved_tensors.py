@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a paging block saves for backward (a part of BlockPager, memory/pager.py): references to
-streamed weights kept as layouts over their slot, activations copied to host memory as forward
-saves them and brought back, a block ahead, as backward needs them."""
+"""The activations a paging block saves for backward (BlockPager's, memory/pager.py): copied to host
+memory as forward saves them, on a stream of their own, and brought back, a block ahead, as
+backward needs them."""
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,38 +42,87 @@ class SavedView:
 
 
 class SavedTensorPaging:
-    """BlockPager's saved tensors (a part of the class: it reads the pager's state)."""
+    """Pages the saved activations of the blocks in ``offloading`` on ``device``: contiguous
+    storages of at least ``min_offload_bytes`` other than the block's weights go to host memory
+    (``arena``'s, the daemon's: an ActivationArena, or a callable making one when the first
+    block starts paging; else private pinned), at most ``max_inflight_bytes`` in flight."""
 
-    def _pack(self, b: int, t: torch.Tensor) -> Any:
-        # Called for every tensor an involved block saves for backward: the cheap tests first.
-        ptr = t.data_ptr()
-        slot = self._bound_slots.get(b)
-        if slot is not None and slot.base <= ptr < slot.end:
-            # A view of the slot (a weight, or a view of one): keep its layout, not its bytes.
-            # (Host and device pointers share one address space, so the range alone says it.)
-            self.packed += 1
-            return ("paged", b, t.dtype, tuple(t.shape), tuple(t.stride()),
-                    (ptr - slot.base) // t.element_size())
-        if self._measuring:
-            measuring = self._measuring.get(b)
-            if measuring is not None:
-                key = t.untyped_storage().data_ptr()
-                if key not in self.weight_storages.get(b, ()) and key not in measuring["storages"]:
-                    measuring["storages"].add(key)
-                    measuring["saved_bytes"] += t.untyped_storage().nbytes()
-        # Saved weights arrive detached, not as Parameters: told apart by their storage.
-        if b in self.saved and t.device == self.device:
-            storage = t.untyped_storage()
-            if (storage.nbytes() >= self.min_offload_bytes
-                    and storage.nbytes() % t.element_size() == 0
-                    and storage.data_ptr() not in self.weight_storages.get(b, ())):
-                item = self._offload(b, t, storage)
-                if item is not None:
-                    item.views += 1
-                    item.left = item.views
-                    return SavedView(item, t)
-        # Detached: a saved output keeps no reference to its own graph (no cycle to leak).
-        return t.detach()
+    def __init__(self, device: torch.device, arena: Any, min_offload_bytes: int,
+                 max_inflight_bytes: int):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._device_index = cuda_device.device_index(device) if self.cuda else -1
+        self.min_offload_bytes = int(min_offload_bytes)
+        # Activations still crossing to host memory keep their device memory until the copy
+        # lands; past this many bytes, forward waits for the oldest copies.
+        self.max_inflight_bytes = int(max_inflight_bytes)
+        self.offloading: list[int] = []
+        self.saved: dict[int, list[OffloadedActivation]] = {}
+        self.bytes_offloaded = 0
+        self.inflight_waits = 0
+        self._inflight: collections.deque = collections.deque()
+        self._inflight_bytes = 0
+        # Activations the block running now saved, with their device tensors: copied to host
+        # together after its forward, behind one event (a stream switch and an event per
+        # tensor cost the CPU more than the copy's own call).
+        self._unissued: list[tuple[OffloadedActivation, torch.Tensor]] = []
+        self._unissued_bytes = 0
+        self._compute_waited: Any = None  # the last copy-back event the compute stream waited on
+        # Blocks whose backward has asked for their predecessor's activations since their
+        # forward.
+        self._predecessor_asked: set[int] = set()
+        self._make_arena: Callable[[], Any] | None = (
+            arena if callable(arena) and not hasattr(arena, "take") else None)
+        self.arena = None if self._make_arena is not None else arena
+        self.arena_refused: str | None = None
+        # Copied on a stream of their own: an activation's copy waits for compute (the copy
+        # out for the work that made it, the copy back for the memory it reuses) and so holds
+        # no weight fetch back, and the link carries activations out while weights come in.
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # Per block whose forward runs now: the storages its saved tensors page, by address
+        # (held until the forward ends, so that an address is not reused meanwhile).
+        self._paged_storages: dict[int, dict] = {}
+
+    def set_blocks(self, indices: Sequence[int]) -> None:
+        """From the next forward, blocks ``indices`` page their saved activations."""
+        self.offloading = sorted(set(int(i) for i in indices))
+        self.saved = {b: self.saved.get(b, []) for b in self.offloading}
+        if self.offloading and self.arena is None and self._make_arena is not None:
+            self.arena = self._make_arena()  # made when first needed
+
+    def forward_starting(self, b: int) -> None:
+        """Block ``b`` (one of ``offloading``) starts its forward: last step's activations are
+        gone with its graph; the first block of a step with a graph starts the arena over (the
+        last step's backward is over)."""
+        self.saved[b] = []
+        self._predecessor_asked.discard(b)
+        self._paged_storages[b] = {}
+        if self.arena is not None and b == self.offloading[0] and torch.is_grad_enabled():
+            self.arena.reset()
+
+    def forward_ended(self, b: int) -> None:
+        """Block ``b``'s forward ended: its activations' copies to host start."""
+        if self._unissued:
+            self._issue_offloads()
+        self._paged_storages.pop(b, None)
+
+    def pack(self, b: int, t: torch.Tensor, weight_storages: Any) -> SavedView | None:
+        """What autograd keeps of ``t``, saved by block ``b``, when it pages (None: it does
+        not). Storages in ``weight_storages`` (the block's weights, what it was called with
+        besides its input) stay: paging them would free nothing."""
+        if t.device != self.device:
+            return None
+        storage = t.untyped_storage()
+        if (storage.nbytes() < self.min_offload_bytes
+                or storage.nbytes() % t.element_size() != 0
+                or storage.data_ptr() in weight_storages):
+            return None
+        item = self._offload(b, t, storage)
+        if item is None:
+            return None
+        item.views += 1
+        item.left = item.views
+        return SavedView(item, t)
 
     def _host_for(self, t: torch.Tensor) -> torch.Tensor | None:
         if self.arena is None:
@@ -115,7 +165,7 @@ class SavedTensorPaging:
         """Copies the running block's saved activations to host memory on the activation
         stream, after the work that made them, behind one event: what bringing them back waits
         for, and what bounds the bytes in flight."""
-        stream = self.activation_stream
+        stream = self.stream
         stream.wait_stream(cuda_device.current(self._device_index))
         self._copy_activations(stream, [(item.host, t) for item, t in self._unissued])
         for _, t in self._unissued:
@@ -150,10 +200,9 @@ class SavedTensorPaging:
             self._inflight_bytes -= size
             self.inflight_waits += 1
 
-    def _wait_for_copies(self) -> None:
-        compute = cuda_device.current(self._device_index)
-        compute.wait_stream(self.stream)
-        compute.wait_stream(self.activation_stream)
+    def wait_for_copies(self) -> None:
+        """The compute stream waits for every copy issued so far."""
+        cuda_device.current(self._device_index).wait_stream(self.stream)
 
     def _bring_back(self, items: list) -> None:
         """Copies ``items`` (those not on the device already) back, as one batch behind one
@@ -173,15 +222,15 @@ class SavedTensorPaging:
         compute = cuda_device.current(self._device_index)
         for item in todo:
             item.device = torch.empty_like(item.host, device=self.device)
-        self.activation_stream.wait_stream(compute)
+        self.stream.wait_stream(compute)
         for event in {id(item.copied): item.copied for item in todo}.values():
-            self.activation_stream.wait_event(event)
-        self._copy_activations(self.activation_stream,
+            self.stream.wait_event(event)
+        self._copy_activations(self.stream,
                                [(item.device, item.host) for item in todo])
         returned = torch.cuda.Event()
-        returned.record(self.activation_stream)
+        returned.record(self.stream)
         for item in todo:
-            item.device.record_stream(self.activation_stream)
+            item.device.record_stream(self.stream)
             item.returned = returned
 
     def _arrived(self, item: OffloadedActivation) -> torch.Tensor:
@@ -206,38 +255,24 @@ class SavedTensorPaging:
                 self._compute_waited = (compute, item.returned)
         return item.device
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, SavedView):
-            item = packed.item
-            storage = self._arrived(item)
-            if packed.dtype != storage.dtype:
-                storage = storage.view(packed.dtype)
-            # The host copy may be a slice of the arena's storage (on a CPU "device" it is what
-            # comes back): the layout's offset counts from where the copy starts.
-            view = storage.as_strided(packed.shape, packed.stride,
-                                      storage.storage_offset() + packed.offset)
-            item.left -= 1
-            if item.left <= 0:
-                # Backward owns its views now: the storage is freed with the last of them
-                # rather than kept until the next forward (the host copy stays, for
-                # retain_graph, which unpacks every view again).
-                item.device, item.used, item.left = None, True, item.views
-            return view
-        if not (isinstance(packed, tuple) and packed and packed[0] == "paged"):
-            return packed
-        _, b, dtype, shape, stride, offset = packed
-        if b not in self.bound:
-            # Backward reached block b: every block after it has finished its backward (block
-            # b's input gradient needs theirs), so their slots go back. This covers blocks whose
-            # frozen weights get no gradient to say so.
-            for later in [x for x in self.bound if self.position[x] > self.position[b]]:
-                self._unbind(later)
-            self._bind(b)
-            self._prefetch_after(b, -1)  # backward runs the blocks in reverse
-        slot = self._bound_slots[b]
-        # The same saved weight comes back each step: its view is made once per slot.
-        view = slot.unpacked.get(packed)
-        if view is None:
-            view = slot.storage.view(dtype).as_strided(shape, stride, offset)
-            slot.unpacked[packed] = view
+    def unpack(self, packed: SavedView) -> torch.Tensor:
+        """The saved tensor ``packed`` describes, on the device for backward."""
+        item = packed.item
+        storage = self._arrived(item)
+        if packed.dtype != storage.dtype:
+            storage = storage.view(packed.dtype)
+        # The host copy may be a slice of the arena's storage (on a CPU "device" it is what
+        # comes back): the layout's offset counts from where the copy starts.
+        view = storage.as_strided(packed.shape, packed.stride,
+                                  storage.storage_offset() + packed.offset)
+        item.left -= 1
+        if item.left <= 0:
+            # Backward owns its views now: the storage is freed with the last of them rather
+            # than kept until the next forward (the host copy stays, for retain_graph, which
+            # unpacks every view again).
+            item.device, item.used, item.left = None, True, item.views
         return view
+
+    def close(self) -> None:
+        """Forgets every paged activation (the pager stops)."""
+        self.saved = {b: [] for b in self.offloading}

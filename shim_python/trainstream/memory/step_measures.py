@@ -74,8 +74,8 @@ class StepMeasures:
     def _weights_bytes(self, b: int) -> int:
         """Block ``b``'s weights as streaming moves them: parameters and quantized layers'
         stored bytes (what a resident block holds in VRAM, too)."""
-        return sum(t.numel() * t.element_size() for t in self.pager.params.get(b, ())) if (
-            b in self.pager.position) else weight_bytes(self.blocks[b])
+        return sum(t.numel() * t.element_size() for t in self.pager.weights.params.get(b, ())) if (
+            b in self.pager.weights.position) else weight_bytes(self.blocks[b])
 
     def _facts(self) -> tuple[list, int, float]:
         m = self.pager.timing.measured.get(self.probe_block)

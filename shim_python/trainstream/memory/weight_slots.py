@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Streamed weights (a part of BlockPager, memory/pager.py): which blocks keep their weights in host
-memory, the device slots they borrow while they run, the fetches into a slot ahead of the block
-that needs it, and binding a block's parameters to its slot and back to placeholders."""
+"""Streamed weights (BlockPager's, memory/pager.py): which blocks keep their weights in host memory,
+the device slots they borrow while they run, the fetches into a slot ahead of the block that needs
+it, binding a block's parameters to its slot and back to placeholders, and the saved references to
+those weights that backward fetches again."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from ..errors import FailedPreconditionError, InvalidArgumentError
-from ..hooks import weak_hook
+from ..hooks import HookClock, weak_hook
 from ..transport import device as cuda_device
-from .blocks import streamed_tensors
+from .blocks import base_host_views, streamed_tensors
 
 
 def mark_streaming(block: torch.nn.Module, streams: bool) -> None:
@@ -24,6 +25,17 @@ def mark_streaming(block: torch.nn.Module, streams: bool) -> None:
     for m in block.modules():
         if isinstance(m, BaseLinear) and not m.pooled:
             m.streams = streams
+
+
+class PackedWeight(NamedTuple):
+    """What autograd holds for a saved view of a bound slot (a weight, or a view of one): its
+    layout over the slot, not its bytes; unpacking binds the block again."""
+
+    block: int
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int  # in elements of ``dtype`` from the slot's start
 
 
 class Slot:
@@ -39,13 +51,47 @@ class Slot:
         self.ready: Any = None      # event: the fetch into it landed
         self.released: Any = None   # event: compute finished with it
         self.views: dict[int, list] = {}  # per block: its parameters' views of the storage
-        self.unpacked: dict[tuple, torch.Tensor] = {}  # saved weights' views, by packed layout
+        self.unpacked: dict[PackedWeight, torch.Tensor] = {}  # saved weights' views
 
 
 class WeightSlots:
-    """BlockPager's streamed weights (a part of the class: it reads the pager's state)."""
+    """The streamed weights of ``blocks``: those of the blocks in ``paged`` live in host memory
+    (``host_copy(p)``, pinned for CUDA) and are fetched into one of ``depth + 1`` device slots,
+    ``depth`` blocks ahead, on a stream of their own."""
 
-    def page_weights(self, indices: Sequence[int]) -> list[int]:
+    def __init__(self, blocks: Sequence[torch.nn.Module],
+                 host_copy: Callable[[torch.Tensor], torch.Tensor], depth: int,
+                 device: torch.device, clock: HookClock):
+        self.blocks = blocks
+        self.depth = depth
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._device_index = cuda_device.device_index(device) if self.cuda else -1
+        self._host_copy = host_copy
+        self.paged: list[int] = []
+        self.position: dict[int, int] = {}  # a paged block's place in ``paged``
+        self.params: dict[int, list] = {}   # a paged block's streamed tensors
+        self.host: dict[int, torch.Tensor] = {}          # by id(p): its host copy
+        self.placeholders: dict[int, torch.Tensor] = {}  # by id(p): what it holds unbound
+        self.layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        self.layout_bytes: dict[int, int] = {}  # per block: its weights' bytes
+        self.slot_bytes = 0
+        self.slots: list[Slot] = []
+        # Weights are copied on a stream of their own: no activation's copy holds them back.
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending_grads: dict[int, int] = {}
+        self._grad_hooks: dict[int, list] = {}
+        self.bound: set[int] = set()
+        # The slot each bound block reads its weights from: pack() runs for every tensor a
+        # block saves, and looks it up here rather than scanning the slots.
+        self._bound_slots: dict[int, Slot] = {}
+        self.generation = 0
+        self.bytes_fetched = 0
+        self.packed = 0  # saved references to paged weights kept as layouts, not tensors
+        self._gradient_landed_timed = clock.timed("paging.gradient_landed",
+                                                  self._gradient_landed)
+
+    def page(self, indices: Sequence[int]) -> list[int]:
         """Blocks ``indices`` start streaming their weights (between steps); returns those that
         were not paged yet. Their parameters' values are read from ``host_copy`` from now on,
         and their device memory goes back to the allocator."""
@@ -80,7 +126,7 @@ class WeightSlots:
         self.paged = sorted(set(self.paged) | set(added))
         self.position = {b: k for k, b in enumerate(self.paged)}
         if self.cuda:
-            self._wait_for_copies()
+            self.wait_for_copies()
         # The blocks' device weights go first (their values are in the host copies now), then
         # the old slots, then slots sized for the biggest paged block are made: the peak is the
         # larger of before and after, not their sum.
@@ -97,7 +143,7 @@ class WeightSlots:
         self.slots = [Slot(self.slot_bytes, self.device) for _ in range(self.depth + 1)]
         return added
 
-    def unpage_weights(self, indices: Sequence[int]) -> list[int]:
+    def unpage(self, indices: Sequence[int]) -> list[int]:
         """Blocks ``indices`` keep their weights in VRAM again (between steps): each parameter
         gets a device tensor holding the host copy's current value. Returns those that were
         streaming."""
@@ -107,7 +153,7 @@ class WeightSlots:
         if self.bound:
             raise FailedPreconditionError("blocks can stop paging only between steps")
         if self.cuda:
-            self._wait_for_copies()
+            self.wait_for_copies()
         self.slots = []  # back to the allocator before the blocks' device copies are made
         for b in removed:
             mark_streaming(self.blocks[b], False)
@@ -250,3 +296,81 @@ class WeightSlots:
         self.pending_grads[b] = left
         if left == 0:
             self._unbind(b)
+
+    def forward_starting(self, b: int) -> None:
+        """A paged block's forward begins: its weights are bound, the next ones fetched."""
+        self._bind(b)
+        self._prefetch_after(b, +1)
+
+    def forward_ended(self, b: int, gradients_follow: bool) -> None:
+        """A paged block's forward ended: its slot goes back. With ``gradients_follow`` (the
+        forward recorded a graph), its last gradient landing frees the slot in backward early,
+        unless frozen weights (LoRA's base) are still read for the input gradient after it."""
+        if gradients_follow:
+            trained = [p.requires_grad for p in self.params[b]]
+            self.pending_grads[b] = sum(trained) if all(trained) else -1
+        self._unbind(b)
+
+    def pack(self, b: int, t: torch.Tensor) -> PackedWeight | None:
+        """``t``'s layout when it is a view of block ``b``'s bound slot, else None. (Host and
+        device pointers share one address space, so the range alone says it.)"""
+        slot = self._bound_slots.get(b)
+        if slot is None:
+            return None
+        ptr = t.data_ptr()
+        if not slot.base <= ptr < slot.end:
+            return None
+        self.packed += 1
+        return PackedWeight(b, t.dtype, tuple(t.shape), tuple(t.stride()),
+                            (ptr - slot.base) // t.element_size())
+
+    def unpack(self, packed: PackedWeight) -> torch.Tensor:
+        """The saved weight ``packed`` describes, its block bound again if it was let go."""
+        b = packed.block
+        if b not in self.bound:
+            # Backward reached block b: every block after it has finished its backward (block
+            # b's input gradient needs theirs), so their slots go back. This covers blocks whose
+            # frozen weights get no gradient to say so.
+            for later in [x for x in self.bound if self.position[x] > self.position[b]]:
+                self._unbind(later)
+            self._bind(b)
+            self._prefetch_after(b, -1)  # backward runs the blocks in reverse
+        slot = self._bound_slots[b]
+        # The same saved weight comes back each step: its view is made once per slot.
+        view = slot.unpacked.get(packed)
+        if view is None:
+            view = slot.storage.view(packed.dtype).as_strided(packed.shape, packed.stride,
+                                                               packed.offset)
+            slot.unpacked[packed] = view
+        return view
+
+    def wait_for_copies(self) -> None:
+        """The compute stream waits for every fetch issued so far."""
+        cuda_device.current(self._device_index).wait_stream(self.stream)
+
+    def close(self) -> int:
+        """Every paged parameter gets a tensor of its own again; returns the bytes left in host
+        memory (a model bigger than VRAM: the rest stays on the CPU, out of the daemon's segment,
+        instead of failing with half the weights moved)."""
+        if self.cuda:
+            self.wait_for_copies()
+        self.bound.clear()
+        self._bound_slots.clear()
+        for handle in (h for hs in self._grad_hooks.values() for h in hs):
+            handle.remove()
+        self._grad_hooks.clear()
+        self.slots.clear()  # back to the allocator before the weights' own copies are made
+        left_on_host = 0
+        for b in self.paged:
+            mark_streaming(self.blocks[b], False)
+            shared = {v.data_ptr() for v in base_host_views(self.blocks[b])}
+            for p in self.params[b]:
+                host = self.host[id(p)]
+                try:
+                    p.data = host.to(self.device, copy=True)
+                except torch.OutOfMemoryError:
+                    # A shared base's bytes stay where the base keeps them (no private copy of
+                    # tens of GB).
+                    p.data = host if host.data_ptr() in shared else host.clone()
+                    left_on_host += host.numel() * host.element_size()
+        return left_on_host

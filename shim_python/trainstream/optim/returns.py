@@ -57,7 +57,7 @@ class DeviceReturns:
         """Parameters of ``pager``'s blocks are read from host memory at every use: their
         updates are not copied back, and each step tells the pager the host copies changed."""
         self._pager = pager
-        self.stop_returning({id(p) for params in pager.params.values() for p in params})
+        self.stop_returning({id(p) for params in pager.weights.params.values() for p in params})
 
     def _returned(self, i: int) -> bool:
         """Whether parameter ``i``'s updates come back from the daemon to its device tensor
