@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The daemon's replies (include/trainstream/replies.h) as Python classes with read-only
 // attributes: 64-bit counts arrive as ints, lists as lists, an absent part as None.
-#include "replies_bindings.h"
+#include "trainstream/replies.h"
 
 #include <pybind11/stl.h>
 
+#include "bindings.h"
 #include "trainstream/host_optimizer.h"
-#include "trainstream/replies.h"
 
 namespace trainstream::python {
 
