@@ -16,7 +16,8 @@ import pytest
 
 import trainstream
 from trainstream.memory.adaptive import settling_correction
-from trainstream.memory.planner import fetch_bytes, spread_order
+from trainstream.memory.planner import BlockFacts, fetch_bytes, spread_order
+from trainstream.memory.step_measures import host_pass_rate, working_from_peak
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -495,6 +496,37 @@ def test_the_watchdog_replans_when_a_later_step_grows(start_daemon, monkeypatch)
     policy = trainstream.memory_report(model)["activations"]["policy"]
     assert policy.count("keep") < len(policy)
     trainstream.unwrap(model)
+
+
+def test_working_memory_is_the_peak_less_what_the_plan_holds():
+    """The working memory read off a step's peak takes off exactly what the plan it ran with
+    holds: resident blocks' weights and the weights outside the stack, the streaming slots,
+    kept activations, recomputed blocks' inputs, one block's activations in flight while any
+    page, and the moments held in VRAM; never below the loss's floor."""
+    mib = 1 << 20
+    facts = [BlockFacts(weight_bytes=(10 + b) * mib, activation_bytes=4 * mib,
+                        input_bytes=1 * mib) for b in range(4)]
+
+    class PlanAsRun:  # block 0 streams; 1 pages its activations; 2 is recomputed; 3 keeps
+        paged, offloading = [0], [1]
+
+        @staticmethod
+        def resident_bytes():
+            return 2 * 10 * mib  # two slots of block 0's size
+
+    held = (5 + 11 + 12 + 13) * mib + 20 * mib + (4 + 4) * mib + 1 * mib + 4 * mib + 3 * mib
+    peak = held + 7 * mib
+    assert working_from_peak(peak, facts, PlanAsRun, [2], other_weights=5 * mib,
+                             state_bytes=3 * mib, floor=0) == 7 * mib
+    assert working_from_peak(peak, facts, PlanAsRun, [2], 5 * mib, 3 * mib, 9 * mib) == 9 * mib
+
+
+def test_the_host_pass_is_read_per_element_and_recorded():
+    measured = {}
+    assert host_pass_rate(lambda: (0.5, 1000), measured) == pytest.approx(5e-4)
+    assert measured == {"host_s_per_element": pytest.approx(5e-4), "host_pass_s": 0.5}
+    untouched = {}
+    assert host_pass_rate(lambda: (0.0, 0), untouched) == 0.0 and untouched == {}
 
 
 def test_settling_corrects_a_plan_by_what_its_estimate_missed():

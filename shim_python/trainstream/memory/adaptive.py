@@ -27,7 +27,8 @@ from .plan_probe import ProbeStep
 from .plan_trial import TRIAL_STEPS, WholePlanTrial
 from .planner import ACTIVATION_CHOICES, MemoryPlan, MemoryPlanError, plan_memory, size
 from .staging_trial import StagingTrial
-from .step_measures import RESERVED_MARGIN, StepMeasures
+from .step_measures import (RESERVED_MARGIN, StepMeter, host_pass_rate, measured_block_facts,
+                            working_from_peak)
 
 # Steps after the plan is applied whose peaks may still correct it; later, only the watchdog.
 _SETTLE_STEPS = 2
@@ -60,7 +61,7 @@ def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) 
     return max(int(grew), int(peak - budget), 1 << 20)
 
 
-class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
+class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
 
@@ -148,6 +149,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self.trial_result: dict = {}
         self.cuda = pager.cuda
         self.device = pager.device
+        self.meter = StepMeter(self.device, pager.timing, self.others, self._say)
         self.probe_block = len(blocks) - 1
         self.plan: MemoryPlan | None = None
         self.history: list[str] = []
@@ -155,8 +157,6 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self.extra_working = 0         # what the settling steps and the watchdog added
         self.corrections = 0           # settling's corrections since the probe's plan
         self._largest_overshoot = 0
-        self._held: list[int] = []     # VRAM held after each step since the last plan change
-        self._growth_said = False
         self._fragmented_steps = 0
         self.steps_since_plan = -1     # -1: the probe has not run
         self.adapting = True
@@ -196,7 +196,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
             self._whole_trial, self._whole_trial_done = None, True
             self._say("plan.limit", f"the plan stays as it runs now: {e}")
             if self.cuda:
-                self._reset_peak()
+                self.meter.reset_peak()
 
     def _correction_streams(self, peak: int, fragmented: int) -> bool:
         """Whether the settling correction for a step whose allocated peak fit the budget, but
@@ -241,10 +241,10 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                 # back rather than fragment the steps after it.
                 self._release_cache_after_step = True
         # Only CUDA has a peak to read; elsewhere the plan settles on the measured numbers.
-        peak = self._peak() - self.others if self.cuda else 0
-        fragmented = self._reserved_over() if self.cuda else 0
+        peak = self.meter.peak() - self.others if self.cuda else 0
+        fragmented = self.meter.reserved_over() if self.cuda else 0
         if self.cuda:
-            self._watch_growth()
+            self.meter.watch_growth()
         # What the step needed beyond the budget: its allocated peak, or the room its reserved
         # peak left under the process's limit.
         needed = max(peak, self.budget + fragmented if fragmented else 0)
@@ -256,7 +256,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         if needed > limit and self.adapting and self._trial_candidate_running():
             # A plan on trial that does not fit as planned is left out, not corrected: the
             # corrections would grow the working memory every later plan is made with.
-            self._reset_peak()
+            self.meter.reset_peak()
             self._trial_candidate_overshot(peak, fragmented)
         elif needed > limit and self.adapting:
             grew = settling_correction(
@@ -282,7 +282,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                       f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,
                       fragmented_bytes=fragmented, correction=self.corrections)
             # The peak that was read is accounted for: the next one is read from here.
-            self._reset_peak()
+            self.meter.reset_peak()
             try:
                 self._replan()
             except Exception:
@@ -303,7 +303,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                           "(the watchdog still re-plans if a later step grows)",
                           peak_bytes=peak, budget_bytes=self.budget,
                           extra_working_bytes=self.extra_working)
-                self._reset_peak()
+                self.meter.reset_peak()
         elif fragmented and peak <= limit and not self.adapting:
             # Settled, within the budget, but reserved memory crowded the limit: the cached
             # blocks went back (_reserved_over); said on the first time and every 100th.
@@ -311,7 +311,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
             if self._fragmented_steps % 100 == 1:
                 self._say("plan.fragmentation", f"the allocator's reserved peak came within "
                           f"{100 * RESERVED_MARGIN:.0f}% of the process's limit "
-                          f"({size(self._process_limit())}) while the step's peak was "
+                          f"({size(self.meter.process_limit())}) while the step's peak was "
                           f"{size(peak)} of the {size(self.budget)} budget: its cached blocks "
                           f"were released ({self._fragmented_steps} such steps so far)",
                           peak_bytes=peak, fragmented_bytes=fragmented,
@@ -334,7 +334,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         if self.cuda and self.adapting:
             # Each settling step is read alone; once settled the counter is the user's again
             # and the watchdog reads the peak since then (it only grows).
-            self._reset_peak()
+            self.meter.reset_peak()
         if self._release_cache_after_step:
             self._release_cache_after_step = False
             torch.cuda.empty_cache()
@@ -484,10 +484,10 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self.pager.measure = {self.probe_block}
         self._measure_next = reason
         if self.cuda:
-            self._reset_peak()
+            self.meter.reset_peak()
 
     def _plan_from_probe(self) -> None:
-        facts, act, forward_s = self._facts()
+        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe_block)
         self.measured = {"activation_bytes": act, "input_bytes": facts[0].input_bytes,
                          "forward_s": forward_s}
         self._working = self._working_from_peak(facts)
@@ -514,8 +514,8 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
         self.pager.measure = set()
         if self.probe_block not in self.pager.timing.measured:
             return False  # the step did not run the block with gradients: nothing to read
-        peak = self._peak() - self.others if self.cuda else 0
-        facts, act, forward_s = self._facts()
+        peak = self.meter.peak() - self.others if self.cuda else 0
+        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe_block)
         self.pager.timing.measured.pop(self.probe_block)
         working = self._working_from_peak(facts)
         before = dict(self.measured)
@@ -548,13 +548,28 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                   f"{' and '.join(changed)}", activation_bytes=act, forward_ms=1e3 * forward_s,
                   working_bytes=working, probe_forward_ms=1e3 * before["forward_s"])
         if self.cuda:
-            self._reset_peak()
+            self.meter.reset_peak()
         if reason == "watchdog":
             # Until a plan holds it, a peak this high is not measured again every other step.
             self._unfixable_peak = peak
         if self._replan() or reason != "watchdog":
             self._unfixable_peak = 0
         return True
+
+    def _working_from_peak(self, facts: list) -> int:
+        """The step's working memory read off its peak (0 off CUDA: no peak to read)."""
+        if not self.cuda:
+            return 0
+        state = 8 * self.gpu_state_elements + (self._staged_vram if self.staged_elements else 0)
+        return working_from_peak(self.meter.peak() - self.others, facts, self.pager,
+                                 self.recompute.indices, self._other_weights, state,
+                                 self.loss_floor)
+
+    def _measure_host_pass(self) -> float:
+        """The host pass per element (0 where no state may move: it decides nothing)."""
+        moves = self._host_pass is not None and not (
+            self._gpu_state_option == self._staged_option == 0)
+        return host_pass_rate(self._host_pass, self.measured) if moves else 0.0
 
     def _say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)
@@ -576,7 +591,7 @@ class AdaptivePlan(ProbeStep, StepMeasures, StagingTrial, PlanApplication):
                 # reserved memory crowded the process's limit, VRAM held after the last step.
                 "corrections": self.corrections, "extra_working_bytes": self.extra_working,
                 "fragmented_steps": self._fragmented_steps,
-                "held_bytes": self._held[-1] if self._held else None,
+                "held_bytes": self.meter.held[-1] if self.meter.held else None,
                 # The whole plans timed against each other: the one that runs, each one's step.
                 "activation_choice": self._activation_choice,
                 "plan_trial": dict(self.trial_result),

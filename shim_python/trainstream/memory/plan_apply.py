@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .planner import BlockFacts, MemoryPlan, PlanInputs, plan_memory, size
+from .step_measures import streamed_weight_bytes
 
 
 class PlanApplication:
@@ -15,7 +16,7 @@ class PlanApplication:
 
     def _plan_inputs(self, fresh: bool = False) -> PlanInputs:
         """The planner's inputs from the measurements (see _replan for ``fresh``)."""
-        facts = [BlockFacts(weight_bytes=self._weights_bytes(b),
+        facts = [BlockFacts(weight_bytes=streamed_weight_bytes(self.pager, self.blocks, b),
                             activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
                             trained_share=f.trained_share, trainable=f.trainable)
                  for b, f in enumerate(self._facts_cache)]
@@ -111,7 +112,7 @@ class PlanApplication:
         self.steps_since_plan = 0
         self.adapting = True
         self._plans_applied += 1
-        self._held = []  # growth is read under one plan
+        self.meter.plan_changed()
         if self.cuda:
             # What the old plan's steps left cached (another layout of activations, weights and
             # state) goes back, so that it cannot fragment the new plan's steps.

@@ -7,6 +7,7 @@ is refused with the numbers."""
 from __future__ import annotations
 
 from .planner import MemoryPlanError, size
+from .step_measures import streamed_weight_bytes, trained_share
 from .weight_plan import weight_plan_for_sizes
 
 # Before the probe has measured anything: a transformer block's saved activations per
@@ -20,7 +21,7 @@ class ProbeStep:
     def _start_probe(self) -> None:
         offload, again = self._probe_policy()
         if self.cuda:
-            self._reset_peak()
+            self.meter.reset_peak()
         self._say("plan.probe", f"probe step: block {self.probe_block} is measured, "
                   f"{len(again)} blocks recompute and {len(offload)} page their activations "
                   "meanwhile")
@@ -67,14 +68,14 @@ class ProbeStep:
                           "choose otherwise", max_split_mib=limit, wanted_mib=wanted or limit)
         # The measured block's activations, and the inputs the recomputed ones keep.
         activations = tokens * hidden * (_BLOCK_ACTIVATION_BYTES + 2 * len(self.blocks))
-        sizes = [self._weights_bytes(b) for b in range(len(self.blocks))]
+        sizes = [streamed_weight_bytes(self.pager, self.blocks, b) for b in range(len(self.blocks))]
         # Streamed blocks page their activations in the probe: copies still crossing to host
         # memory hold device memory up to the pager's cap.
         in_flight = self.pager.activations.max_inflight_bytes if self.cuda else 0
         # Backward holds a block's gradients while the one before it computes its own (the
         # first are still crossing to the optimizer): beside the loss and the activations, as
         # in wrap()'s plan for the probe (weight_plan.weight_plan).
-        grads = 2 * max(int(self._trained_share(b) * w) for b, w in enumerate(sizes))
+        grads = 2 * max(int(trained_share(self.blocks[b]) * w) for b, w in enumerate(sizes))
         working = loss + activations + grads
         streamed = set(self.pager.paged)
         resident = self._other_weights + sum(w for b, w in enumerate(sizes) if b not in streamed)
