@@ -20,9 +20,9 @@ class Checkpoints:
         if self._staged is not None:
             self._staged.synchronize()  # the daemon's moments of staged ones are current
         ours = self._host.state_dict()
-        for i in self._device_indices:  # the VRAM-held state, as it is now
-            p = self._params[i]
-            if i in self._staged_indices:
+        for i in self.table.on_device:  # the VRAM-held state, as it is now
+            p = self.table.params[i]
+            if i in self.table.staged:
                 entry = None
                 steps = self._staged.steps_of(i)
                 if steps:
@@ -40,8 +40,8 @@ class Checkpoints:
                                     .clone()}
             master = self._mapped_master(i)  # the GPU kernel's, finer than a bf16 weight
             ours["master"][i] = (master if master is not None else p.detach()).float().cpu().clone()
-        position = {id(p): n for n, p in enumerate(self._all)}
-        state = {position[id(self._params[i])]: entry for i, entry in ours["state"].items()}
+        position = {id(p): n for n, p in enumerate(self.table.all)}
+        state = {position[id(self.table.params[i])]: entry for i, entry in ours["state"].items()}
         groups = []
         for g in self.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -62,18 +62,19 @@ class Checkpoints:
         if self._gpu_optimizer is not None:
             if "master" in state_dict:
                 with torch.no_grad():
-                    for p, master in zip(self._params, state_dict["master"]):
+                    for p, master in zip(self.table.params, state_dict["master"]):
                         p.copy_(master.reshape(p.shape))
             self._gpu_optimizer.load_state_dict(
                 {k: v for k, v in state_dict.items() if k in ("state", "param_groups")})
             return
-        position = {id(p): n for n, p in enumerate(self._all)}
+        position = {id(p): n for n, p in enumerate(self.table.all)}
         ours_state = {}
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(self.table.params):
             key = position[id(p)]
             if key in state_dict["state"]:
                 ours_state[i] = state_dict["state"][key]
-        groups = [dict(g, params=[self._index[id(p)] for p in mine["params"] if p.requires_grad])
+        index = self.table.index
+        groups = [dict(g, params=[index[id(p)] for p in mine["params"] if p.requires_grad])
                   for g, mine in zip(state_dict["param_groups"], self.param_groups)]
         converted = {"state": ours_state, "param_groups": groups}
         if "master" in state_dict:
@@ -93,7 +94,7 @@ class Checkpoints:
         self._settle_updates()  # between the last backward and step(): the updated state
         if self._gpu_optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
-            param_steps = self._moments_to_daemon(self._gpu_optimizer, range(len(self._params)))
+            param_steps = self._moments_to_daemon(self._gpu_optimizer, range(len(self.table)))
             self._host.set_groups([daemon_group(g) for g in self.param_groups])
             self._host.set_step(self.steps, param_steps)
             self._steps_at_switch, self._steps_on_gpu = self.steps, 0

@@ -17,7 +17,7 @@ class GpuSwitch:
         """Moves the optimizer to torch's fused GPU AdamW when the model, its gradients and both
         moments fit in VRAM under the cap with the headroom left, as measured over the first
         steps; otherwise keeps it in the daemon. Either way, says so in an event."""
-        numel = sum(p.numel() for p in self._params)
+        numel = sum(p.numel() for p in self.table.params)
         step_ms = 1000 * min(self._step_times) if self._step_times else 0.0
         if not self._cuda:
             self._on_decision("wrap.offload", "CPU model: the optimizer stays in trainstreamd",
@@ -37,13 +37,13 @@ class GpuSwitch:
                               "stays in trainstreamd, which checks every gradient before a step",
                               parameters=numel)
             return
-        odd = sorted({str(p.dtype) for p in self._params if p.dtype != torch.float32})
+        odd = sorted({str(p.dtype) for p in self.table.params if p.dtype != torch.float32})
         if odd:
             self._on_decision("wrap.offload", f"parameters in {', '.join(odd)}: the optimizer "
                               "stays in trainstreamd, which keeps their fp32 master weights",
                               parameters=numel)
             return
-        device = self._params[0].device
+        device = self.table.params[0].device
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = 1.0
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -90,14 +90,14 @@ class GpuSwitch:
         if self._adaptive is not None:
             self._adaptive.weights_fixed = True  # nothing left in the daemon to stream from
         self._load_gpu_state_from_daemon()
-        for p in self._params:
+        for p in self.table.params:
             p.grad = None
         self.state = gpu.state
         self.param_groups = gpu.param_groups  # one list: groups added later reach both
 
     def _load_gpu_state_from_daemon(self) -> None:
         self._gpu_optimizer.state.clear()
-        self._moments_from_daemon(self._gpu_optimizer, range(len(self._params)))
+        self._moments_from_daemon(self._gpu_optimizer, range(len(self.table.params)))
 
     @property
     def on_gpu(self) -> bool:

@@ -27,7 +27,7 @@ class GradientRouting:
                 f"backward pass {self.accumulation_steps + 1} before step(); accumulation_steps "
                 f"is {self.accumulation_steps} (pass accumulation_steps= to wrap). A forward "
                 "after the last backward already applied this step's updates")
-        i = self._index[id(p)]
+        i = self.table.index[id(p)]
         # A counter, not a scan of every parameter's count: this runs once per gradient.
         if self._grads_this_iteration == 0:
             # The first gradient of an iteration: updates start now, so a scheduler's new lr
@@ -42,18 +42,18 @@ class GradientRouting:
                 f"{self.accumulation_steps} (pass accumulation_steps= to wrap)")
         self._backwards[i] = micro + 1
         self._grads_this_iteration += 1
-        if i in self._device_indices:
+        if i in self.table.on_device:
             # Updated in VRAM at step(): the gradient stays where it is (micro-steps add up in
             # it, as torch's do), and a forward after the last backward still completes the
             # iteration first.
             if micro + 1 == self.accumulation_steps:
                 self._finish_after_backward(updated_by_daemon=False)
-                if i in self._staged_indices and self._update_on_gpu:
+                if i in self.table.staged and self._update_on_gpu:
                     # Final: its update starts now, beside the rest of backward; with clipping
                     # or a reported norm, at step(), once the global norm is known.
                     if not self._reports_norm:
                         self._start_mapped([i], cuda_device.current(self._device_index))
-                elif i in self._staged_indices:
+                elif i in self.table.staged:
                     # Final: its update starts now, beside the rest of backward.
                     self._staged.add(i, p, p.grad, self._host.exp_avg(i),
                                      self._host.exp_avg_sq(i), self._hyper(i),
@@ -79,8 +79,8 @@ class GradientRouting:
         if micro + 1 == self.accumulation_steps:
             self._finish_after_backward(updated_by_daemon=True)
         grad = p.grad
-        convert = grad.dtype != self._grad_dtypes[i] or not grad.is_contiguous()
-        nbytes = grad.numel() * self._grad_sizes[i]
+        convert = grad.dtype != self.table.grad_dtypes[i] or not grad.is_contiguous()
+        nbytes = grad.numel() * self.table.grad_sizes[i]
         if convert or nbytes > _SIDE_STREAM_BYTES:
             # The side stream, after the work that made the gradient; the allocator keeps its
             # memory until that stream is done with it.
@@ -89,7 +89,7 @@ class GradientRouting:
             grad.record_stream(stream)
             if convert:
                 with torch.cuda.stream(stream):
-                    grad = grad.to(self._grad_dtypes[i], memory_format=torch.contiguous_format)
+                    grad = grad.to(self.table.grad_dtypes[i], memory_format=torch.contiguous_format)
             pointer = stream.cuda_stream
             self._host.send_gradient(i, micro, grad, pointer)
         else:
@@ -154,7 +154,7 @@ class GradientRouting:
         up), then lets the daemon update each."""
         import torch.distributed as dist
 
-        order = list(reversed(range(len(self._params))))  # backward's: the first ready first
+        order = list(reversed(range(len(self.table.params))))  # backward's: the first ready first
         had = torch.tensor([float(self._host.wait_reduce_ready(i)) for i in order])
         # Which parameters any machine had a gradient for: the others are left alone, as on
         # one machine, and need no all-reduce.

@@ -31,6 +31,7 @@ from .gpu_switch import AUTO_STEPS, GpuSwitch
 from .gradients import GradientRouting
 from .groups import daemon_group, safe_name
 from .iteration import Iteration
+from .parameters import ParameterTable
 from .pass_options import check_pass_options
 from .placement import (BF16_MOMENTS_REFUSAL, StatePlacement, gpu_update_refusal,
                         unregister_exit_return)
@@ -98,22 +99,21 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.accumulation_steps = int(accumulation_steps)
-        self._all = [p for g in self.param_groups for p in g["params"]]
-        self._params = [p for p in self._all if p.requires_grad]
-        if not self._params:
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        trained = [p for p in all_params if p.requires_grad]
+        if not trained:
             raise InvalidArgumentError("no trainable parameters to optimize")
-        first = self._params[0]
+        first = trained[0]
         self._cuda = first.is_cuda
         # optimizer_mode: refused or decided before the daemon is asked (update_mode.py).
         self.mode_decision = decide_mode(mode, gpu_update_refusal(
-            self._cuda, world_size, machines, nonfinite, self._params), self._params,
+            self._cuda, world_size, machines, nonfinite, trained), trained,
             MOMENT_DTYPES.get(moment_dtype, torch.float32))
         self._update_on_gpu = False  # set once the daemon holds the state (below)
-        for p in self._params:
+        for p in trained:
             if p.device != first.device:
                 raise InvalidArgumentError(
                     f"parameters on {first.device} and {p.device}: put the model on one device")
-        self._index = {id(p): i for i, p in enumerate(self._params)}
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         names = names or {}
         if gradient_dtype is not None:
@@ -126,15 +126,14 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                     "gradient_dtype applies to CUDA models (a CPU model's gradients "
                     "accumulate in place, in the parameters' dtype)")
             gradient_dtype = GRADIENT_DTYPES[gradient_dtype]
-        # The dtype gradients cross PCIe in and reach the host optimizer in (cast on the GPU,
-        # on the copy stream); the master weights and moments keep their own precision.
-        self._gradient_dtype = gradient_dtype
         self._names = names
-        self._grad_dtypes = [gradient_dtype or p.dtype for p in self._params]
-        self._grad_sizes = [d.itemsize for d in self._grad_dtypes]
+        # gradient_dtype: the dtype gradients cross PCIe in and reach the host optimizer in
+        # (cast on the GPU, on the copy stream); the master weights and moments keep their own
+        # precision.
+        self.table = ParameterTable(all_params, gradient_dtype)
         specs = [ParameterSpec(safe_name(names.get(p, f"param{i}")), tuple(p.shape), p.dtype,
-                               self._grad_dtypes[i], group_of[id(p)])
-                 for i, p in enumerate(self._params)]
+                               self.table.grad_dtypes[i], group_of[id(p)])
+                 for i, p in enumerate(self.table.params)]
         if client is None and not job_id and world_size == 1:
             # Independent optimizers of one process are independent jobs; ranks of one job
             # name theirs (wrap() derives it from the launcher).
@@ -161,7 +160,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self.client.made_job = bool(self._host.initialize)
         if self._host.initialize:
             self._host.load_weights([initial.get(id(p), p).detach().float().cpu()
-                                     for p in self._params])
+                                     for p in self.table.params])
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
@@ -177,7 +176,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._eager = eager
         self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
         self._pushed = [daemon_group(g) for g in self.param_groups]
-        self._backwards = [0] * len(self._params)
+        self._backwards = [0] * len(self.table.params)
         self._grads_this_iteration = 0  # gradients landed since the last step()
         self._hooks: list = []
         self.clock = HookClock()            # the CPU time its hooks take (memory_report)
@@ -200,7 +199,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self.bytes_to_host = 0              # gradients copied off the GPU, since construction
         self.bytes_to_device = 0            # updated weights copied back to it
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
-        self._paged_indices: set[int] = set()
+        self.table.paged: set[int] = set()
         # offload="auto": after AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
         self._kind = kind
@@ -212,12 +211,12 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         # Parameters whose AdamW state lives in VRAM (keep_state_on_device): their gradients stay
         # on the GPU and torch's fused AdamW (_device_optimizer) updates them at step(); the
         # daemon's copy of their state is as of the move or the last checkpoint.
-        self._device_indices: set[int] = set()
+        self.table.on_device: set[int] = set()
         self._device_optimizer: torch.optim.Optimizer | None = None
         self._device_groups: list[int] = []  # for each of its groups, ours
         # Of those, the ones whose moments stay in the daemon, staged through VRAM for each
         # update as backward finishes their gradients (staged_adamw.py).
-        self._staged_indices: set[int] = set()
+        self.table.staged: set[int] = set()
         self._staged: StagedAdamW | None = None
         self._staged_groups: dict[int, int] = {}
         self._steps_at_switch = 0
@@ -226,26 +225,26 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._last_step_end: float | None = None
         # CUDA: each updated parameter is copied back by the native side the moment the daemon
         # announces it (during backward and the rest of the update), not after the whole step.
-        self._device_return = self._cuda and all(p.is_contiguous() for p in self._params
+        self._device_return = self._cuda and all(p.is_contiguous() for p in self.table.params
                                                  if id(p) not in initial)
         self._targets: list[int] = []
         self._module_indices: dict[int, list[int]] = {}
         self._waited_modules: set[int] = set()  # modules whose forward waited since step()
         self._iteration = Iteration()
-        self._paged_indices = {i for i, p in enumerate(self._params) if id(p) in initial}
+        self.table.paged = {i for i, p in enumerate(self.table.params) if id(p) in initial}
         if self._device_return:
-            self._targets = [0 if id(p) in initial else p.data_ptr() for p in self._params]
+            self._targets = [0 if id(p) in initial else p.data_ptr() for p in self.table.params]
             self._host.return_updates_to_device(
                 first.device.index if first.device.index is not None else
                 torch.cuda.current_device(),
                 [(0, 0) if id(p) in initial else (p.data_ptr(), p.numel() * p.element_size())
-                 for p in self._params])
+                 for p in self.table.params])
         self._hooked_modules: set[int] = set()
         self._wait_blocks: dict[int, Any] = {}  # blocks that wait for everything inside them
         self._hooked_dicts: set[int] = set()
         self._hooked_models: set[int] = set()
         self._model: Any = None
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(self.table.params):
             self._take_over(i, p)
         if getattr(self, "_resumed", False):
             # After the device-return and paging set-up: refresh_weights() reads both.
@@ -283,7 +282,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
         self.synchronize()
-        if self._device_indices:
+        if self.table.on_device:
             if any(self._backwards):
                 warnings.warn("trainstream: unwrapped between backward and step(): the AdamW "
                               "state held in VRAM stays as of its last move or checkpoint in "
@@ -294,12 +293,12 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         unregister_exit_return(self)
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
-            self._pager, self._paged_indices = None, set()
+            self._pager, self.table.paged = None, set()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if not self._cuda:
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self.table.params):
                 p.data = self._host.param(i).clone()
                 p.grad = None
 
@@ -320,14 +319,14 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                     loss = closure()
             if self._reports_norm:
                 # What the daemon did before the switch: clip (or only measure) the global norm.
-                norm = torch.nn.utils.clip_grad_norm_(self._params,
+                norm = torch.nn.utils.clip_grad_norm_(self.table.params,
                                                       self._max_grad_norm or float("inf"))
                 self.last_grad_norm = float(norm)
             guard = self._device_guard()
             if guard is not None:
                 if guard.last_step_found():
                     self._say_guarded("")
-                guard.check([p.grad for p in self._params])
+                guard.check([p.grad for p in self.table.params])
                 self._gpu_optimizer.found_inf = guard.found  # torch's fused AdamW reads it
             self._gpu_optimizer.step()
             if guard is not None:
@@ -380,14 +379,14 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         for i, count in enumerate(self._backwards):
             # No gradient this step: left alone, as torch does; one updated in VRAM: by the
             # GPU, below.
-            if count == 0 or i in self._device_indices:
+            if count == 0 or i in self.table.on_device:
                 for micro in range(self._host.accumulation_steps):
                     self._host.post(i, micro, no_grad=True)
         if self._leader:
             self._reduce_across_machines()
         # Queued on the GPU before waiting for the host's updates, so that the two overlap;
         # clipping state held in VRAM waits for the daemon's coefficient instead.
-        clip_on_device = self._max_grad_norm > 0 and bool(self._device_indices)
+        clip_on_device = self._max_grad_norm > 0 and bool(self.table.on_device)
         if not clip_on_device:
             self._step_on_device()
         result = self._host.wait()
@@ -408,17 +407,17 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             self._pager.weights_changed()
         if self._cuda:
             self.bytes_to_device += sum(
-                p.numel() * p.element_size() for i, p in enumerate(self._params)
-                if result["updated"][i] and i not in self._paged_indices)
-        self._backwards = [0] * len(self._params)
+                p.numel() * p.element_size() for i, p in enumerate(self.table.params)
+                if result["updated"][i] and i not in self.table.paged)
+        self._backwards = [0] * len(self.table.params)
         self._grads_this_iteration = 0
         if self._reports_norm:
             last = self._host.info().last_step
             self.last_grad_norm = last.grad_norm if last is not None else 0.0
         if self._cuda and not self._device_return:
             stream = self._copy_stream
-            for i, p in enumerate(self._params):
-                if result["updated"][i] and i not in self._paged_indices:
+            for i, p in enumerate(self.table.params):
+                if result["updated"][i] and i not in self.table.paged:
                     self._host.param_buffer(i).copy_to_device(p.data, stream=stream)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -436,10 +435,10 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             self._gpu_optimizer.zero_grad(set_to_none)
             return
         if self._cuda:
-            for p in self._params:
+            for p in self.table.params:
                 p.grad = None
         else:
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self.table.params):
                 self._host.grad(i).zero_()
                 p.grad = self._host.grad(i)  # backward accumulates into the shared slot
 
@@ -462,14 +461,14 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         super().add_param_group(param_group)  # torch's checks and defaults
         group = self.param_groups[-1]
         new = [p for p in group["params"] if p.requires_grad]
-        bad = [p for p in new if p.device != self._params[0].device]
+        bad = [p for p in new if p.device != self.table.params[0].device]
         if bad:
             self.param_groups.pop()
             raise InvalidArgumentError(
                 f"the new group has a parameter on {bad[0].device}; the others are on "
-                f"{self._params[0].device}")
-        start = len(self._params)
-        grad_dtypes = [self._gradient_dtype or p.dtype for p in new]
+                f"{self.table.params[0].device}")
+        start = len(self.table.params)
+        grad_dtypes = [self.table.grad_dtype or p.dtype for p in new]
         specs = [ParameterSpec(safe_name(self._names.get(p, f"param{i}")), tuple(p.shape),
                                p.dtype, grad_dtypes[k], len(self.param_groups) - 1)
                  for k, (i, p) in enumerate(zip(range(start, start + len(new)), new))]
@@ -477,7 +476,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         if not new:  # only frozen parameters: the daemon just learns the group
             self._host.set_groups(groups)
             self._pushed = groups
-            self._all += group["params"]
+            self.table.extend(group["params"])
             return
         try:
             first = self._host.add_parameters(specs, groups)
@@ -487,12 +486,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             self._host.set_groups(self._pushed)
             raise
         self._pushed = groups
-        self._all += group["params"]
-        self._params += new
-        for i, p in enumerate(new, start=start):
-            self._index[id(p)] = i
-        self._grad_dtypes += grad_dtypes
-        self._grad_sizes += [d.itemsize for d in grad_dtypes]
+        self.table.extend(group["params"])
         if first <= start:
             self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
         self._backwards += [0] * len(new)
@@ -530,13 +524,13 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         info = _client.reply_dict(self._host.info())
         info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
         # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
-        info["gpu_state"] = {"tensors": len(self._device_indices - self._staged_indices),
+        info["gpu_state"] = {"tensors": len(self.table.state_in_vram()),
                              "elements": self.device_state_elements,
                              "moment_bytes": 8 * self.device_state_elements}
         # Updated on the GPU from moments staged out of the daemon (keep_state_on_device), or
         # read where they lie (optimizer_mode="gpu": "mapped").
         staged = self._staged
-        info["staged_state"] = {"tensors": len(self._staged_indices),
+        info["staged_state"] = {"tensors": len(self.table.staged),
                                 "elements": self.staged_state_elements,
                                 "engine": ("mapped" if self._update_on_gpu else "staged"),
                                 "chunks": staged.chunks if staged else 0,

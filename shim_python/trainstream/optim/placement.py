@@ -57,7 +57,7 @@ class StatePlacement:
             return BF16_MOMENTS_REFUSAL
         if self._gpu_optimizer is not None:
             return "the whole optimizer runs on the GPU already (offload='auto')"
-        if not any(p.dtype == torch.float32 for p in self._params):
+        if not any(p.dtype == torch.float32 for p in self.table.params):
             return ("no parameter is fp32: the fp32 master weights of the others are the "
                     "daemon's")
         return None
@@ -90,30 +90,30 @@ class StatePlacement:
         if self._gpu_optimizer is not None:
             return "the whole optimizer runs on the GPU already (offload='auto')"
         return gpu_update_refusal(self._cuda, self._world_size, self._machines, self._nonfinite,
-                                  self._params)
+                                  self.table.params)
 
     def mapped_candidates(self, excluded: set) -> list[int]:
         """The parameters optimizer_mode="gpu" updates on the GPU, of those not in
         ``excluded``: every contiguous fp32, bf16 or fp16 one whose weights do not stream
         (a streamed weight's GPU copy is there only for its block's passes)."""
-        return [i for i in range(len(self._params)) if i not in excluded
-                and i not in self._paged_indices and self._params[i].is_contiguous()
-                and mappable_dtype(self._params[i].dtype)]
+        return [i for i in range(len(self.table.params)) if i not in excluded
+                and i not in self.table.paged and self.table.params[i].is_contiguous()
+                and mappable_dtype(self.table.params[i].dtype)]
 
     def _mapped_master(self, i: int) -> torch.Tensor | None:
         """The daemon's fp32 master the GPU kernel updates for parameter ``i`` (None when the
         parameter is fp32, its own master, or not mapped)."""
-        if (isinstance(self._staged, MappedAdamW) and i in self._staged_indices
-                and self._params[i].dtype != torch.float32):
+        if (isinstance(self._staged, MappedAdamW) and i in self.table.staged
+                and self.table.params[i].dtype != torch.float32):
             return self._host.master(i)
         return None
 
     def device_state_candidates(self, param_ids: set) -> list[int]:
         """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
         master weights are the parameters themselves) whose weights do not stream."""
-        return [i for i, p in enumerate(self._params)
+        return [i for i, p in enumerate(self.table.params)
                 if id(p) in param_ids and p.dtype == torch.float32
-                and i not in self._paged_indices]
+                and i not in self.table.paged]
 
     def keep_state_on_device(self, param_ids: set, staged_ids: set = frozenset()) -> int:
         """Keeps the AdamW state of exactly these parameters (of those that may, see
@@ -145,7 +145,7 @@ class StatePlacement:
                     f"optimizer_mode='gpu' cannot update on the GPU: {reason}")
         else:
             staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
-                      if self._params[i].is_contiguous()}  # updated through flat views
+                      if self.table.params[i].is_contiguous()}  # updated through flat views
             if reason is not None and staged:
                 raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
             reason = self.staged_state_refusal()
@@ -155,8 +155,8 @@ class StatePlacement:
         if any(self._backwards):
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
-        held, new_held = self._device_indices - self._staged_indices, wanted - staged
-        if held == new_held and staged == self._staged_indices:
+        held, new_held = self.table.state_in_vram(), wanted - staged
+        if held == new_held and staged == self.table.staged:
             return self.device_state_elements
         self.synchronize()
         # Every parameter whose place changes goes through the daemon: its state is made whole
@@ -164,7 +164,7 @@ class StatePlacement:
         steps = self._param_steps()
         old = self._device_optimizer
         leaving_held = sorted(held - new_held)
-        leaving_staged = sorted(self._staged_indices - staged)
+        leaving_staged = sorted(self.table.staged - staged)
         if leaving_held:
             steps = self._moments_to_daemon(old, leaving_held)
         for i in leaving_staged:
@@ -174,7 +174,7 @@ class StatePlacement:
         self._device_optimizer = self._device_optimizer_for(sorted(new_held))
         if old is not None:  # the staying ones keep their state as it is
             for i in sorted(new_held & held):
-                p = self._params[i]
+                p = self.table.params[i]
                 if p in old.state:
                     self._device_optimizer.state[p] = old.state[p]
         arriving_held = sorted(new_held - held)
@@ -183,26 +183,26 @@ class StatePlacement:
         if staged and self._staged is None:
             guard = self._device_guard()
             if self._update_on_gpu:
-                self._staged = MappedAdamW(self._params[0].device, self._kind, guard=guard)
+                self._staged = MappedAdamW(self.table.params[0].device, self._kind, guard=guard)
             else:
-                self._staged = StagedAdamW(self._params[0].device, self._kind,
+                self._staged = StagedAdamW(self.table.params[0].device, self._kind,
                                            found_inf=guard.found if guard is not None else None)
-        for i in sorted(staged - self._staged_indices):
-            self._staged.set_steps(i, self._params[i].numel(), steps[i])
+        for i in sorted(staged - self.table.staged):
+            self._staged.set_steps(i, self.table.params[i].numel(), steps[i])
         group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
-        self._staged_groups = {i: group_of[id(self._params[i])] for i in staged}
+        self._staged_groups = {i: group_of[id(self.table.params[i])] for i in staged}
         if not staged:
             self._staged = None  # its slots' VRAM goes back
-        for i in sorted(self._device_indices - wanted):
-            p = self._params[i]
+        for i in sorted(self.table.on_device - wanted):
+            p = self.table.params[i]
             if self._device_return:
                 self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
                 self._targets[i] = p.data_ptr()
-        for i in sorted(wanted - self._device_indices):
+        for i in sorted(wanted - self.table.on_device):
             if self._device_return:  # nothing of the daemon's is copied there any more
                 self._host.retarget_device(i, 0, 0)
                 self._targets[i] = 0
-        self._device_indices, self._staged_indices = wanted, staged
+        self.table.place(wanted, staged)
         self._module_indices.clear()  # which parameters come back changed
         self._waited_modules.clear()
         if wanted:
@@ -214,13 +214,13 @@ class StatePlacement:
     @property
     def device_state_elements(self) -> int:
         """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
-        return sum(self._params[i].numel() for i in self._device_indices - self._staged_indices)
+        return sum(self.table.params[i].numel() for i in self.table.state_in_vram())
 
     @property
     def staged_state_elements(self) -> int:
         """Elements updated on the GPU with their state in the daemon (staged, or mapped under
         optimizer_mode="gpu")."""
-        return sum(self._params[i].numel() for i in self._staged_indices)
+        return sum(self.table.params[i].numel() for i in self.table.staged)
 
     def _hyper(self, i: int) -> tuple:
         """Staged parameter ``i``'s group's hyper-parameters as they are now (a scheduler's)."""
@@ -241,7 +241,7 @@ class StatePlacement:
         self._device_groups = []
         if not indices:
             return None
-        chosen = {id(self._params[i]) for i in indices}
+        chosen = {id(self.table.params[i]) for i in indices}
         groups = []
         for k, g in enumerate(self.param_groups):
             params = [p for p in g["params"] if id(p) in chosen]
@@ -256,7 +256,7 @@ class StatePlacement:
         if self._nonfinite != "guard" or not self._cuda:
             return None
         if self._guard is None:
-            self._guard = DeviceGuard(self._params[0].device)
+            self._guard = DeviceGuard(self.table.params[0].device)
         return self._guard
 
     def _say_guarded(self, where: str) -> None:
@@ -271,11 +271,11 @@ class StatePlacement:
         """Clipping or a reported norm: the sum of squares of the gradients updated on the GPU
         (in VRAM, or mapped: kept until step() then, see _step_on_device) goes to the daemon,
         which adds it to its own for the step's global norm."""
-        held = sorted(self._device_indices - self._staged_indices
-                      if not self._update_on_gpu else self._device_indices)
+        held = sorted(self.table.state_in_vram()
+                      if not self._update_on_gpu else self.table.on_device)
         if not self._reports_norm or not held:
             return
-        grads = [self._params[i].grad for i in held if self._params[i].grad is not None]
+        grads = [self.table.params[i].grad for i in held if self.table.params[i].grad is not None]
         total = 0.0
         if grads:
             # In fp32 whatever the gradients' dtype (a bf16 norm is off by up to 0.4%).
@@ -294,7 +294,7 @@ class StatePlacement:
     def _start_mapped_now(self, indices: list, producer: torch.cuda.Stream,
                           clip_coef: float) -> None:
         for i in indices:
-            p = self._params[i]
+            p = self.table.params[i]
             if p.grad is None:
                 continue  # no gradient this step: left alone, as torch does
             moved = self._staged.bytes_each_way
@@ -308,8 +308,8 @@ class StatePlacement:
 
     def _clip_on_device(self, coef: float) -> None:
         """The daemon's clip coefficient, applied to the gradients updated in VRAM."""
-        grads = [self._params[i].grad for i in self._device_indices - self._staged_indices
-                 if self._params[i].grad is not None]
+        grads = [self.table.params[i].grad for i in self.table.state_in_vram()
+                 if self.table.params[i].grad is not None]
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
 
@@ -325,7 +325,7 @@ class StatePlacement:
         if self._staged is not None:
             current = cuda_device.current(self._device_index)
             if self._update_on_gpu and self._reports_norm:
-                self._start_mapped(sorted(self._staged_indices), current, clip_coef)
+                self._start_mapped(sorted(self.table.staged), current, clip_coef)
             self._staged.flush(current)
             self._staged.join(current)  # the next forward reads their new weights
         optimizer = self._device_optimizer
@@ -334,15 +334,15 @@ class StatePlacement:
                 g.update(torch_group(self.param_groups[k]))
             if guard is not None:
                 # After the staged chunks' checks (joined above): one flag for the step.
-                guard.check([self._params[i].grad for i in
-                             self._device_indices - self._staged_indices])
+                guard.check([self.table.params[i].grad for i in
+                             self.table.state_in_vram()])
                 optimizer.found_inf = guard.found  # torch's fused AdamW reads it
             # A forward under inference_mode may complete the iteration (_settle_updates): the
             # moments torch creates on a first update must still be ordinary tensors.
             with torch.inference_mode(False):
                 optimizer.step()
-            for i in self._device_indices:
-                self._params[i].grad = None  # no gradient stays in VRAM past step()
+            for i in self.table.on_device:
+                self.table.params[i].grad = None  # no gradient stays in VRAM past step()
         if guard is not None:
             guard.end_step()
 
@@ -351,7 +351,7 @@ class StatePlacement:
         """Loads the daemon's moments and steps of these parameters into a GPU optimizer."""
         steps = self._param_steps()
         for i in indices:
-            p = self._params[i]
+            p = self.table.params[i]
             optimizer.state.pop(p, None)
             if steps[i] == 0:
                 continue  # never stepped: torch keeps no state for it
@@ -368,7 +368,7 @@ class StatePlacement:
         ``set_step``)."""
         steps = self._param_steps()
         for i in indices:
-            p = self._params[i]
+            p = self.table.params[i]
             entry = optimizer.state.get(p) if optimizer is not None else None
             steps[i] = int(entry["step"]) if entry else 0
             if entry:
@@ -381,7 +381,7 @@ class StatePlacement:
         """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy;
         a master the GPU kernel updates in place is current already, and finer than the
         parameter."""
-        p = self._params[i]
+        p = self.table.params[i]
         if self._mapped_master(i) is None:
             self._host.master(i).copy_(p.detach().reshape(p.shape))
         if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
@@ -389,18 +389,18 @@ class StatePlacement:
 
     def _param_steps(self) -> list[int]:
         """Every parameter's AdamW step count as the daemon has it."""
-        return list(self._host.info().param_steps or [0] * len(self._params))
+        return list(self._host.info().param_steps or [0] * len(self.table.params))
 
     def _device_state_from_daemon(self) -> None:
         """The VRAM-held state takes the daemon's (after a load)."""
-        held = sorted(self._device_indices - self._staged_indices)
+        held = sorted(self.table.state_in_vram())
         if held:
             self._moments_from_daemon(self._device_optimizer, held)
-        if self._staged_indices:  # their moments are the daemon's; their steps too now
+        if self.table.staged:  # their moments are the daemon's; their steps too now
             self._staged.synchronize()
             steps = self._param_steps()
-            for i in self._staged_indices:
-                self._staged.set_steps(i, self._params[i].numel(), steps[i])
+            for i in self.table.staged:
+                self._staged.set_steps(i, self.table.params[i].numel(), steps[i])
 
     def all_state_to_daemon(self) -> None:
         """Every parameter's state back in the daemon and updated there (under
@@ -420,15 +420,15 @@ class StatePlacement:
 
     def _device_state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
-        if self._device_indices:
+        if self.table.on_device:
             if any(self._backwards):  # a step in progress, or one that failed
                 raise FailedPreconditionError(
                     "a step is in progress; checkpoint between steps (after step())")
-            held = sorted(self._device_indices - self._staged_indices)
+            held = sorted(self.table.state_in_vram())
             steps = self._moments_to_daemon(self._device_optimizer, held)
-            if self._staged_indices:
+            if self.table.staged:
                 self._staged.synchronize()
-                for i in self._staged_indices:
+                for i in self.table.staged:
                     steps[i] = self._staged_to_daemon(i, forget=False)
             self._host.set_step(self._host.iteration, steps)
 

@@ -19,16 +19,16 @@ class DeviceReturns:
         """These parameters' updates are no longer copied to the device (their device memory is
         about to go): waits for copies in flight first. Any of them updated in VRAM go back to
         the daemon first (their weights will be its host copies)."""
-        leaving = {i for i, p in enumerate(self._params) if id(p) in param_ids}
-        moved = leaving & self._device_indices
+        leaving = {i for i, p in enumerate(self.table.params) if id(p) in param_ids}
+        moved = leaving & self.table.on_device
         # Paged first: optimizer_mode="gpu" then leaves them to the daemon with the rest.
-        self._paged_indices |= leaving
+        self.table.paged |= leaving
         if moved:
             def kept(indices: set) -> set:
-                return {id(self._params[i]) for i in indices
-                        if id(self._params[i]) not in param_ids}
-            self.keep_state_on_device(kept(self._device_indices - self._staged_indices),
-                                      kept(self._staged_indices))
+                return {id(self.table.params[i]) for i in indices
+                        if id(self.table.params[i]) not in param_ids}
+            self.keep_state_on_device(kept(self.table.state_in_vram()),
+                                      kept(self.table.staged))
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
         self._waited_modules.clear()
@@ -43,15 +43,15 @@ class DeviceReturns:
         self.synchronize()
         self._module_indices.clear()  # which parameters come back changes
         self._waited_modules.clear()
-        for i, p in enumerate(self._params):
-            if id(p) in param_ids and i in self._paged_indices:
-                self._paged_indices.discard(i)
+        for i, p in enumerate(self.table.params):
+            if id(p) in param_ids and i in self.table.paged:
+                self.table.paged.discard(i)
                 if self._device_return:
                     self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
                     self._targets[i] = p.data_ptr()
         if self._update_on_gpu:  # optimizer_mode="gpu": they are updated on the GPU again
-            self.keep_state_on_device({id(self._params[i]) for i in
-                                       self._device_indices - self._staged_indices})
+            self.keep_state_on_device({id(self.table.params[i]) for i in
+                                       self.table.state_in_vram()})
 
     def page_weights(self, pager: Any) -> None:
         """Parameters of ``pager``'s blocks are read from host memory at every use: their
@@ -59,22 +59,17 @@ class DeviceReturns:
         self._pager = pager
         self.stop_returning({id(p) for params in pager.weights.params.values() for p in params})
 
-    def _returned(self, i: int) -> bool:
-        """Whether parameter ``i``'s updates come back from the daemon to its device tensor
-        (not a streamed block's, read from the host copy; not one updated in VRAM)."""
-        return i not in self._paged_indices and i not in self._device_indices
-
     def _check_targets(self) -> None:
         if not self._device_return:
             return
-        moved = [i for i, p in enumerate(self._params)
-                 if self._returned(i) and p.data_ptr() != self._targets[i]]
+        moved = [i for i, p in enumerate(self.table.params)
+                 if self.table.returned(i) and p.data_ptr() != self._targets[i]]
         if moved:
             # The old storage may be reused already: nothing may still be copying into it.
             self._host.synchronize_device_returns()
         for i in moved:
             # Someone gave the parameter new storage (p.data = ...): copy there from now on.
-            p = self._params[i]
+            p = self.table.params[i]
             self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
             self._targets[i] = p.data_ptr()
 
@@ -92,16 +87,16 @@ class DeviceReturns:
         # block's are read from the host copy at each fetch: nothing to wait for).
         indices = self._module_indices.get(key)
         if indices is None:
-            indices = [self._index[id(p)] for p in module.parameters(recurse=key in
-                                                                     self._wait_blocks)
-                       if id(p) in self._index and self._returned(self._index[id(p)])]
+            index = self.table.index
+            indices = [index[id(p)] for p in module.parameters(recurse=key in self._wait_blocks)
+                       if id(p) in index and self.table.returned(index[id(p)])]
             self._module_indices[key] = indices
         if not indices:
             return
         stream = cuda_device.current(self._device_index)
         if self._ready:
             for i in indices:
-                event = self._ready.pop(id(self._params[i]), None)
+                event = self._ready.pop(id(self.table.params[i]), None)
                 if event is not None:
                     stream.wait_event(event)
         if self._device_return:
@@ -136,7 +131,7 @@ class DeviceReturns:
                 continue
             # Only modules that own a trained parameter have copies to wait for (a frozen
             # base's layers get none): a pre-hook on every module costs each forward a call.
-            if any(id(p) in self._index for p in module.parameters(recurse=whole)):
+            if any(id(p) in self.table.index for p in module.parameters(recurse=whole)):
                 self._hooked_modules.add(id(module))
                 self._hooks.append(module.register_forward_pre_hook(self._forward_wait_timed))
         self._module_indices.clear()  # parameters may have been added since
@@ -153,8 +148,8 @@ class DeviceReturns:
             if self._device_return:
                 # A returning copy still in flight must not land after these.
                 self._host.synchronize_device_returns()
-            for i, p in enumerate(self._params):
-                if i in self._paged_indices:
+            for i, p in enumerate(self.table.params):
+                if i in self.table.paged:
                     continue  # read from the host copy at its next use
                 self._host.param_buffer(i).copy_to_device(p.data, stream=self._copy_stream)
             self._copy_stream.synchronize()

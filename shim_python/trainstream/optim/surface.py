@@ -17,11 +17,11 @@ class LayerSurface:
     @property
     def trained_params(self) -> list:
         """The parameters it updates, in the daemon's order (index ``i`` is the daemon's)."""
-        return self._params
+        return self.table.params
 
     def index_of(self, p: torch.Tensor) -> int | None:
         """``p``'s index in the daemon, None for a parameter it does not update."""
-        return self._index.get(id(p))
+        return self.table.index.get(id(p))
 
     @property
     def host(self) -> HostOptimizer:
@@ -41,12 +41,12 @@ class LayerSurface:
     @property
     def gradient_dtypes(self) -> list:
         """The dtype each parameter's gradient leaves in, by index."""
-        return self._grad_dtypes
+        return self.table.grad_dtypes
 
     @property
     def gradient_dtype(self) -> torch.dtype | None:
         """gradient_dtype= as given (None: each gradient leaves in its parameter's dtype)."""
-        return self._gradient_dtype
+        return self.table.grad_dtype
 
     @property
     def updates_on_gpu(self) -> bool:
@@ -68,12 +68,13 @@ class LayerSurface:
 
     def returned_bytes(self) -> int:
         """Bytes of updated weights the daemon copies back to the device a step."""
-        return sum(p.numel() * p.element_size() for i, p in enumerate(self._params)
-                   if i not in self._paged_indices)
+        return sum(p.numel() * p.element_size() for i, p in enumerate(self.table.params)
+                   if i not in self.table.paged)
 
     def host_updated_elements(self) -> int:
         """Elements the daemon updates a step (those not updated in VRAM)."""
-        return sum(p.numel() for i, p in enumerate(self._params) if i not in self._device_indices)
+        return sum(p.numel() for i, p in enumerate(self.table.params)
+                   if i not in self.table.on_device)
 
     def configure(self, *, on_decision: Any = None, vram_headroom: float | None = None,
                   switch_when_fits: bool | None = None, memory_plan: Any = None) -> None:
