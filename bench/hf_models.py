@@ -212,9 +212,10 @@ def _nonfinite_params(model, opt) -> dict:
     import torch
 
     names = {id(p): n for n, p in model.named_parameters()}
-    params = getattr(opt, "_params", None) or [p for g in opt.param_groups for p in g["params"]]
-    staged = getattr(opt, "_staged_indices", set())
-    held = getattr(opt, "_device_indices", set()) - staged
+    table = getattr(opt, "table", None)  # wrap()'s OffloadAdamW; torch's optimizers have none
+    params = table.params if table else [p for g in opt.param_groups for p in g["params"]]
+    staged = table.staged if table else set()
+    held = table.state_in_vram() if table else set()
     by_place: dict = {}
     first: list = []
     for i, p in enumerate(params):
