@@ -7,6 +7,11 @@
 #                                                  --name-only BASE` touched (BASE: main)
 #   scripts/gpu_check.sh changed --stdin --dry-run the same for paths read from stdin
 #   scripts/gpu_check.sh steps 'CMD'... [--wheel]  build, then each CMD ($OUT/step_N.log)
+#   scripts/gpu_check.sh before_after 'CMD'...     build HEAD and the carried .before/ tree
+#                                                  (scripts/before_tree.sh REF, here) side by
+#                                                  side, then each CMD with HEAD, then with the
+#                                                  before tree from inside it; {which} in a CMD
+#                                                  reads after or before
 # Build: with .devdeps carried, `source .devdeps/prelude.sh`, then
 # `pip install --no-build-isolation --no-deps --no-index .`. With --wheel, no build: the newest
 # wheel for this Python in dist/ (scripts/wheel.sh makes it) goes into python3 instead.
@@ -111,6 +116,15 @@ suites_for_paths() {  # paths on stdin -> suite names, in ORDER, once each
   return 0
 }
 
+deps() {  # the carried Debian packages unpacked, once (a second unpacking rewrites headers
+          # another build may be reading)
+  if [[ -f .devdeps/prelude.sh && -z ${TS_DEPS_READY:-} ]]; then
+    source .devdeps/prelude.sh
+    export TS_DEPS_READY=1
+  fi
+  return 0
+}
+
 prepare() {  # build (or install the carried wheel), once
   mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
@@ -125,8 +139,9 @@ prepare() {  # build (or install the carried wheel), once
       || { cat "$OUT/build.log"; exit 1; }
     echo "wheel: $wheel" >> "$OUT/build.log"
   else
-    [[ -f .devdeps/prelude.sh ]] && source .devdeps/prelude.sh
-    export CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}" CMAKE_BUILD_PARALLEL_LEVEL=16
+    deps
+    export CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}"
+    export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
     python3 -m pip install -q --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
       || { tail -50 "$OUT/build.log"; exit 1; }
   fi
@@ -189,6 +204,27 @@ case "$what" in
   steps)
     shift; prepare
     for c in "$@"; do run step bash -c "$c"; done ;;
+  before_after)
+    shift
+    [[ -f .before/COMMIT ]] || {
+      echo "no .before/ tree: run scripts/before_tree.sh REF here, and carry .before"; exit 2; }
+    # The before tree builds into .before/site while HEAD builds (half the cores each).
+    mkdir -p "$OUT"
+    deps
+    ( cd .before && CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}" \
+        CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install -q --no-build-isolation --no-deps \
+        --no-index --target site . > "$OUT/build_before.log" 2>&1 ) &
+    before_build=$!
+    CMAKE_BUILD_PARALLEL_LEVEL=8 prepare
+    wait "$before_build" || { tail -30 "$OUT/build_before.log"; exit 1; }
+    daemon=$(find "$PWD/.before/site" -name trainstreamd -type f | head -1)
+    [[ -n $daemon ]] || { echo "the before tree built no trainstreamd"; exit 1; }
+    echo "before: $(cat .before/COMMIT), daemon $daemon" | tee "$OUT/before.txt"
+    for c in "$@"; do
+      run after bash -c "${c//\{which\}/after}"
+      run before bash -c "export PATH=$(dirname "$daemon"):\$PATH \
+        PYTHONPATH=$PWD/.before/site; cd .before && ${c//\{which\}/before}"
+    done ;;
   *)
     prepare
     for s in "$@"; do run_suite "$s"; done ;;
