@@ -199,7 +199,6 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self.bytes_to_host = 0              # gradients copied off the GPU, since construction
         self.bytes_to_device = 0            # updated weights copied back to it
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
-        self.table.paged: set[int] = set()
         # offload="auto": after AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
         self._kind = kind
@@ -208,15 +207,14 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._vram_headroom = float(vram_headroom)
         self._on_decision = on_decision or (lambda kind, message, **numbers: None)
         self._gpu_optimizer: torch.optim.Optimizer | None = None
-        # Parameters whose AdamW state lives in VRAM (keep_state_on_device): their gradients stay
-        # on the GPU and torch's fused AdamW (_device_optimizer) updates them at step(); the
-        # daemon's copy of their state is as of the move or the last checkpoint.
-        self.table.on_device: set[int] = set()
+        # Parameters whose AdamW state lives in VRAM (keep_state_on_device, table.on_device):
+        # their gradients stay on the GPU and torch's fused AdamW (_device_optimizer) updates
+        # them at step(); the daemon's copy of their state is as of the move or the last
+        # checkpoint.
         self._device_optimizer: torch.optim.Optimizer | None = None
         self._device_groups: list[int] = []  # for each of its groups, ours
         # Of those, the ones whose moments stay in the daemon, staged through VRAM for each
-        # update as backward finishes their gradients (staged_adamw.py).
-        self.table.staged: set[int] = set()
+        # update as backward finishes their gradients (staged_adamw.py; table.staged).
         self._staged: StagedAdamW | None = None
         self._staged_groups: dict[int, int] = {}
         self._steps_at_switch = 0
