@@ -22,6 +22,28 @@ namespace trainstream::python {
 
 namespace py = pybind11;
 
+namespace {
+
+#ifdef TRAINSTREAM_HAVE_CUDA
+// The rows the loss kernels read, from the pointers and names the Python side passes.
+kernels::CrossEntropyRows LossRows(const std::string& dtype, int64_t rows, int64_t vocab,
+                                   uintptr_t logits, uintptr_t targets, int64_t ignore_index) {
+  return {reinterpret_cast<const void*>(logits),
+          ValueOrThrow(kernels::ParseLogitType(dtype)),
+          rows,
+          vocab,
+          reinterpret_cast<const int64_t*>(targets),
+          ignore_index};
+}
+#else
+[[noreturn]] void ThrowNoCudaKernels() {
+  ThrowStatus(absl::FailedPreconditionError(
+      "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+}
+#endif
+
+}  // namespace
+
 void BindKernels(py::module_& m) {
   // AdamW on raw pointers (torch tensors' data_ptr()): the host path's scalar reference
   // (on_gpu false; returns the number of non-finite gradient elements) or the GPU kernel over
@@ -88,8 +110,7 @@ void BindKernels(py::module_& m) {
     (void)nonfinite;
     (void)stream;
     (void)skip_if;
-    OkOrThrow(absl::FailedPreconditionError(
-        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+    ThrowNoCudaKernels();
 #endif
           return 0;
         });
@@ -178,8 +199,7 @@ void BindKernels(py::module_& m) {
                                     bf16 ? k::DeviceOutput::kBFloat16 : k::DeviceOutput::kFloat32,
                                     reinterpret_cast<void*>(stream)));
 #else
-    OkOrThrow(absl::FailedPreconditionError(
-        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+    ThrowNoCudaKernels();
 #endif
   });
   // The causal-LM cross-entropy kernels (kernels/cuda/cross_entropy.h), on device pointers,
@@ -196,18 +216,12 @@ void BindKernels(py::module_& m) {
                                     uintptr_t lse, uintptr_t loss, uintptr_t stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
     namespace k = trainstream::kernels;
-    const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
-                                ValueOrThrow(k::ParseLogitType(dtype)),
-                                rows,
-                                vocab,
-                                reinterpret_cast<const int64_t*>(targets),
-                                ignore_index};
+    const k::CrossEntropyRows r = LossRows(dtype, rows, vocab, logits, targets, ignore_index);
     OkOrThrow(k::CrossEntropyForwardOnDevice(r, reinterpret_cast<float*>(lse),
                                              reinterpret_cast<float*>(loss),
                                              reinterpret_cast<void*>(stream)));
 #else
-    OkOrThrow(absl::FailedPreconditionError(
-        "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+    ThrowNoCudaKernels();
 #endif
   });
   m.def(
@@ -216,18 +230,12 @@ void BindKernels(py::module_& m) {
          int64_t ignore_index, uintptr_t lse, uintptr_t scale, uintptr_t grad, uintptr_t stream) {
 #ifdef TRAINSTREAM_HAVE_CUDA
         namespace k = trainstream::kernels;
-        const k::CrossEntropyRows r{reinterpret_cast<const void*>(logits),
-                                    ValueOrThrow(k::ParseLogitType(dtype)),
-                                    rows,
-                                    vocab,
-                                    reinterpret_cast<const int64_t*>(targets),
-                                    ignore_index};
+        const k::CrossEntropyRows r = LossRows(dtype, rows, vocab, logits, targets, ignore_index);
         OkOrThrow(k::CrossEntropyBackwardOnDevice(
             r, reinterpret_cast<const float*>(lse), reinterpret_cast<const float*>(scale),
             reinterpret_cast<void*>(grad), reinterpret_cast<void*>(stream)));
 #else
-        OkOrThrow(absl::FailedPreconditionError(
-            "this build of trainstream has no CUDA kernels (built without a CUDA toolkit)"));
+        ThrowNoCudaKernels();
 #endif
       });
 }
