@@ -224,8 +224,8 @@ def _foreign_self_reads(tree: ast.AST) -> set[str]:
 FOREIGN_SELF_READS_LEFT: dict[str, int] = {
     "memory.adaptive": 5, "memory.plan_apply": 19, "memory.plan_probe": 4,
     "memory.staging_trial": 4, "optim.checkpoints": 10,
-    "optim.gpu_switch": 13, "optim.gradients": 19, "optim.offload_adamw": 11,
-    "optim.placement": 18, "optim.returns": 18, "optim.surface": 5,
+    "optim.gpu_switch": 13, "optim.offload_adamw": 7, "optim.placement": 13,
+    "optim.surface": 5,
 }
 
 

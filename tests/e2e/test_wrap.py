@@ -446,7 +446,7 @@ def test_small_gradients_leave_in_batches_by_the_end_of_backward(daemon_socket):
             x, y = batch(2 * step + micro, device="cuda")
             (loss_fn(ref, x, y) / 2).backward()
             (loss_fn(ours, x, y) / 2).backward()
-            assert opt._batch == []  # sent when backward ended
+            assert opt.gradients.batched == 0  # sent when backward ended
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()

@@ -5,10 +5,15 @@ from backward's own end (the last micro-step's gradients out, their updates land
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import torch
 
 from ..errors import FailedPreconditionError
 from ..transport import device as cuda_device
+from .iteration import Iteration
+from .parameters import ParameterTable
 
 # Gradients up to this size leave on the compute stream itself (a few microseconds of copy
 # there, and no cross-stream wait and event per gradient); larger ones on the side stream.
@@ -18,49 +23,125 @@ _SIDE_STREAM_BYTES = 1 << 20
 _BATCH_GRADIENTS = 32
 _BATCH_BYTES = 8 << 20
 
-class GradientRouting:
-    """OffloadAdamW's gradient routing (a part of the class: it reads the facade's state)."""
 
-    def _on_gradient(self, p: torch.Tensor) -> None:
+@dataclasses.dataclass
+class Traffic:
+    """Bytes over PCIe since the optimizer was made: gradients (and staged moments) to the
+    host, updated weights (and staged moments) to the device."""
+
+    to_host: int = 0
+    to_device: int = 0
+
+
+class GradientRouter:
+    """Each trained parameter's gradient, the moment backward produces it: counted against the
+    accumulation steps, and sent to the daemon (a CUDA one copied out, a CPU one posted from its
+    shared slot), or left in VRAM for a GPU update (``held_gradient``). It owns the micro-step
+    counts and the batch of small gradients waiting to leave; the iteration's phase is told of
+    each last gradient and of each backward's end.
+
+    ``first_gradient`` runs before an iteration's first gradient leaves (the daemon's
+    hyper-parameters and copy targets must be current before updates start); ``held_gradient(i,
+    p)`` takes a gradient of a parameter updated on the GPU at its last micro-step;
+    ``backward_ended`` runs as each backward that sent gradients ends."""
+
+    def __init__(self, *, host: Any, table: ParameterTable, iteration: Iteration,
+                 accumulation_steps: int, device_index: int, copy_stream: Any,
+                 traffic: Traffic, clock: Any, first_gradient: Callable[[], None],
+                 held_gradient: Callable[[int, torch.Tensor], None],
+                 backward_ended: Callable[[], None]) -> None:
+        self._host = host
+        self._table = table
+        self._iteration = iteration
+        self._accumulation_steps = accumulation_steps
+        self._cuda = device_index >= 0
+        self._device_index = device_index
+        self._copy_stream = copy_stream
+        self._traffic = traffic
+        self._first_gradient = first_gradient
+        self._held_gradient = held_gradient
+        self._after_backward = backward_ended
+        self._backwards = [0] * len(table.params)  # micro-steps seen, per parameter
+        self._count = 0  # gradients since the iteration began
+        # Small gradients waiting to leave together: (index, micro-step, gradient), all made on
+        # the stream _batch_stream; their memory is held until their copies are enqueued.
+        self._batch: list[tuple[int, int, torch.Tensor]] = []
+        self._batch_stream = 0
+        self._batch_bytes = 0
+        self._end_task = -2  # the backward whose end is hooked (a graph task id)
+        self.on_gradient_timed = clock.timed("optimizer.gradient_out", self.on_gradient)
+        self._backward_ended_timed = clock.timed("optimizer.gradient_batch", self._backward_ended)
+
+    # -- what the optimizer asks ---------------------------------------------------------------
+
+    @property
+    def in_iteration(self) -> bool:
+        """Whether any gradient arrived since the iteration began (a step is in progress)."""
+        return any(self._backwards)
+
+    @property
+    def most_backwards(self) -> int:
+        """The most backward passes any parameter had a gradient from in this iteration."""
+        return max(self._backwards, default=0)
+
+    def backwards_of(self, i: int) -> int:
+        """Backward passes parameter ``i`` had a gradient from in this iteration."""
+        return self._backwards[i]
+
+    @property
+    def batched(self) -> int:
+        """Small gradients waiting in the batch to leave."""
+        return len(self._batch)
+
+    def extend(self, count: int) -> None:
+        """``count`` parameters joined the table (add_param_group)."""
+        self._backwards += [0] * count
+
+    def iteration_done(self) -> None:
+        """The iteration completed: the next gradients are its successor's first."""
+        self._backwards = [0] * len(self._backwards)
+        self._count = 0
+
+    def send_batch(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if batch:
+            self._host.send_gradients(batch, self._batch_stream)
+
+    def drain(self) -> None:
+        """Every gradient on its way out is handed to the daemon (CUDA: waits for the copies)."""
+        if self._cuda:
+            self.send_batch()
+            self._host.drain_gradients()
+
+    # -- backward's hooks ----------------------------------------------------------------------
+
+    def on_gradient(self, p: torch.Tensor) -> None:
+        accumulation = self._accumulation_steps
         if self._iteration.completed_early:
             raise FailedPreconditionError(
-                f"backward pass {self.accumulation_steps + 1} before step(); accumulation_steps "
-                f"is {self.accumulation_steps} (pass accumulation_steps= to wrap). A forward "
-                "after the last backward already applied this step's updates")
-        i = self.table.index[id(p)]
+                f"backward pass {accumulation + 1} before step(); accumulation_steps is "
+                f"{accumulation} (pass accumulation_steps= to wrap). A forward after the last "
+                "backward already applied this step's updates")
+        table = self._table
+        i = table.index[id(p)]
         # A counter, not a scan of every parameter's count: this runs once per gradient.
-        if self._grads_this_iteration == 0:
-            # The first gradient of an iteration: updates start now, so a scheduler's new lr
-            # must reach the daemon before it, and the copies back must know where each
-            # parameter's storage is now.
-            self._push_hyperparameters()
-            self._check_targets()
+        if self._count == 0:
+            self._first_gradient()
         micro = self._backwards[i]
-        if micro >= self.accumulation_steps:
+        if micro >= accumulation:
             raise FailedPreconditionError(
                 f"backward pass {micro + 1} before step(); accumulation_steps is "
-                f"{self.accumulation_steps} (pass accumulation_steps= to wrap)")
+                f"{accumulation} (pass accumulation_steps= to wrap)")
         self._backwards[i] = micro + 1
-        self._grads_this_iteration += 1
-        if i in self.table.on_device:
+        self._count += 1
+        last = micro + 1 == accumulation
+        if i in table.on_device:
             # Updated in VRAM at step(): the gradient stays where it is (micro-steps add up in
             # it, as torch's do), and a forward after the last backward still completes the
             # iteration first.
-            if micro + 1 == self.accumulation_steps:
+            if last:
                 self._finish_after_backward(updated_by_daemon=False)
-                if i in self.table.staged and self._update_on_gpu:
-                    # Final: its update starts now, beside the rest of backward; with clipping
-                    # or a reported norm, at step(), once the global norm is known.
-                    if not self._reports_norm:
-                        self._start_mapped([i], cuda_device.current(self._device_index))
-                elif i in self.table.staged:
-                    # Final: its update starts now, beside the rest of backward.
-                    self._staged.add(i, p, p.grad, self._host.exp_avg(i),
-                                     self._host.exp_avg_sq(i), self._hyper(i),
-                                     cuda_device.current(self._device_index))
-                    self.bytes_to_host += 8 * p.numel()  # fp32 moments each way
-                    self.bytes_to_device += 8 * p.numel()
-                    p.grad = None  # its chunk holds it until the update has read it
+                self._held_gradient(i, p)
             return
         if not self._cuda:
             slot = self._host.grad(i)
@@ -69,18 +150,18 @@ class GradientRouting:
                 # slot and make the slot the gradient again.
                 slot.copy_(p.grad)
                 p.grad = slot
-            if micro + 1 == self.accumulation_steps:  # the slot holds the sum of the passes
+            if last:  # the slot holds the sum of the passes
                 self._finish_after_backward(updated_by_daemon=True)
                 self._host.post(i)
             return
         if micro > 0:
-            self._send_batch()  # the last micro-step's gradient may still wait in it
+            self.send_batch()  # the last micro-step's gradient may still wait in it
             self._host.wait_consumed(i)
-        if micro + 1 == self.accumulation_steps:
+        if last:
             self._finish_after_backward(updated_by_daemon=True)
         grad = p.grad
-        convert = grad.dtype != self.table.grad_dtypes[i] or not grad.is_contiguous()
-        nbytes = grad.numel() * self.table.grad_sizes[i]
+        convert = grad.dtype != table.grad_dtypes[i] or not grad.is_contiguous()
+        nbytes = grad.numel() * table.grad_sizes[i]
         if convert or nbytes > _SIDE_STREAM_BYTES:
             # The side stream, after the work that made the gradient; the allocator keeps its
             # memory until that stream is done with it.
@@ -89,20 +170,19 @@ class GradientRouting:
             grad.record_stream(stream)
             if convert:
                 with torch.cuda.stream(stream):
-                    grad = grad.to(self.table.grad_dtypes[i], memory_format=torch.contiguous_format)
-            pointer = stream.cuda_stream
-            self._host.send_gradient(i, micro, grad, pointer)
+                    grad = grad.to(table.grad_dtypes[i], memory_format=torch.contiguous_format)
+            self._host.send_gradient(i, micro, grad, stream.cuda_stream)
         else:
             # On the compute stream, in a batch: its later work (reusing this memory once the
             # batch lets go of it) is ordered after the copies.
             self._add_to_batch(i, micro, grad, nbytes)
-        self.bytes_to_host += nbytes
+        self._traffic.to_host += nbytes
         p.grad = None  # no gradient stays in VRAM
 
     def _add_to_batch(self, i: int, micro: int, grad: torch.Tensor, nbytes: int) -> None:
         pointer = cuda_device.current_pointer(self._device_index)
         if self._batch and pointer != self._batch_stream:
-            self._send_batch()
+            self.send_batch()
         if graph_task() == -1:  # not inside a backward (no end to wait for): sent now
             self._host.send_gradient(i, micro, grad, pointer)
             return
@@ -111,12 +191,7 @@ class GradientRouting:
         self._batch_stream = pointer
         self._batch_bytes += nbytes
         if len(self._batch) >= _BATCH_GRADIENTS or self._batch_bytes >= _BATCH_BYTES:
-            self._send_batch()
-
-    def _send_batch(self) -> None:
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
-        if batch:
-            self._host.send_gradients(batch, self._batch_stream)
+            self.send_batch()
 
     def _finish_after_backward(self, *, updated_by_daemon: bool) -> None:
         # The iteration may be completed early only once the backward that produced its last
@@ -133,36 +208,27 @@ class GradientRouting:
             self._end_task = task
 
     def _backward_ended(self) -> None:
-        self._send_batch()
-        if self._staged is not None:
-            self._staged.flush(cuda_device.current(self._device_index))
+        self.send_batch()
+        self._after_backward()
         self._iteration.backward_ended()
 
-    def _settle_updates(self) -> None:
-        """Between the last backward and step(), updates are still landing: a forward, or a
-        checkpoint, completes the iteration first and reads the new values, all of them. Not
-        in a data-parallel job, where completing waits for every rank's gradients and joins
-        the machines' all-reduce, which the other ranks reach only from their step()."""
-        if (self._gpu_optimizer is None and self._world_size == 1 and self._machines == 1
-                and not in_backward() and self._iteration.start_early_completion()):
-            self._complete_iteration()
-            self._iteration.completed_before_step()
 
-    def _reduce_across_machines(self) -> None:
-        """Sums every parameter's machine-summed gradient over the machines, in place in the
-        daemon's reduce buffers, in one fixed order on every machine (the collectives must line
-        up), then lets the daemon update each."""
-        import torch.distributed as dist
+def reduce_across_machines(host: Any, count: int, group: Any) -> None:
+    """Sums every parameter's machine-summed gradient over the machines, in place in the
+    daemon's reduce buffers, in one fixed order on every machine (the collectives must line
+    up), then lets the daemon update each (``count`` parameters, ``group`` the machines' rank
+    0s)."""
+    import torch.distributed as dist
 
-        order = list(reversed(range(len(self.table.params))))  # backward's: the first ready first
-        had = torch.tensor([float(self._host.wait_reduce_ready(i)) for i in order])
-        # Which parameters any machine had a gradient for: the others are left alone, as on
-        # one machine, and need no all-reduce.
-        dist.all_reduce(had, op=dist.ReduceOp.MAX, group=self._machine_group)
-        for i, any_gradient in zip(order, had.tolist()):
-            if any_gradient:
-                dist.all_reduce(self._host.reduce(i), group=self._machine_group)
-            self._host.post_reduced(i, bool(any_gradient))
+    order = list(reversed(range(count)))  # backward's: the first ready first
+    had = torch.tensor([float(host.wait_reduce_ready(i)) for i in order])
+    # Which parameters any machine had a gradient for: the others are left alone, as on one
+    # machine, and need no all-reduce.
+    dist.all_reduce(had, op=dist.ReduceOp.MAX, group=group)
+    for i, any_gradient in zip(order, had.tolist()):
+        if any_gradient:
+            dist.all_reduce(host.reduce(i), group=group)
+        host.post_reduced(i, bool(any_gradient))
 
 
 def graph_task() -> int:

@@ -28,7 +28,7 @@ from ..transport.host_optimizer import HostOptimizer, ParameterSpec
 from ..transport.launcher import this_machines_ranks
 from .checkpoints import Checkpoints
 from .gpu_switch import AUTO_STEPS, GpuSwitch
-from .gradients import GradientRouting
+from .gradients import GradientRouter, Traffic, in_backward, reduce_across_machines
 from .groups import daemon_group, safe_name
 from .iteration import Iteration
 from .parameters import ParameterTable
@@ -54,8 +54,7 @@ GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": 
 __all__ = ["BF16_MOMENTS_REFUSAL", "GRADIENT_DTYPES", "MOMENT_DTYPES", "NONFINITE", "OffloadAdamW"]
 
 
-class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement, GpuSwitch,
-                   Checkpoints, torch.optim.Optimizer):
+class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.optim.Optimizer):
     """AdamW (``kind="adam"``: Adam) with fp32 master weights and moments in trainstreamd.
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` as for ``torch.optim.AdamW``.
@@ -176,28 +175,20 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._eager = eager
         self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
         self._pushed = [daemon_group(g) for g in self.param_groups]
-        self._backwards = [0] * len(self.table.params)
-        self._grads_this_iteration = 0  # gradients landed since the last step()
         self._hooks: list = []
         self.clock = HookClock()            # the CPU time its hooks take (memory_report)
-        self._on_gradient_timed = self.clock.timed("optimizer.gradient_out", self._on_gradient)
-        self._forward_wait_timed = self.clock.timed("optimizer.forward_wait",
-                                                    self._wait_for_own_parameters)
-        self._copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
+        copy_stream = torch.cuda.Stream(first.device) if self._cuda else None
         self._device_index = cuda_device.device_index(first.device) if self._cuda else -1
-        # Small gradients waiting to leave together: (index, micro-step, gradient), all made on
-        # the stream _batch_stream; their memory is held until their copies are enqueued.
-        self._batch: list[tuple[int, int, torch.Tensor]] = []
-        self._batch_stream = 0
-        self._batch_bytes = 0
-        self._end_task = -2  # the backward whose end is hooked (a graph task id)
-        self._backward_ended_timed = self.clock.timed("optimizer.gradient_batch",
-                                                      self._backward_ended)
-        self._ready: dict[int, Any] = {}
+        self.traffic = Traffic()            # bytes over PCIe each way, since construction
+        self._iteration = Iteration()
+        self.gradients = GradientRouter(
+            host=self._host, table=self.table, iteration=self._iteration,
+            accumulation_steps=self.accumulation_steps, device_index=self._device_index,
+            copy_stream=copy_stream, traffic=self.traffic, clock=self.clock,
+            first_gradient=self._iteration_begins, held_gradient=self._final_held_gradient,
+            backward_ended=self._flush_staged)
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.memory.pager.BlockPager)
-        self.bytes_to_host = 0              # gradients copied off the GPU, since construction
-        self.bytes_to_device = 0            # updated weights copied back to it
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
         # offload="auto": after AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
@@ -223,25 +214,13 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self._last_step_end: float | None = None
         # CUDA: each updated parameter is copied back by the native side the moment the daemon
         # announces it (during backward and the rest of the update), not after the whole step.
-        self._device_return = self._cuda and all(p.is_contiguous() for p in self.table.params
-                                                 if id(p) not in initial)
-        self._targets: list[int] = []
-        self._module_indices: dict[int, list[int]] = {}
-        self._waited_modules: set[int] = set()  # modules whose forward waited since step()
-        self._iteration = Iteration()
         self.table.paged = {i for i, p in enumerate(self.table.params) if id(p) in initial}
-        if self._device_return:
-            self._targets = [0 if id(p) in initial else p.data_ptr() for p in self.table.params]
-            self._host.return_updates_to_device(
-                first.device.index if first.device.index is not None else
-                torch.cuda.current_device(),
-                [(0, 0) if id(p) in initial else (p.data_ptr(), p.numel() * p.element_size())
-                 for p in self.table.params])
-        self._hooked_modules: set[int] = set()
-        self._wait_blocks: dict[int, Any] = {}  # blocks that wait for everything inside them
-        self._hooked_dicts: set[int] = set()
-        self._hooked_models: set[int] = set()
-        self._model: Any = None
+        self.returns = DeviceReturns(
+            host=self._host, table=self.table, iteration=self._iteration,
+            device_index=self._device_index, copy_stream=copy_stream, clock=self.clock,
+            placeholders=set(initial),
+            settle=self._settle_updates, synchronize=self.synchronize,
+            add_hook=self._hooks.append)
         for i, p in enumerate(self.table.params):
             self._take_over(i, p)
         if getattr(self, "_resumed", False):
@@ -262,18 +241,12 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             p.grad = self._host.grad(i)
             p.grad.zero_()
         self._hooks.append(p.register_post_accumulate_grad_hook(
-            weak_hook(self, "_on_gradient_timed")))
+            weak_hook(self.gradients, "on_gradient_timed")))
 
     def synchronize(self) -> None:
         """Blocks until every queued copy in either direction has landed."""
-        if self._cuda:
-            self._send_batch()
-            self._host.drain_gradients()
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-            self._ready.clear()
-        if self._device_return:
-            self._host.synchronize_device_returns()
+        self.gradients.drain()
+        self.returns.synchronize()
         if self._staged is not None:
             self._staged.synchronize()
 
@@ -281,7 +254,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
         self.synchronize()
         if self.table.on_device:
-            if any(self._backwards):
+            if self.gradients.in_iteration:
                 warnings.warn("trainstream: unwrapped between backward and step(): the AdamW "
                               "state held in VRAM stays as of its last move or checkpoint in "
                               "trainstreamd", stacklevel=3)
@@ -342,7 +315,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        backwards = max(self._backwards)
+        backwards = self.gradients.most_backwards
         if 0 < backwards < self.accumulation_steps:
             raise FailedPreconditionError(
                 f"step() after {backwards} backward pass(es); accumulation_steps is "
@@ -369,19 +342,17 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         and step(). Updates land during backward, so such a forward would otherwise read
         whichever had landed; it reads all of them instead."""
         self._push_hyperparameters()
-        if self._cuda:
-            self._send_batch()
-            self._host.drain_gradients()
+        self.gradients.drain()
         # Before the posts below: the daemon decides the clip once the last one is in.
         self._post_device_norm()
-        for i, count in enumerate(self._backwards):
+        for i in range(len(self.table)):
             # No gradient this step: left alone, as torch does; one updated in VRAM: by the
             # GPU, below.
-            if count == 0 or i in self.table.on_device:
+            if self.gradients.backwards_of(i) == 0 or i in self.table.on_device:
                 for micro in range(self._host.accumulation_steps):
                     self._host.post(i, micro, no_grad=True)
         if self._leader:
-            self._reduce_across_machines()
+            reduce_across_machines(self._host, len(self.table), self._machine_group)
         # Queued on the GPU before waiting for the host's updates, so that the two overlap;
         # clipping state held in VRAM waits for the daemon's coefficient instead.
         clip_on_device = self._max_grad_norm > 0 and bool(self.table.on_device)
@@ -398,28 +369,38 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         if result["skipped"] and self._nonfinite == "guard":
             self._say_guarded("in trainstreamd's pass (tsctl events has the count),")
         # Every update of this step is on its way back (the router enqueued each copy before
-        # passing its notice on): the next forward of each module waits again.
-        self._waited_modules.clear()
+        # passing its notice on; without it, the copies start here): the next forward of each
+        # module waits again.
+        self.traffic.to_device += self.returns.updates_sent(result["updated"])
         self._iteration.updates_returned()
         if self._pager is not None:
             self._pager.weights_changed()
-        if self._cuda:
-            self.bytes_to_device += sum(
-                p.numel() * p.element_size() for i, p in enumerate(self.table.params)
-                if result["updated"][i] and i not in self.table.paged)
-        self._backwards = [0] * len(self.table.params)
-        self._grads_this_iteration = 0
+        self.gradients.iteration_done()
         if self._reports_norm:
             last = self._host.info().last_step
             self.last_grad_norm = last.grad_norm if last is not None else 0.0
-        if self._cuda and not self._device_return:
-            stream = self._copy_stream
-            for i, p in enumerate(self.table.params):
-                if result["updated"][i] and i not in self.table.paged:
-                    self._host.param_buffer(i).copy_to_device(p.data, stream=stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    self._ready[id(p)] = event
+
+    def _iteration_begins(self) -> None:
+        """The iteration's first gradient is about to leave: updates start now, so a scheduler's
+        new lr must reach the daemon before it, and the copies back must know where each
+        parameter's storage is now."""
+        self._push_hyperparameters()
+        self.returns.check_targets()
+
+    def _flush_staged(self) -> None:
+        """A backward that sent gradients ended: staged updates still batched start now."""
+        if self._staged is not None:
+            self._staged.flush(cuda_device.current(self._device_index))
+
+    def _settle_updates(self) -> None:
+        """Between the last backward and step(), updates are still landing: a forward, or a
+        checkpoint, completes the iteration first and reads the new values, all of them. Not
+        in a data-parallel job, where completing waits for every rank's gradients and joins
+        the machines' all-reduce, which the other ranks reach only from their step()."""
+        if (self._gpu_optimizer is None and self._world_size == 1 and self._machines == 1
+                and not in_backward() and self._iteration.start_early_completion()):
+            self._complete_iteration()
+            self._iteration.completed_before_step()
 
     def _push_hyperparameters(self) -> None:
         # A scheduler changes lr between steps: the daemon gets it before the next updates.
@@ -453,7 +434,7 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
             raise FailedPreconditionError(
                 "add_param_group in a data-parallel job is not supported: pass every group when "
                 "building the optimizer")
-        if any(self._backwards):
+        if self.gradients.in_iteration:
             raise FailedPreconditionError(
                 "add_param_group between backward and step(): add groups between steps")
         super().add_param_group(param_group)  # torch's checks and defaults
@@ -487,15 +468,12 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
         self.table.extend(group["params"])
         if first <= start:
             self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
-        self._backwards += [0] * len(new)
-        if self._device_return:
-            self._targets += [p.data_ptr() for p in new]
-            self._host.add_device_targets([(p.data_ptr(), p.numel() * p.element_size())
-                                           for p in new])
+        self.gradients.extend(len(new))
+        self.returns.extend(new)
         for i, p in enumerate(new, start=start):
             self._take_over(i, p)
-        if self._model is not None:
-            self.attach_forward_waits(self._model)
+        if self.returns.model is not None:
+            self.attach_forward_waits(self.returns.model)
 
     def attach(self, model: torch.nn.Module, guard: bool = True,
                blocks: Iterable[Any] = ()) -> "OffloadAdamW":
@@ -510,6 +488,68 @@ class OffloadAdamW(LayerSurface, GradientRouting, DeviceReturns, StatePlacement,
                 "update lands) is not offered; each forward waits only for its own weights")
         self.attach_forward_waits(model, list(blocks))
         return self
+
+    # -- the weights' way back, for the layers above (paging, wrap) ----------------------------
+
+    def attach_forward_waits(self, model: torch.nn.Module, blocks: Iterable[Any] = ()) -> None:
+        """Each forward of ``model`` waits for its own parameters' new values, each of
+        ``blocks`` once for all of its own (see DeviceReturns.attach_forward_waits)."""
+        self.returns.attach_forward_waits(model, blocks)
+
+    def stop_returning(self, param_ids: set) -> None:
+        """These parameters' updates are no longer copied to the device (their device memory is
+        about to go): waits for copies in flight first. Any of them updated in VRAM go back to
+        the daemon first (their weights will be its host copies)."""
+        table = self.table
+        leaving = {i for i, p in enumerate(table.params) if id(p) in param_ids}
+        moved = leaving & table.on_device
+        # Paged first: optimizer_mode="gpu" then leaves them to the daemon with the rest.
+        table.paged |= leaving
+        if moved:
+            def kept(indices: set) -> set:
+                return {id(table.params[i]) for i in indices
+                        if id(table.params[i]) not in param_ids}
+            self.keep_state_on_device(kept(table.state_in_vram()), kept(table.staged))
+        self.synchronize()
+        self.returns.forget_waits()  # which parameters come back changes
+        for i in sorted(leaving):
+            self.returns.retarget(i, False)
+
+    def resume_returning(self, param_ids: set) -> None:
+        """These parameters hold device tensors again (blocks that stopped streaming): their
+        updates are copied there from the next step on."""
+        self.synchronize()
+        self.returns.forget_waits()  # which parameters come back changes
+        table = self.table
+        for i, p in enumerate(table.params):
+            if id(p) in param_ids and i in table.paged:
+                table.paged.discard(i)
+                self.returns.retarget(i, True)
+        if self._update_on_gpu:  # optimizer_mode="gpu": they are updated on the GPU again
+            self.keep_state_on_device({id(table.params[i]) for i in table.state_in_vram()})
+
+    def page_weights(self, pager: Any) -> None:
+        """Parameters of ``pager``'s blocks are read from host memory at every use: their
+        updates are not copied back, and each step tells the pager the host copies changed."""
+        self._pager = pager
+        self.stop_returning({id(p) for params in pager.weights.params.values() for p in params})
+
+    def refresh_weights(self) -> None:
+        """Brings the model's weights to the daemon's (after a load, or when joining a job whose
+        state another rank created). CPU weights are the daemon's memory already."""
+        self.returns.refresh()
+        if self._pager is not None:
+            self._pager.weights_changed()
+
+    @property
+    def bytes_to_host(self) -> int:
+        """Gradients (and staged moments) copied off the GPU since construction."""
+        return self.traffic.to_host
+
+    @property
+    def bytes_to_device(self) -> int:
+        """Updated weights (and staged moments) copied back to the GPU since construction."""
+        return self.traffic.to_device
 
     @property
     def steps(self) -> int:

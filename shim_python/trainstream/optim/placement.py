@@ -152,7 +152,7 @@ class StatePlacement:
             if reason is not None and staged:
                 raise FailedPreconditionError(f"no state can be staged through VRAM: {reason}")
         wanted = held_wanted | staged
-        if any(self._backwards):
+        if self.gradients.in_iteration:
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
         held, new_held = self.table.state_in_vram(), wanted - staged
@@ -194,17 +194,11 @@ class StatePlacement:
         if not staged:
             self._staged = None  # its slots' VRAM goes back
         for i in sorted(self.table.on_device - wanted):
-            p = self.table.params[i]
-            if self._device_return:
-                self._host.retarget_device(i, p.data_ptr(), p.numel() * p.element_size())
-                self._targets[i] = p.data_ptr()
+            self.returns.retarget(i, True)
         for i in sorted(wanted - self.table.on_device):
-            if self._device_return:  # nothing of the daemon's is copied there any more
-                self._host.retarget_device(i, 0, 0)
-                self._targets[i] = 0
+            self.returns.retarget(i, False)  # nothing of the daemon's is copied there any more
         self.table.place(wanted, staged)
-        self._module_indices.clear()  # which parameters come back changed
-        self._waited_modules.clear()
+        self.returns.forget_waits()  # which parameters come back changed
         if wanted:
             register_exit_return(self)
         else:
@@ -283,6 +277,23 @@ class StatePlacement:
             total = float(torch.stack(norms).double().square().sum())
         self._host.post_norm_contribution(total)
 
+    def _final_held_gradient(self, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i``'s last micro-step gradient, updated on the GPU: staged or mapped, its
+        update starts now, beside the rest of backward (mapped with clipping or a reported
+        norm: at step(), once the global norm is known); held in VRAM, at step()."""
+        if i not in self.table.staged:
+            return
+        current = cuda_device.current(self._device_index)
+        if self._update_on_gpu:
+            if not self._reports_norm:
+                self._start_mapped([i], current)
+            return
+        self._staged.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
+                         self._hyper(i), current)
+        self.traffic.to_host += 8 * p.numel()  # fp32 moments each way
+        self.traffic.to_device += 8 * p.numel()
+        p.grad = None  # its chunk holds it until the update has read it
+
     def _start_mapped(self, indices: list, producer: torch.cuda.Stream,
                       clip_coef: float = 1.0) -> None:
         """Queues the mapped updates of these parameters (optimizer_mode="gpu") from their
@@ -302,8 +313,8 @@ class StatePlacement:
             self._staged.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
                              self._hyper(i), producer, master=master, grad_scale=clip_coef)
             moved = self._staged.bytes_each_way - moved
-            self.bytes_to_host += moved
-            self.bytes_to_device += moved
+            self.traffic.to_host += moved
+            self.traffic.to_device += moved
             p.grad = None
 
     def _clip_on_device(self, coef: float) -> None:
@@ -415,13 +426,13 @@ class StatePlacement:
         """Every parameter's state back in the daemon, unless a step is in progress (its
         gradients would land on moved state): at exit, so a process that ends without unwrap()
         leaves the job whole for a restart."""
-        if not any(self._backwards):
+        if not self.gradients.in_iteration:
             self.all_state_to_daemon()
 
     def _device_state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
         if self.table.on_device:
-            if any(self._backwards):  # a step in progress, or one that failed
+            if self.gradients.in_iteration:  # a step in progress, or one that failed
                 raise FailedPreconditionError(
                     "a step is in progress; checkpoint between steps (after step())")
             held = sorted(self.table.state_in_vram())
