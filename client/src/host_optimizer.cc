@@ -243,65 +243,46 @@ HostOptimizer::~HostOptimizer() {
     absl::MutexLock lock(&sender_mu_);
     sender_.reset();
   }
-  stop_router_ = true;
-  if (router_.joinable()) router_.join();
+  // The pump copies returned updates through device_return_: it stops before that goes.
+  if (device_return_ != nullptr) session_.impl_->SetDispatcher(nullptr);
 }
 
 absl::StatusOr<Notice> HostOptimizer::NextNotice(int timeout_ms) {
-  if (!router_.joinable()) {
-    ASSIGN_OR_RETURN(Notice notice, session_.Wait(timeout_ms));
-    if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
-    return notice;
+  absl::StatusOr<Notice> next = session_.Wait(timeout_ms);
+  {
+    // A notice is dispatched before it is queued: a copy that failed for the notice just
+    // taken is known here already.
+    absl::MutexLock lock(&return_mu_);
+    if (!return_error_.ok()) return return_error_;
   }
-  absl::MutexLock lock(&inbox_mu_);
-  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(inbox_mu_) {
-    return !inbox_.empty() || !router_error_.ok();
-  };
-  inbox_mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout_ms));
-  if (!inbox_.empty()) {
-    Notice notice = inbox_.front();
-    inbox_.pop_front();
-    return notice;
-  }
-  if (!router_error_.ok()) return router_error_;
-  return absl::DeadlineExceededError("no notice from the daemon yet");
+  ASSIGN_OR_RETURN(Notice notice, std::move(next));
+  if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
+  return notice;
 }
 
-void HostOptimizer::RouteNotices() {
-  while (!stop_router_) {
-    absl::StatusOr<Notice> next = session_.Wait(50);
-    if (next.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
-    absl::Status failed = next.status();
-    if (next.ok() && next->kind == Kind(ipc::DoorbellKind::kError)) failed = ExplainFailure();
-    if (failed.ok() && next->kind == Kind(ipc::DoorbellKind::kUpdateDone) &&
-        !(next->flags & (ipc::kFlagSkipped | ipc::kFlagNoGradient))) {
-      // Enqueued before the notice is passed on, so once a wait has seen every update of an
-      // iteration, every copy of it is on the stream.
-      failed = device_return_->Copy(static_cast<uint32_t>(next->id));
-    }
-    {
-      absl::MutexLock lock(&inbox_mu_);
-      // A failure is kept for the waits (until SetStep or Load starts over) and the thread
-      // goes on: later notices and copies still flow.
-      if (!failed.ok()) {
-        router_error_ = failed;
-      } else {
-        inbox_.push_back(*next);
-      }
-    }
-    if (!next.ok()) absl::SleepFor(absl::Milliseconds(50));  // the session itself is failing
+void HostOptimizer::ReturnUpdate(const Notice& notice) {
+  if (notice.kind != Kind(ipc::DoorbellKind::kUpdateDone) ||
+      (notice.flags & (ipc::kFlagSkipped | ipc::kFlagNoGradient))) {
+    return;
+  }
+  absl::Status copied = device_return_->Copy(static_cast<uint32_t>(notice.id));
+  if (!copied.ok()) {
+    // Kept for the waits (until SetStep or Load starts over); later notices and copies still
+    // flow.
+    absl::MutexLock lock(&return_mu_);
+    if (return_error_.ok()) return_error_ = std::move(copied);
   }
 }
 
 absl::Status HostOptimizer::ReturnUpdatesToDevice(int device, std::vector<DeviceTarget> targets) {
-  if (router_.joinable()) {
+  if (device_return_ != nullptr) {
     return absl::FailedPreconditionError("updates already return to the device");
   }
   std::vector<std::shared_ptr<HostBuffer>> sources;
   for (const ParameterBuffers& b : params_) sources.push_back(b.param ? b.param : b.master);
   ASSIGN_OR_RETURN(device_return_,
                    DeviceReturn::Create(device, std::move(sources), std::move(targets)));
-  router_ = std::thread([this] { RouteNotices(); });
+  session_.impl_->SetDispatcher([this](const Notice& notice) { ReturnUpdate(notice); });
   return absl::OkStatus();
 }
 
@@ -430,9 +411,8 @@ absl::Status HostOptimizer::SetGroups(const std::vector<OptimizerGroup>& groups,
 
 void HostOptimizer::ForgetNotices() {
   held_.clear();
-  absl::MutexLock lock(&inbox_mu_);
-  inbox_.clear();
-  router_error_ = absl::OkStatus();
+  absl::MutexLock lock(&return_mu_);
+  return_error_ = absl::OkStatus();
 }
 
 absl::Status HostOptimizer::SetStep(uint64_t iteration, const std::vector<uint64_t>& steps) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <thread>
@@ -213,6 +214,15 @@ class Session::Impl {
         return absl::DeadlineExceededError("no doorbell message in time");
       }
     }
+  }
+
+  // Runs on the pump thread for each notice before it is queued, so whatever it starts (a
+  // returned update's copy) is under way before any Wait() sees the notice. Setting another
+  // (nullptr: none) waits for a dispatch in progress, so what the old one touched may go then.
+  using Dispatcher = std::function<void(const Notice&)>;
+  void SetDispatcher(Dispatcher dispatcher) {
+    absl::MutexLock lock(&dispatch_mu_);
+    dispatcher_ = std::move(dispatcher);
   }
 
   absl::StatusOr<absl::Duration> Ping() {
@@ -487,12 +497,18 @@ class Session::Impl {
       ipc::DoorbellMessage m;
       absl::Status status = doorbell_->Receive(&m, 100, /*spin_ns=*/20000);
       if (status.code() == absl::StatusCode::kDeadlineExceeded) continue;
-      absl::MutexLock lock(&notices_mu_);
       if (!status.ok()) {
+        absl::MutexLock lock(&notices_mu_);
         pump_status_ = status;
         return;
       }
-      notices_.push_back(Notice{m.kind, m.id, m.step, m.value, m.flags});
+      const Notice notice{m.kind, m.id, m.step, m.value, m.flags};
+      {
+        absl::MutexLock lock(&dispatch_mu_);
+        if (dispatcher_) dispatcher_(notice);
+      }
+      absl::MutexLock lock(&notices_mu_);
+      notices_.push_back(notice);
     }
   }
 
@@ -547,6 +563,8 @@ class Session::Impl {
   absl::Mutex data_mu_;
   absl::Mutex ring_mu_;
   std::thread pump_;
+  absl::Mutex dispatch_mu_;
+  Dispatcher dispatcher_ ABSL_GUARDED_BY(dispatch_mu_);
   absl::Mutex notices_mu_;
   std::deque<Notice> notices_ ABSL_GUARDED_BY(notices_mu_);
   absl::Status pump_status_ ABSL_GUARDED_BY(notices_mu_);

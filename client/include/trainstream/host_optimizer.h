@@ -4,12 +4,9 @@
 #ifndef TRAINSTREAM_HOST_OPTIMIZER_H_
 #define TRAINSTREAM_HOST_OPTIMIZER_H_
 
-#include <atomic>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -193,7 +190,9 @@ class HostOptimizer {
   // Waits for the notice (kind, index, iteration), holding others for later waits.
   absl::Status WaitForNotice(uint32_t kind, uint32_t index, uint64_t iteration, int timeout_ms,
                              const absl::FormatSpec<uint32_t>& late, uint64_t* value = nullptr);
-  void RouteNotices();
+  // The pump's dispatch of each notice, with device returns: an update that landed is copied
+  // to the device before its notice is queued.
+  void ReturnUpdate(const Notice& notice);
   // The job starts over (a new step count, a loaded checkpoint): notices and a failure seen
   // so far no longer apply.
   void ForgetNotices();
@@ -209,13 +208,10 @@ class HostOptimizer {
   absl::Mutex sender_mu_;
   std::unique_ptr<GradientSender> sender_ ABSL_GUARDED_BY(sender_mu_);
 
-  // With device returns: the routing thread, and what it passes on to the waits.
+  // With device returns: the copies the session's pump starts, and the first that failed.
   std::unique_ptr<DeviceReturn> device_return_;
-  std::thread router_;
-  std::atomic<bool> stop_router_{false};
-  absl::Mutex inbox_mu_;
-  std::deque<Notice> inbox_ ABSL_GUARDED_BY(inbox_mu_);
-  absl::Status router_error_ ABSL_GUARDED_BY(inbox_mu_);
+  absl::Mutex return_mu_;
+  absl::Status return_error_ ABSL_GUARDED_BY(return_mu_);
 };
 
 }  // namespace trainstream::client
