@@ -17,20 +17,20 @@ class Checkpoints:
         if self._gpu_optimizer is not None:
             return self._gpu_optimizer.state_dict()
         self._settle_updates()  # between the last backward and step(): the updated state
-        if self._staged is not None:
-            self._staged.synchronize()  # the daemon's moments of staged ones are current
+        if self.placement.engine is not None:
+            self.placement.engine.synchronize()  # the daemon's moments of staged ones are current
         ours = self._host.state_dict()
         for i in self.table.on_device:  # the VRAM-held state, as it is now
             p = self.table.params[i]
             if i in self.table.staged:
                 entry = None
-                steps = self._staged.steps_of(i)
+                steps = self.placement.engine.steps_of(i)
                 if steps:
                     entry = {"step": torch.tensor(float(steps)),
                              "exp_avg": self._host.exp_avg(i),
                              "exp_avg_sq": self._host.exp_avg_sq(i)}
             else:
-                entry = self._device_optimizer.state.get(p)
+                entry = self.placement.device_optimizer.state.get(p)
             ours["state"].pop(i, None)
             if entry:
                 # fp32 moments, as the daemon's own state_dict gives them (bf16 ones upcast).
@@ -38,7 +38,7 @@ class Checkpoints:
                                     "exp_avg": entry["exp_avg"].detach().float().cpu().clone(),
                                     "exp_avg_sq": entry["exp_avg_sq"].detach().float().cpu()
                                     .clone()}
-            master = self._mapped_master(i)  # the GPU kernel's, finer than a bf16 weight
+            master = self.placement.mapped_master(i)  # the GPU kernel's, finer than a bf16 weight
             ours["master"][i] = (master if master is not None else p.detach()).float().cpu().clone()
         position = {id(p): n for n, p in enumerate(self.table.all)}
         state = {position[id(self.table.params[i])]: entry for i, entry in ours["state"].items()}
@@ -58,7 +58,7 @@ class Checkpoints:
         if "master" not in state_dict:
             # The weights stay as they are: the daemon's master of the VRAM-held ones first
             # catches up, since the load copies every master back to the model.
-            self._device_state_to_daemon()
+            self.placement.state_to_daemon()
         if self._gpu_optimizer is not None:
             if "master" in state_dict:
                 with torch.no_grad():
@@ -87,18 +87,19 @@ class Checkpoints:
                 g[key] = loaded[key]
         self._pushed = [daemon_group(g) for g in self.param_groups]
         self.refresh_weights()
-        self._device_state_from_daemon()
+        self.placement.state_from_daemon()
 
     def save(self, path: str) -> int:
         """Checkpoints the optimizer state by the daemon (atomic rename)."""
         self._settle_updates()  # between the last backward and step(): the updated state
         if self._gpu_optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
-            param_steps = self._moments_to_daemon(self._gpu_optimizer, range(len(self.table)))
+            param_steps = self.placement.moments_to_daemon(self._gpu_optimizer,
+                                                           range(len(self.table)))
             self._host.set_groups([daemon_group(g) for g in self.param_groups])
             self._host.set_step(self.steps, param_steps)
             self._steps_at_switch, self._steps_on_gpu = self.steps, 0
-        self._device_state_to_daemon()
+        self.placement.state_to_daemon()
         return self._host.save(path)
 
     def load(self, path: str) -> None:
@@ -106,7 +107,7 @@ class Checkpoints:
         self.synchronize()  # and so would copies still in flight (staged moments, weights)
         self._host.load(path)
         self.refresh_weights()
-        self._device_state_from_daemon()
+        self.placement.state_from_daemon()
         if self._gpu_optimizer is not None:
             # The GPU optimizer continues from the checkpoint's moments and steps.
             self._load_gpu_state_from_daemon()

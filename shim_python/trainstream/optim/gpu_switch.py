@@ -32,8 +32,8 @@ class GpuSwitch:
                               "optimizer stays in trainstreamd, where they are updated",
                               parameters=numel)
             return
-        if self._nonfinite in ("skip", "error"):
-            self._on_decision("wrap.offload", f"nonfinite={self._nonfinite!r}: the optimizer "
+        if self.rules.nonfinite in ("skip", "error"):
+            self._on_decision("wrap.offload", f"nonfinite={self.rules.nonfinite!r}: the optimizer "
                               "stays in trainstreamd, which checks every gradient before a step",
                               parameters=numel)
             return
@@ -58,7 +58,7 @@ class GpuSwitch:
             allowed = min(allowed, self._adaptive.budget)
         # Stock AdamW keeps every gradient and both fp32 moments in VRAM: 12 bytes a parameter
         # more than the offloaded steps measured (those updated in VRAM already counted).
-        need = peak + 12 * (numel - self.device_state_elements)
+        need = peak + 12 * (numel - self.placement.device_state_elements)
         numbers = dict(parameters=numel, peak_bytes=peak, need_bytes=need,
                        allowed_bytes=allowed, offloaded_step_ms=step_ms)
         if need > allowed:
@@ -76,16 +76,17 @@ class GpuSwitch:
 
     def _switch_to_gpu(self) -> None:
         self.synchronize()
-        self.all_state_to_daemon()  # the daemon's state is whole, then all moves
+        self.placement.all_state_to_daemon()  # the daemon's state is whole, then all moves
         if self._adaptive is not None:
             self._adaptive.state_left_vram()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
+        cls = torch.optim.AdamW if self.rules.kind == "adamw" else torch.optim.Adam
         # The same group dicts: a scheduler that holds this optimizer keeps working.
         gpu = cls(self.param_groups, fused=True)
         self._gpu_optimizer = gpu
+        self.placement.switched_to_gpu = True
         self._steps_at_switch = self._host.iteration
         if self._adaptive is not None:
             self._adaptive.weights_fixed = True  # nothing left in the daemon to stream from
@@ -97,7 +98,7 @@ class GpuSwitch:
 
     def _load_gpu_state_from_daemon(self) -> None:
         self._gpu_optimizer.state.clear()
-        self._moments_from_daemon(self._gpu_optimizer, range(len(self.table.params)))
+        self.placement.moments_from_daemon(self._gpu_optimizer, range(len(self.table.params)))
 
     @property
     def on_gpu(self) -> bool:

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -33,15 +33,11 @@ from .groups import daemon_group, safe_name
 from .iteration import Iteration
 from .parameters import ParameterTable
 from .pass_options import check_pass_options
-from .placement import (BF16_MOMENTS_REFUSAL, StatePlacement, gpu_update_refusal,
+from .placement import (BF16_MOMENTS_REFUSAL, StatePlacement, UpdateRules, gpu_update_refusal,
                         unregister_exit_return)
 from .returns import DeviceReturns
 from .surface import LayerSurface
 from .update_mode import check_mode, decide_mode
-
-if TYPE_CHECKING:
-    from .nonfinite_guard import DeviceGuard
-    from .staged_adamw import StagedAdamW
 
 MOMENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, torch.float32: torch.float32,
@@ -54,7 +50,7 @@ GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": 
 __all__ = ["BF16_MOMENTS_REFUSAL", "GRADIENT_DTYPES", "MOMENT_DTYPES", "NONFINITE", "OffloadAdamW"]
 
 
-class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.optim.Optimizer):
+class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
     """AdamW (``kind="adam"``: Adam) with fp32 master weights and moments in trainstreamd.
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` as for ``torch.optim.AdamW``.
@@ -108,7 +104,6 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
         self.mode_decision = decide_mode(mode, gpu_update_refusal(
             self._cuda, world_size, machines, nonfinite, trained), trained,
             MOMENT_DTYPES.get(moment_dtype, torch.float32))
-        self._update_on_gpu = False  # set once the daemon holds the state (below)
         for p in trained:
             if p.device != first.device:
                 raise InvalidArgumentError(
@@ -168,12 +163,11 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             # ended without unwrap() or a checkpoint since (or without gradients since).
             self.behind_on_resume = [i for i, steps in enumerate(info.param_steps)
                                      if 0 < steps < info.step]
-        self._moment_dtype = MOMENT_DTYPES[moment_dtype]
-        self._reports_norm = bool(max_grad_norm) or compute_grad_norm
-        self._max_grad_norm = float(max_grad_norm or 0.0)
-        self._nonfinite = nonfinite
-        self._eager = eager
-        self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
+        self.rules = UpdateRules(
+            cuda=self._cuda, kind=kind, world_size=world_size, machines=int(machines),
+            nonfinite=nonfinite, moment_dtype=MOMENT_DTYPES[moment_dtype],
+            max_grad_norm=float(max_grad_norm or 0.0),
+            reports_norm=bool(max_grad_norm) or compute_grad_norm, eager=eager)
         self._pushed = [daemon_group(g) for g in self.param_groups]
         self._hooks: list = []
         self.clock = HookClock()            # the CPU time its hooks take (memory_report)
@@ -185,29 +179,19 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             host=self._host, table=self.table, iteration=self._iteration,
             accumulation_steps=self.accumulation_steps, device_index=self._device_index,
             copy_stream=copy_stream, traffic=self.traffic, clock=self.clock,
-            first_gradient=self._iteration_begins, held_gradient=self._final_held_gradient,
+            first_gradient=self._iteration_begins,
+            held_gradient=lambda i, p: self.placement.final_held_gradient(i, p),
             backward_ended=self._flush_staged)
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.memory.pager.BlockPager)
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
         # offload="auto": after AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
         # hold everything in VRAM instead (see _decide_offload).
-        self._kind = kind
         self._world_size = world_size
         self._switch_when_fits = switch_when_fits
         self._vram_headroom = float(vram_headroom)
         self._on_decision = on_decision or (lambda kind, message, **numbers: None)
         self._gpu_optimizer: torch.optim.Optimizer | None = None
-        # Parameters whose AdamW state lives in VRAM (keep_state_on_device, table.on_device):
-        # their gradients stay on the GPU and torch's fused AdamW (_device_optimizer) updates
-        # them at step(); the daemon's copy of their state is as of the move or the last
-        # checkpoint.
-        self._device_optimizer: torch.optim.Optimizer | None = None
-        self._device_groups: list[int] = []  # for each of its groups, ours
-        # Of those, the ones whose moments stay in the daemon, staged through VRAM for each
-        # update as backward finishes their gradients (staged_adamw.py; table.staged).
-        self._staged: StagedAdamW | None = None
-        self._staged_groups: dict[int, int] = {}
         self._steps_at_switch = 0
         self._steps_on_gpu = 0
         self._step_times: list[float] = []
@@ -221,13 +205,20 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             placeholders=set(initial),
             settle=self._settle_updates, synchronize=self.synchronize,
             add_hook=self._hooks.append)
+        # Where each parameter's state lives and is updated (the daemon, VRAM, staged, mapped).
+        self.placement = StatePlacement(
+            rules=self.rules, host=self._host, table=self.table, gradients=self.gradients,
+            returns=self.returns, traffic=self.traffic, device_index=self._device_index,
+            groups=lambda: self.param_groups, synchronize=self.synchronize,
+            say=lambda kind, message, **numbers: self._on_decision(kind, message, **numbers),
+            steps=lambda: self.steps)
         for i, p in enumerate(self.table.params):
             self._take_over(i, p)
         if getattr(self, "_resumed", False):
             # After the device-return and paging set-up: refresh_weights() reads both.
             self.refresh_weights()
         if self.mode_decision[0] == "gpu":
-            self._update_on_gpu = True
+            self.placement.update_on_gpu = True
             self.keep_state_on_device(set())  # every parameter that may: mapped_candidates
         if client is None and mode != "cpu":  # wrap() says it itself, with its own figures
             self.client.report_event("optimizer.mode", self.mode_decision[1],
@@ -247,8 +238,7 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
         """Blocks until every queued copy in either direction has landed."""
         self.gradients.drain()
         self.returns.synchronize()
-        if self._staged is not None:
-            self._staged.synchronize()
+        self.placement.synchronize()
 
     def detach(self) -> None:
         """Removes the hooks; CPU weights move out of shared memory into ordinary tensors."""
@@ -261,7 +251,7 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             else:
                 # The daemon holds the whole job's state again (a later process may resume it).
                 self.all_state_to_daemon()
-        unregister_exit_return(self)
+        unregister_exit_return(self.placement)
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
             self._pager, self.table.paged = None, set()
@@ -288,15 +278,15 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            if self._reports_norm:
+            if self.rules.reports_norm:
                 # What the daemon did before the switch: clip (or only measure) the global norm.
                 norm = torch.nn.utils.clip_grad_norm_(self.table.params,
-                                                      self._max_grad_norm or float("inf"))
+                                                      self.rules.max_grad_norm or float("inf"))
                 self.last_grad_norm = float(norm)
-            guard = self._device_guard()
+            guard = self.placement.device_guard()
             if guard is not None:
                 if guard.last_step_found():
-                    self._say_guarded("")
+                    self.placement.say_guarded("")
                 guard.check([p.grad for p in self.table.params])
                 self._gpu_optimizer.found_inf = guard.found  # torch's fused AdamW reads it
             self._gpu_optimizer.step()
@@ -344,7 +334,8 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
         self._push_hyperparameters()
         self.gradients.drain()
         # Before the posts below: the daemon decides the clip once the last one is in.
-        self._post_device_norm()
+        placement = self.placement
+        placement.post_device_norm()
         for i in range(len(self.table)):
             # No gradient this step: left alone, as torch does; one updated in VRAM: by the
             # GPU, below.
@@ -355,19 +346,19 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             reduce_across_machines(self._host, len(self.table), self._machine_group)
         # Queued on the GPU before waiting for the host's updates, so that the two overlap;
         # clipping state held in VRAM waits for the daemon's coefficient instead.
-        clip_on_device = self._max_grad_norm > 0 and bool(self.table.on_device)
+        clip_on_device = self.rules.max_grad_norm > 0 and bool(self.table.on_device)
         if not clip_on_device:
-            self._step_on_device()
+            placement.step_on_device()
         result = self._host.wait()
         if clip_on_device:
             coef = 1.0
             if not result["skipped"]:
                 last = self._host.info().last_step
                 coef = last.clip_coef if last is not None else 1.0
-                self._clip_on_device(coef)
-            self._step_on_device(coef)
-        if result["skipped"] and self._nonfinite == "guard":
-            self._say_guarded("in trainstreamd's pass (tsctl events has the count),")
+                placement.clip_on_device(coef)
+            placement.step_on_device(coef)
+        if result["skipped"] and self.rules.nonfinite == "guard":
+            placement.say_guarded("in trainstreamd's pass (tsctl events has the count),")
         # Every update of this step is on its way back (the router enqueued each copy before
         # passing its notice on; without it, the copies start here): the next forward of each
         # module waits again.
@@ -376,7 +367,7 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
         if self._pager is not None:
             self._pager.weights_changed()
         self.gradients.iteration_done()
-        if self._reports_norm:
+        if self.rules.reports_norm:
             last = self._host.info().last_step
             self.last_grad_norm = last.grad_norm if last is not None else 0.0
 
@@ -389,8 +380,9 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
 
     def _flush_staged(self) -> None:
         """A backward that sent gradients ended: staged updates still batched start now."""
-        if self._staged is not None:
-            self._staged.flush(cuda_device.current(self._device_index))
+        engine = self.placement.engine
+        if engine is not None:
+            engine.flush(cuda_device.current(self._device_index))
 
     def _settle_updates(self) -> None:
         """Between the last backward and step(), updates are still landing: a forward, or a
@@ -525,7 +517,7 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
             if id(p) in param_ids and i in table.paged:
                 table.paged.discard(i)
                 self.returns.retarget(i, True)
-        if self._update_on_gpu:  # optimizer_mode="gpu": they are updated on the GPU again
+        if self.placement.update_on_gpu:  # optimizer_mode="gpu": updated on the GPU again
             self.keep_state_on_device({id(table.params[i]) for i in table.state_in_vram()})
 
     def page_weights(self, pager: Any) -> None:
@@ -567,13 +559,13 @@ class OffloadAdamW(LayerSurface, StatePlacement, GpuSwitch, Checkpoints, torch.o
                              "moment_bytes": 8 * self.device_state_elements}
         # Updated on the GPU from moments staged out of the daemon (keep_state_on_device), or
         # read where they lie (optimizer_mode="gpu": "mapped").
-        staged = self._staged
+        staged, mapped = self.placement.engine, self.placement.update_on_gpu
         info["staged_state"] = {"tensors": len(self.table.staged),
                                 "elements": self.staged_state_elements,
-                                "engine": ("mapped" if self._update_on_gpu else "staged"),
+                                "engine": ("mapped" if mapped else "staged"),
                                 "chunks": staged.chunks if staged else 0,
                                 "bytes_each_way": staged.bytes_each_way if staged else 0}
-        if self._update_on_gpu and staged is not None:  # applied, unless nonfinite="guard"
+        if mapped and staged is not None:  # applied, unless nonfinite="guard"
             info["staged_state"]["nonfinite_values"] = staged.nonfinite_values()
         info["optimizer_mode"] = {"mode": self.mode_decision[0], "why": self.mode_decision[1],
                                   **self.mode_decision[2]}

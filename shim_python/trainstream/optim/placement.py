@@ -8,17 +8,21 @@ weights and step counts."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import warnings
 import weakref
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..errors import FailedPreconditionError
 from ..transport import device as cuda_device
+from .gradients import GradientRouter, Traffic
 from .groups import torch_group
 from .mapped_adamw import MappedAdamW, mappable_dtype
 from .nonfinite_guard import DeviceGuard
+from .parameters import ParameterTable
+from .returns import DeviceReturns
 from .staged_adamw import StagedAdamW
 
 # Why no state may move to VRAM under bf16 moments (gpu_state_refusal).
@@ -41,8 +45,73 @@ def gpu_update_refusal(cuda: bool, world_size: int, machines: int, nonfinite: st
         return "no parameter is a contiguous fp32, bf16 or fp16 tensor"
     return None
 
+@dataclasses.dataclass(frozen=True)
+class UpdateRules:
+    """What the optimizer's arguments fix about every update, for the placement's choices."""
+
+    cuda: bool
+    kind: str                  # "adamw" or "adam"
+    world_size: int
+    machines: int
+    nonfinite: str
+    moment_dtype: torch.dtype
+    max_grad_norm: float       # 0: no clipping
+    reports_norm: bool         # clipping, or compute_grad_norm
+    eager: bool | None
+
+
 class StatePlacement:
-    """OffloadAdamW's state placement (a part of the class)."""
+    """Where each parameter's AdamW state lives and is updated, and the moves between the
+    places. It owns torch's fused AdamW for the state held in VRAM (``device_optimizer``), the
+    GPU engine of the staged or mapped updates (``engine``), the nonfinite guard of what the GPU
+    updates, and whether optimizer_mode="gpu" updates on the GPU (``update_on_gpu``).
+
+    ``groups`` gives the optimizer's parameter groups as they are now (a scheduler's lr);
+    ``synchronize`` waits for every copy in either direction; ``say(kind, message,
+    **numbers)`` reports a decision; ``steps`` gives the optimizer's step count."""
+
+    def __init__(self, *, rules: UpdateRules, host: Any, table: ParameterTable,
+                 gradients: GradientRouter, returns: DeviceReturns, traffic: Traffic,
+                 device_index: int, groups: Callable[[], list],
+                 synchronize: Callable[[], None], say: Callable[..., None],
+                 steps: Callable[[], int]) -> None:
+        self._cuda = rules.cuda
+        self._kind = rules.kind
+        self._world_size = rules.world_size
+        self._machines = rules.machines
+        self._nonfinite = rules.nonfinite
+        self._moment_dtype = rules.moment_dtype
+        self._max_grad_norm = rules.max_grad_norm
+        self._reports_norm = rules.reports_norm
+        self._eager = rules.eager
+        self._host = host
+        self._table = table
+        self._gradients = gradients
+        self._returns = returns
+        self._traffic = traffic
+        self._device_index = device_index
+        self._groups = groups
+        self._synchronize = synchronize
+        self._say = say
+        self._steps = steps
+        self.update_on_gpu = False  # optimizer_mode="gpu", once the daemon holds the state
+        self.switched_to_gpu = False  # offload="auto" moved the whole optimizer to the GPU
+        # Parameters whose AdamW state lives in VRAM (table.state_in_vram): torch's fused
+        # AdamW updates them at step(); the daemon's copy of their state is as of the move or
+        # the last checkpoint.
+        self.device_optimizer: torch.optim.Optimizer | None = None
+        self._device_groups: list[int] = []  # for each of its groups, ours
+        # Of those, the ones whose moments stay in the daemon, staged through VRAM for each
+        # update as backward finishes their gradients (staged_adamw.py), or mapped under
+        # optimizer_mode="gpu" (mapped_adamw.py): table.staged.
+        self.engine: StagedAdamW | MappedAdamW | None = None
+        self._staged_groups: dict[int, int] = {}
+        self._guard: DeviceGuard | None = None  # "guard" for what the GPU updates, made on use
+
+    def synchronize(self) -> None:
+        """Waits for the GPU engine's copies of staged moments."""
+        if self.engine is not None:
+            self.engine.synchronize()
 
     def gpu_state_refusal(self) -> str | None:
         """Why no parameter's AdamW state may move to VRAM in this job (None: it may)."""
@@ -55,9 +124,9 @@ class StatePlacement:
                     "before any update")
         if self._moment_dtype != torch.float32:
             return BF16_MOMENTS_REFUSAL
-        if self._gpu_optimizer is not None:
+        if self.switched_to_gpu:
             return "the whole optimizer runs on the GPU already (offload='auto')"
-        if not any(p.dtype == torch.float32 for p in self.table.params):
+        if not any(p.dtype == torch.float32 for p in self._table.params):
             return ("no parameter is fp32: the fp32 master weights of the others are the "
                     "daemon's")
         return None
@@ -87,33 +156,33 @@ class StatePlacement:
 
     def gpu_update_refusal(self) -> str | None:
         """Why optimizer_mode="gpu" cannot update this job's parameters on the GPU."""
-        if self._gpu_optimizer is not None:
+        if self.switched_to_gpu:
             return "the whole optimizer runs on the GPU already (offload='auto')"
         return gpu_update_refusal(self._cuda, self._world_size, self._machines, self._nonfinite,
-                                  self.table.params)
+                                  self._table.params)
 
     def mapped_candidates(self, excluded: set) -> list[int]:
         """The parameters optimizer_mode="gpu" updates on the GPU, of those not in
         ``excluded``: every contiguous fp32, bf16 or fp16 one whose weights do not stream
         (a streamed weight's GPU copy is there only for its block's passes)."""
-        return [i for i in range(len(self.table.params)) if i not in excluded
-                and i not in self.table.paged and self.table.params[i].is_contiguous()
-                and mappable_dtype(self.table.params[i].dtype)]
+        return [i for i in range(len(self._table.params)) if i not in excluded
+                and i not in self._table.paged and self._table.params[i].is_contiguous()
+                and mappable_dtype(self._table.params[i].dtype)]
 
-    def _mapped_master(self, i: int) -> torch.Tensor | None:
+    def mapped_master(self, i: int) -> torch.Tensor | None:
         """The daemon's fp32 master the GPU kernel updates for parameter ``i`` (None when the
         parameter is fp32, its own master, or not mapped)."""
-        if (isinstance(self._staged, MappedAdamW) and i in self.table.staged
-                and self.table.params[i].dtype != torch.float32):
+        if (isinstance(self.engine, MappedAdamW) and i in self._table.staged
+                and self._table.params[i].dtype != torch.float32):
             return self._host.master(i)
         return None
 
     def device_state_candidates(self, param_ids: set) -> list[int]:
         """Of these parameters, the indices whose state may live in VRAM: fp32 ones (their
         master weights are the parameters themselves) whose weights do not stream."""
-        return [i for i, p in enumerate(self.table.params)
+        return [i for i, p in enumerate(self._table.params)
                 if id(p) in param_ids and p.dtype == torch.float32
-                and i not in self.table.paged]
+                and i not in self._table.paged]
 
     def keep_state_on_device(self, param_ids: set, staged_ids: set = frozenset()) -> int:
         """Keeps the AdamW state of exactly these parameters (of those that may, see
@@ -137,7 +206,7 @@ class StatePlacement:
         held_wanted = set(self.device_state_candidates(param_ids))
         if reason is not None and held_wanted:
             raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
-        if self._update_on_gpu:
+        if self.update_on_gpu:
             staged = set(self.mapped_candidates(held_wanted))
             reason = self.gpu_update_refusal()
             if reason is not None and staged:
@@ -145,60 +214,60 @@ class StatePlacement:
                     f"optimizer_mode='gpu' cannot update on the GPU: {reason}")
         else:
             staged = {i for i in self.device_state_candidates(set(staged_ids) - set(param_ids))
-                      if self.table.params[i].is_contiguous()}  # updated through flat views
+                      if self._table.params[i].is_contiguous()}  # updated through flat views
             if reason is not None and staged:
                 raise FailedPreconditionError(f"optimizer state cannot move to VRAM: {reason}")
             reason = self.staged_state_refusal()
             if reason is not None and staged:
                 raise FailedPreconditionError(f"no state can be staged through VRAM: {reason}")
         wanted = held_wanted | staged
-        if self.gradients.in_iteration:
+        if self._gradients.in_iteration:
             raise FailedPreconditionError(
                 "optimizer state moves between steps, not between backward and step()")
-        held, new_held = self.table.state_in_vram(), wanted - staged
-        if held == new_held and staged == self.table.staged:
+        held, new_held = self._table.state_in_vram(), wanted - staged
+        if held == new_held and staged == self._table.staged:
             return self.device_state_elements
-        self.synchronize()
+        self._synchronize()
         # Every parameter whose place changes goes through the daemon: its state is made whole
         # there (moments, steps, master weights), then taken from there.
         steps = self._param_steps()
-        old = self._device_optimizer
+        old = self.device_optimizer
         leaving_held = sorted(held - new_held)
-        leaving_staged = sorted(self.table.staged - staged)
+        leaving_staged = sorted(self._table.staged - staged)
         if leaving_held:
-            steps = self._moments_to_daemon(old, leaving_held)
+            steps = self.moments_to_daemon(old, leaving_held)
         for i in leaving_staged:
             steps[i] = self._staged_to_daemon(i)
         if leaving_held or leaving_staged:
             self._host.set_step(self._host.iteration, steps)
-        self._device_optimizer = self._device_optimizer_for(sorted(new_held))
+        self.device_optimizer = self._device_optimizer_for(sorted(new_held))
         if old is not None:  # the staying ones keep their state as it is
             for i in sorted(new_held & held):
-                p = self.table.params[i]
+                p = self._table.params[i]
                 if p in old.state:
-                    self._device_optimizer.state[p] = old.state[p]
+                    self.device_optimizer.state[p] = old.state[p]
         arriving_held = sorted(new_held - held)
         if arriving_held:
-            self._moments_from_daemon(self._device_optimizer, arriving_held)
-        if staged and self._staged is None:
-            guard = self._device_guard()
-            if self._update_on_gpu:
-                self._staged = MappedAdamW(self.table.params[0].device, self._kind, guard=guard)
+            self.moments_from_daemon(self.device_optimizer, arriving_held)
+        if staged and self.engine is None:
+            guard = self.device_guard()
+            if self.update_on_gpu:
+                self.engine = MappedAdamW(self._table.params[0].device, self._kind, guard=guard)
             else:
-                self._staged = StagedAdamW(self.table.params[0].device, self._kind,
-                                           found_inf=guard.found if guard is not None else None)
-        for i in sorted(staged - self.table.staged):
-            self._staged.set_steps(i, self.table.params[i].numel(), steps[i])
-        group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
-        self._staged_groups = {i: group_of[id(self.table.params[i])] for i in staged}
+                self.engine = StagedAdamW(self._table.params[0].device, self._kind,
+                                          found_inf=guard.found if guard is not None else None)
+        for i in sorted(staged - self._table.staged):
+            self.engine.set_steps(i, self._table.params[i].numel(), steps[i])
+        group_of = {id(p): k for k, g in enumerate(self._groups()) for p in g["params"]}
+        self._staged_groups = {i: group_of[id(self._table.params[i])] for i in staged}
         if not staged:
-            self._staged = None  # its slots' VRAM goes back
-        for i in sorted(self.table.on_device - wanted):
-            self.returns.retarget(i, True)
-        for i in sorted(wanted - self.table.on_device):
-            self.returns.retarget(i, False)  # nothing of the daemon's is copied there any more
-        self.table.place(wanted, staged)
-        self.returns.forget_waits()  # which parameters come back changed
+            self.engine = None  # its slots' VRAM goes back
+        for i in sorted(self._table.on_device - wanted):
+            self._returns.retarget(i, True)
+        for i in sorted(wanted - self._table.on_device):
+            self._returns.retarget(i, False)  # nothing of the daemon's is copied there any more
+        self._table.place(wanted, staged)
+        self._returns.forget_waits()  # which parameters come back changed
         if wanted:
             register_exit_return(self)
         else:
@@ -208,36 +277,36 @@ class StatePlacement:
     @property
     def device_state_elements(self) -> int:
         """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
-        return sum(self.table.params[i].numel() for i in self.table.state_in_vram())
+        return sum(self._table.params[i].numel() for i in self._table.state_in_vram())
 
     @property
     def staged_state_elements(self) -> int:
         """Elements updated on the GPU with their state in the daemon (staged, or mapped under
         optimizer_mode="gpu")."""
-        return sum(self.table.params[i].numel() for i in self.table.staged)
+        return sum(self._table.params[i].numel() for i in self._table.staged)
 
     def _hyper(self, i: int) -> tuple:
         """Staged parameter ``i``'s group's hyper-parameters as they are now (a scheduler's)."""
-        g = self.param_groups[self._staged_groups[i]]
+        g = self._groups()[self._staged_groups[i]]
         return (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                 float(g["weight_decay"]))
 
     def _staged_to_daemon(self, i: int, forget: bool = True) -> int:
         """Staged parameter ``i``'s weights into the daemon's master (its moments are there
         already); returns its steps. After synchronize()."""
-        self._weights_to_daemon(i)
-        steps = self._staged.steps_of(i)
+        self.weights_to_daemon(i)
+        steps = self.engine.steps_of(i)
         if forget:
-            self._staged.forget(i)
+            self.engine.forget(i)
         return steps
 
     def _device_optimizer_for(self, indices: list) -> torch.optim.Optimizer | None:
         self._device_groups = []
         if not indices:
             return None
-        chosen = {id(self.table.params[i]) for i in indices}
+        chosen = {id(self._table.params[i]) for i in indices}
         groups = []
-        for k, g in enumerate(self.param_groups):
+        for k, g in enumerate(self._groups()):
             params = [p for p in g["params"] if id(p) in chosen]
             if params:
                 groups.append(dict(params=params, **torch_group(g)))
@@ -245,31 +314,33 @@ class StatePlacement:
         cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
         return cls(groups, fused=True)
 
-    def _device_guard(self) -> DeviceGuard | None:
+    def device_guard(self) -> DeviceGuard | None:
         """nonfinite="guard" on the GPU (nonfinite_guard.py): made at the first update there."""
         if self._nonfinite != "guard" or not self._cuda:
             return None
         if self._guard is None:
-            self._guard = DeviceGuard(self.table.params[0].device)
+            self._guard = DeviceGuard(self._table.params[0].device)
         return self._guard
 
-    def _say_guarded(self, where: str) -> None:
+    def say_guarded(self, where: str) -> None:
         """A step that stopped at a non-finite gradient value: an event and a warning."""
-        message = (f"step {self.steps}: non-finite gradient values; {where} nothing of the step "
-                   "was applied from the first of them on (nonfinite='guard'; 'ignore' applies "
-                   "them, 'skip' checks every gradient before any update)")
-        self._on_decision("optimizer.nonfinite", message, step=self.steps)
+        step = self._steps()
+        message = (f"step {step}: non-finite gradient values; {where} nothing of the step was "
+                   "applied from the first of them on (nonfinite='guard'; 'ignore' applies them, "
+                   "'skip' checks every gradient before any update)")
+        self._say("optimizer.nonfinite", message, step=step)
         warnings.warn(f"trainstream: {message}", stacklevel=3)
 
-    def _post_device_norm(self) -> None:
+    def post_device_norm(self) -> None:
         """Clipping or a reported norm: the sum of squares of the gradients updated on the GPU
-        (in VRAM, or mapped: kept until step() then, see _step_on_device) goes to the daemon,
+        (in VRAM, or mapped: kept until step() then, see step_on_device) goes to the daemon,
         which adds it to its own for the step's global norm."""
-        held = sorted(self.table.state_in_vram()
-                      if not self._update_on_gpu else self.table.on_device)
+        held = sorted(self._table.state_in_vram()
+                      if not self.update_on_gpu else self._table.on_device)
         if not self._reports_norm or not held:
             return
-        grads = [self.table.params[i].grad for i in held if self.table.params[i].grad is not None]
+        params = self._table.params
+        grads = [params[i].grad for i in held if params[i].grad is not None]
         total = 0.0
         if grads:
             # In fp32 whatever the gradients' dtype (a bf16 norm is off by up to 0.4%).
@@ -277,21 +348,21 @@ class StatePlacement:
             total = float(torch.stack(norms).double().square().sum())
         self._host.post_norm_contribution(total)
 
-    def _final_held_gradient(self, i: int, p: torch.Tensor) -> None:
+    def final_held_gradient(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s last micro-step gradient, updated on the GPU: staged or mapped, its
         update starts now, beside the rest of backward (mapped with clipping or a reported
         norm: at step(), once the global norm is known); held in VRAM, at step()."""
-        if i not in self.table.staged:
+        if i not in self._table.staged:
             return
         current = cuda_device.current(self._device_index)
-        if self._update_on_gpu:
+        if self.update_on_gpu:
             if not self._reports_norm:
                 self._start_mapped([i], current)
             return
-        self._staged.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
-                         self._hyper(i), current)
-        self.traffic.to_host += 8 * p.numel()  # fp32 moments each way
-        self.traffic.to_device += 8 * p.numel()
+        self.engine.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
+                        self._hyper(i), current)
+        self._traffic.to_host += 8 * p.numel()  # fp32 moments each way
+        self._traffic.to_device += 8 * p.numel()
         p.grad = None  # its chunk holds it until the update has read it
 
     def _start_mapped(self, indices: list, producer: torch.cuda.Stream,
@@ -305,64 +376,64 @@ class StatePlacement:
     def _start_mapped_now(self, indices: list, producer: torch.cuda.Stream,
                           clip_coef: float) -> None:
         for i in indices:
-            p = self.table.params[i]
+            p = self._table.params[i]
             if p.grad is None:
                 continue  # no gradient this step: left alone, as torch does
-            moved = self._staged.bytes_each_way
-            master = self._mapped_master(i)
-            self._staged.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
-                             self._hyper(i), producer, master=master, grad_scale=clip_coef)
-            moved = self._staged.bytes_each_way - moved
-            self.traffic.to_host += moved
-            self.traffic.to_device += moved
+            moved = self.engine.bytes_each_way
+            master = self.mapped_master(i)
+            self.engine.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
+                            self._hyper(i), producer, master=master, grad_scale=clip_coef)
+            moved = self.engine.bytes_each_way - moved
+            self._traffic.to_host += moved
+            self._traffic.to_device += moved
             p.grad = None
 
-    def _clip_on_device(self, coef: float) -> None:
+    def clip_on_device(self, coef: float) -> None:
         """The daemon's clip coefficient, applied to the gradients updated in VRAM."""
-        grads = [self.table.params[i].grad for i in self.table.state_in_vram()
-                 if self.table.params[i].grad is not None]
+        grads = [self._table.params[i].grad for i in self._table.state_in_vram()
+                 if self._table.params[i].grad is not None]
         if grads and coef != 1.0:
             torch._foreach_mul_(grads, coef)
 
-    def _step_on_device(self, clip_coef: float = 1.0) -> None:
+    def step_on_device(self, clip_coef: float = 1.0) -> None:
         """Updates the parameters whose state lives in VRAM (queued on the current stream), with
         the groups' hyper-parameters as they are now (a scheduler's lr). Under
         optimizer_mode="gpu" with clipping or a reported norm, the mapped updates were held back
         for the norm: they start here, their gradients scaled by ``clip_coef`` in the kernel."""
-        guard = self._device_guard() if (self._staged is not None
-                                         or self._device_optimizer is not None) else None
+        guard = self.device_guard() if (self.engine is not None
+                                        or self.device_optimizer is not None) else None
         if guard is not None and guard.last_step_found():
-            self._say_guarded("among the parameters updated on the GPU,")
-        if self._staged is not None:
+            self.say_guarded("among the parameters updated on the GPU,")
+        if self.engine is not None:
             current = cuda_device.current(self._device_index)
-            if self._update_on_gpu and self._reports_norm:
-                self._start_mapped(sorted(self.table.staged), current, clip_coef)
-            self._staged.flush(current)
-            self._staged.join(current)  # the next forward reads their new weights
-        optimizer = self._device_optimizer
+            if self.update_on_gpu and self._reports_norm:
+                self._start_mapped(sorted(self._table.staged), current, clip_coef)
+            self.engine.flush(current)
+            self.engine.join(current)  # the next forward reads their new weights
+        optimizer = self.device_optimizer
         if optimizer is not None:
             for g, k in zip(optimizer.param_groups, self._device_groups):
-                g.update(torch_group(self.param_groups[k]))
+                g.update(torch_group(self._groups()[k]))
             if guard is not None:
                 # After the staged chunks' checks (joined above): one flag for the step.
-                guard.check([self.table.params[i].grad for i in
-                             self.table.state_in_vram()])
+                guard.check([self._table.params[i].grad for i in
+                             self._table.state_in_vram()])
                 optimizer.found_inf = guard.found  # torch's fused AdamW reads it
             # A forward under inference_mode may complete the iteration (_settle_updates): the
             # moments torch creates on a first update must still be ordinary tensors.
             with torch.inference_mode(False):
                 optimizer.step()
-            for i in self.table.on_device:
-                self.table.params[i].grad = None  # no gradient stays in VRAM past step()
+            for i in self._table.on_device:
+                self._table.params[i].grad = None  # no gradient stays in VRAM past step()
         if guard is not None:
             guard.end_step()
 
-    def _moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
-                             ) -> None:
+    def moments_from_daemon(self, optimizer: torch.optim.Optimizer, indices: Iterable[int]
+                            ) -> None:
         """Loads the daemon's moments and steps of these parameters into a GPU optimizer."""
         steps = self._param_steps()
         for i in indices:
-            p = self.table.params[i]
+            p = self._table.params[i]
             optimizer.state.pop(p, None)
             if steps[i] == 0:
                 continue  # never stepped: torch keeps no state for it
@@ -372,74 +443,74 @@ class StatePlacement:
                 "exp_avg_sq": self._host.exp_avg_sq(i).to(p.device, torch.float32, copy=True),
             }
 
-    def _moments_to_daemon(self, optimizer: torch.optim.Optimizer | None,
-                           indices: Iterable[int]) -> list[int]:
+    def moments_to_daemon(self, optimizer: torch.optim.Optimizer | None,
+                          indices: Iterable[int]) -> list[int]:
         """Copies a GPU optimizer's moments and these parameters' values into the daemon's
         buffers; returns every parameter's step count with these ones' from the GPU (for
         ``set_step``)."""
         steps = self._param_steps()
         for i in indices:
-            p = self.table.params[i]
+            p = self._table.params[i]
             entry = optimizer.state.get(p) if optimizer is not None else None
             steps[i] = int(entry["step"]) if entry else 0
             if entry:
                 self._host.exp_avg(i).copy_(entry["exp_avg"].reshape(p.shape))
                 self._host.exp_avg_sq(i).copy_(entry["exp_avg_sq"].reshape(p.shape))
-            self._weights_to_daemon(i)
+            self.weights_to_daemon(i)
         return steps
 
-    def _weights_to_daemon(self, i: int) -> None:
+    def weights_to_daemon(self, i: int) -> None:
         """Parameter ``i``'s value on the GPU into the daemon's master (and model-dtype) copy;
         a master the GPU kernel updates in place is current already, and finer than the
         parameter."""
-        p = self.table.params[i]
-        if self._mapped_master(i) is None:
+        p = self._table.params[i]
+        if self.mapped_master(i) is None:
             self._host.master(i).copy_(p.detach().reshape(p.shape))
         if self._host.param(i).data_ptr() != self._host.master(i).data_ptr():
             self._host.param(i).copy_(p.detach())
 
     def _param_steps(self) -> list[int]:
         """Every parameter's AdamW step count as the daemon has it."""
-        return list(self._host.info().param_steps or [0] * len(self.table.params))
+        return list(self._host.info().param_steps or [0] * len(self._table.params))
 
-    def _device_state_from_daemon(self) -> None:
+    def state_from_daemon(self) -> None:
         """The VRAM-held state takes the daemon's (after a load)."""
-        held = sorted(self.table.state_in_vram())
+        held = sorted(self._table.state_in_vram())
         if held:
-            self._moments_from_daemon(self._device_optimizer, held)
-        if self.table.staged:  # their moments are the daemon's; their steps too now
-            self._staged.synchronize()
+            self.moments_from_daemon(self.device_optimizer, held)
+        if self._table.staged:  # their moments are the daemon's; their steps too now
+            self.engine.synchronize()
             steps = self._param_steps()
-            for i in self.table.staged:
-                self._staged.set_steps(i, self.table.params[i].numel(), steps[i])
+            for i in self._table.staged:
+                self.engine.set_steps(i, self._table.params[i].numel(), steps[i])
 
     def all_state_to_daemon(self) -> None:
         """Every parameter's state back in the daemon and updated there (under
         optimizer_mode="gpu" too, whose mapped updates then stop). Between steps only."""
-        on_gpu, self._update_on_gpu = self._update_on_gpu, False
+        on_gpu, self.update_on_gpu = self.update_on_gpu, False
         try:
             self.keep_state_on_device(set())
         finally:
-            self._update_on_gpu = on_gpu
+            self.update_on_gpu = on_gpu
 
     def return_state_to_daemon(self) -> None:
         """Every parameter's state back in the daemon, unless a step is in progress (its
         gradients would land on moved state): at exit, so a process that ends without unwrap()
         leaves the job whole for a restart."""
-        if not self.gradients.in_iteration:
+        if not self._gradients.in_iteration:
             self.all_state_to_daemon()
 
-    def _device_state_to_daemon(self) -> None:
+    def state_to_daemon(self) -> None:
         """The daemon's copy of the VRAM-held state catches up (before a checkpoint)."""
-        if self.table.on_device:
-            if self.gradients.in_iteration:  # a step in progress, or one that failed
+        if self._table.on_device:
+            if self._gradients.in_iteration:  # a step in progress, or one that failed
                 raise FailedPreconditionError(
                     "a step is in progress; checkpoint between steps (after step())")
-            held = sorted(self.table.state_in_vram())
-            steps = self._moments_to_daemon(self._device_optimizer, held)
-            if self.table.staged:
-                self._staged.synchronize()
-                for i in self.table.staged:
+            held = sorted(self._table.state_in_vram())
+            steps = self.moments_to_daemon(self.device_optimizer, held)
+            if self._table.staged:
+                self.engine.synchronize()
+                for i in self._table.staged:
                     steps[i] = self._staged_to_daemon(i, forget=False)
             self._host.set_step(self._host.iteration, steps)
 

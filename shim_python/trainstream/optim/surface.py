@@ -51,7 +51,40 @@ class LayerSurface:
     @property
     def updates_on_gpu(self) -> bool:
         """optimizer_mode="gpu": the GPU updates the parameters it may (mapped_adamw.py)."""
-        return self._update_on_gpu
+        return self.placement.update_on_gpu
+
+    # -- where the state lives (optim/placement.py) ----------------------------------------------
+
+    def keep_state_on_device(self, param_ids: set, staged_ids: set = frozenset()) -> int:
+        """Keeps the AdamW state of exactly these parameters in VRAM (``staged_ids``: updated
+        on the GPU, their moments staged from the daemon); see
+        StatePlacement.keep_state_on_device. Between steps only. Returns the elements whose
+        state is in VRAM."""
+        return self.placement.keep_state_on_device(param_ids, staged_ids)
+
+    def gpu_state_refusal(self) -> str | None:
+        """Why no parameter's AdamW state may move to VRAM in this job (None: it may)."""
+        return self.placement.gpu_state_refusal()
+
+    def staged_state_refusal(self) -> str | None:
+        """Why no parameter may be updated on the GPU from staged moments (None: it may)."""
+        return self.placement.staged_state_refusal()
+
+    def updates_after_backward(self) -> bool:
+        """Whether the daemon's updates of the next step wait for backward's last gradient
+        (see StatePlacement.updates_after_backward)."""
+        return self.placement.updates_after_backward()
+
+    @property
+    def device_state_elements(self) -> int:
+        """Elements whose AdamW state lives in VRAM (keep_state_on_device)."""
+        return self.placement.device_state_elements
+
+    @property
+    def staged_state_elements(self) -> int:
+        """Elements updated on the GPU with their state in the daemon (staged, or mapped under
+        optimizer_mode="gpu")."""
+        return self.placement.staged_state_elements
 
     @property
     def switch_pending(self) -> bool:
@@ -64,7 +97,7 @@ class LayerSurface:
 
     def weights_to_daemon(self, i: int) -> None:
         """Parameter ``i``'s current value into the daemon's master (and model-dtype) copy."""
-        self._weights_to_daemon(i)
+        self.placement.weights_to_daemon(i)
 
     def returned_bytes(self) -> int:
         """Bytes of updated weights the daemon copies back to the device a step."""
