@@ -123,7 +123,7 @@ def test_state_asked_for_in_vram_under_moments_made_bf16_says_why_they_are(start
     # bf16 plans would not fit this budget).
     assert 2 * bf16 > (fp32 + bf16) // 2
     model, opt = trainstream.wrap(TinyGPT(dim=512, heads=8, layers=4).cuda(), device="cuda")
-    assert model._trainstream_session.optimizer._moment_dtype == torch.bfloat16
+    assert model._trainstream_session.optimizer.rules.moment_dtype == torch.bfloat16
     trainstream.unwrap(model)
 
 

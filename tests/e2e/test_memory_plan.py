@@ -568,8 +568,22 @@ def test_whole_plans_are_timed_and_the_fastest_runs_on(start_daemon, monkeypatch
     resident = TinyGPT(dim=256, heads=8, layers=8).to("cuda")
     planned = copy.deepcopy(resident)
     act = saved_by_one_block(resident)
-    budget = nbytes(resident.parameters()) * 4 + 3 * act
     resident, r_opt = trainstream.wrap(resident, lr=3e-3, **RESIDENT)
+    # The step's working memory (the loss over the vocabulary, cuBLAS's workspaces) as a copy's
+    # own probe measures it: the budget holds it, every weight, and three blocks' activations
+    # of the eight, beside what the process holds besides the planned model (the resident twin).
+    probe, probe_opt = trainstream.wrap(copy.deepcopy(planned), lr=3e-3, offload=True,
+                                        min_offload_bytes=0)
+    train(probe, probe_opt, 1, device="cuda")
+    measured = [e for e in probe._trainstream_session.events if e["kind"] == "plan.measured"]
+    assert measured, kinds(probe)
+    working = int(measured[0]["numbers"]["working_bytes"])
+    trainstream.unwrap(probe)
+    del probe, probe_opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    besides = torch.cuda.memory_allocated() - nbytes(planned.parameters())
+    budget = nbytes(planned.parameters()) + working + 3 * act + max(0, besides)
     planned, p_opt = trainstream.wrap(planned, lr=3e-3, offload=True, vram_budget=budget,
                                       min_offload_bytes=0)
     session = planned._trainstream_session

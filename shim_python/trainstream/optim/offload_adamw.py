@@ -250,7 +250,7 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
                               "trainstreamd", stacklevel=3)
             else:
                 # The daemon holds the whole job's state again (a later process may resume it).
-                self.all_state_to_daemon()
+                self.placement.all_state_to_daemon()
         unregister_exit_return(self.placement)
         if self._pager is not None:
             self._pager.close()  # paged weights get tensors of their own again
