@@ -17,13 +17,14 @@ has left (other jobs' plans taken off).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .allocator_split import LargeBlocksWhole
 from .plan_apply import PlanApplication
 from .plan_probe import ProbeStep
+from .plan_setup import PlanActions, PlanReadings, PlanSettings
 from .plan_trial import TRIAL_STEPS, WholePlanTrial
 from .planner import ACTIVATION_CHOICES, MemoryPlan, MemoryPlanError, plan_memory, size
 from .staging_trial import StagingTrial
@@ -65,72 +66,32 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
 
-    ``pager`` is the model's BlockPager, ``recompute`` its Recompute; ``stream_weights(blocks)``
-    makes more blocks stream their weights (the optimizer stops returning their updates first);
-    ``plan_host(extra)`` re-declares the job's host memory with ``extra`` bytes of paged
-    activations (raising if the daemon refuses); ``note(kind, message, **numbers)`` says a
-    decision.
+    ``pager`` is the model's BlockPager, ``recompute`` its Recompute; ``settings`` are the
+    figures fixed for the run, ``actions`` what the plan may do to the job (stream weights,
+    re-declare its host memory, move optimizer state, say a decision), ``readings`` what it
+    reads of the job as it runs (memory/plan_setup.py).
     """
 
-    def __init__(self, blocks: list, pager: Any, recompute: Any, budget: int,
-                 stream_weights: Callable[[list], None], unstream_weights: Callable[[list], None],
-                 plan_host: Callable[[int], None],
-                 host_free: Callable[[], int], note: Callable[..., None],
-                 other_weight_bytes: int = 0, prefetch_depth: int = 1,
-                 link_bytes_per_s: float = 0.0, weights_fixed: bool = False,
-                 others_bytes: int = 0,
-                 transfer_bytes: Callable[[], tuple] = lambda: (0, 0),
-                 host_cap: int = 0, gpu_state: object = 0,
-                 set_gpu_state: Callable[[int, int], tuple] | None = None,
-                 host_pass: Callable[[], tuple] | None = None,
-                 other_trainable: int = 0, update_transfer: tuple = (4, 4),
-                 staged_state: object = 0, staged_vram: int = 768 << 20,
-                 staged_grad_bytes: int = 0,
-                 updates_after_backward: Callable[[], bool] | None = None):
+    def __init__(self, blocks: list, pager: Any, recompute: Any, settings: PlanSettings,
+                 actions: PlanActions, readings: PlanReadings):
         self.blocks = blocks
         self.pager = pager
         self.recompute = recompute
-        self.budget = int(budget)
-        self._stream_weights = stream_weights
-        self._unstream_weights = unstream_weights
-        self._plan_host = plan_host
-        self._host_free = host_free
-        self._note = note
-        self._depth = prefetch_depth
-        self._link = float(link_bytes_per_s)
-        self.weights_fixed = weights_fixed
-        self._other_weights = int(other_weight_bytes)  # VRAM weights outside the block stack
-        # What the process held on the device besides this model at wrap(): not in the budget,
-        # and taken off every peak read here.
-        self.others = int(others_bytes)
-        # The optimizer's PCIe bytes a step (to, from the GPU), as blocks stream now.
-        self._transfer_bytes = transfer_bytes
-        self._host_cap = int(host_cap)  # host_arena= bytes: paged activations never take more
-        # The optimizer state kept in VRAM: gpu_state is "auto", or a number of leading blocks
-        # (0: none); set_gpu_state(blocks, staged) keeps those blocks' state (and the
-        # parameters' outside the stack) there, updates ``staged`` of the blocks after them on
-        # the GPU from moments staged out of the daemon, and returns the elements of each;
-        # host_pass() is the last step's host optimizer pass (seconds, elements updated on the
-        # host).
-        self._gpu_state_option = gpu_state if set_gpu_state is not None else 0
-        self._set_gpu_state = set_gpu_state
-        self._host_pass = host_pass
-        # Whether the host's updates wait for backward's last gradient now (clipping that
-        # scaled the last step: see OffloadAdamW.updates_after_backward).
-        self._updates_after_backward = updates_after_backward or (lambda: False)
-        # Elements outside the stack whose state may move (fp32 trained ones), and what each
-        # updated on the host moves over PCIe a step (the updated weight in, its gradient out).
-        self._other_trainable = int(other_trainable)
-        self._update_transfer = tuple(update_transfer)
+        self.settings = settings
+        self.actions = actions
+        self.readings = readings
+        self.budget = int(settings.budget)
+        self.weights_fixed = settings.weights_fixed  # offload="auto" fixes them later too
+        self.others = int(settings.others_bytes)
+        # Where optimizer state may move: the options as they stand now (the staging trial
+        # and a switch of the whole optimizer to the GPU change them).
+        movable = actions.set_gpu_state is not None
+        self._gpu_state_option = settings.gpu_state if movable else 0
         self.gpu_state_blocks = 0
         self.gpu_state_elements = 0
         self.staged_blocks = 0
         self.staged_elements = 0
-        self._staged_vram = int(staged_vram)
-        self._staged_grad_bytes = int(staged_grad_bytes)  # see PlanInputs
-        # "auto", or a number of blocks staged through the GPU (planner.PlanInputs); only
-        # where state may move at all.
-        self._staged_option = staged_state if set_gpu_state is not None else 0
+        self._staged_option = settings.staged_state if movable else 0
         # Staging the planner chose ("auto") is kept only if it measures faster: the settled
         # steps are timed with it, then without, and the faster plan stays (the planner's model
         # of a step cannot see how the staged copies and backward slow each other).
@@ -398,7 +359,8 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                 best = min(trial.seconds.values(), default=0.0)
                 # Its paging crosses both ways at once: half of it over the one-way rate is
                 # a lower bound of its step.
-                link_s = plan.pcie_bytes_per_step / (2 * self._link) if self._link > 0 else 0.0
+                link = self.settings.link_bytes_per_s
+                link_s = plan.pcie_bytes_per_step / (2 * link) if link > 0 else 0.0
                 if best and link_s >= best:
                     # Its paging alone over the measured link outlasts a plan timed already.
                     self._restore_trial_working()
@@ -560,20 +522,21 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         """The step's working memory read off its peak (0 off CUDA: no peak to read)."""
         if not self.cuda:
             return 0
-        state = 8 * self.gpu_state_elements + (self._staged_vram if self.staged_elements else 0)
+        state = 8 * self.gpu_state_elements + (self.settings.staged_vram
+                                                if self.staged_elements else 0)
         return working_from_peak(self.meter.peak() - self.others, facts, self.pager,
-                                 self.recompute.indices, self._other_weights, state,
+                                 self.recompute.indices, self.settings.other_weight_bytes, state,
                                  self.loss_floor)
 
     def _measure_host_pass(self) -> float:
         """The host pass per element (0 where no state may move: it decides nothing)."""
-        moves = self._host_pass is not None and not (
+        moves = self.readings.host_pass is not None and not (
             self._gpu_state_option == self._staged_option == 0)
-        return host_pass_rate(self._host_pass, self.measured) if moves else 0.0
+        return host_pass_rate(self.readings.host_pass, self.measured) if moves else 0.0
 
     def _say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)
-        self._note(kind, message, **numbers)
+        self.actions.note(kind, message, **numbers)
 
     def report(self) -> dict:
         plan = self.plan

@@ -381,6 +381,7 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
     ``loss_bytes(head_weight, tokens)``: the loss's working memory for a step of ``tokens``
     (the loss is the integration's: chunked or the model's own)."""
     from .adaptive import AdaptivePlan
+    from .plan_setup import PlanActions, PlanReadings, PlanSettings
 
     inside = {id(t) for blk in paging.blocks for t in streamed_tensors(blk)}
     # Outside the blocks: parameters, and the stored bytes of quantized (or shared-base) layers
@@ -437,23 +438,23 @@ def adaptive_plan(model: torch.nn.Module, paging: PagingChoice, pager: Any,
             client.plan_host_memory(planned + activation_bytes +
                                     session.frozen.bytes - frozen_at_wrap)
 
-    plan = AdaptivePlan(paging.blocks, pager, session.recompute, paging.budget,
-                        stream_weights=lambda blocks: stream_weights(offload, pager, blocks),
-                        unstream_weights=lambda blocks: unstream_weights(offload, pager, blocks),
-                        plan_host=plan_host, host_free=host_free, note=session.note,
-                        other_weight_bytes=other, prefetch_depth=paging.depth,
-                        link_bytes_per_s=link, weights_fixed=not paging.weights_auto,
-                        others_bytes=paging.others_bytes,
-                        transfer_bytes=transfers,
-                        host_cap=arena_cap, gpu_state=option,
-                        set_gpu_state=lambda blocks, staged: gpu_state(
-                            model, paging.blocks, offload, blocks, staged),
-                        host_pass=host_pass, other_trainable=trainable_outside,
-                        update_transfer=update_transfer, staged_state=staged_option,
-                        staged_vram=slots_bytes(),
-                        # Micro-steps add up in a staged parameter's own gradient.
-                        staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0,
-                        updates_after_backward=offload.updates_after_backward)
+    settings = PlanSettings(
+        budget=int(paging.budget), other_weight_bytes=int(other), prefetch_depth=paging.depth,
+        link_bytes_per_s=float(link), weights_fixed=not paging.weights_auto,
+        others_bytes=int(paging.others_bytes), host_cap=int(arena_cap), gpu_state=option,
+        staged_state=staged_option, staged_vram=int(slots_bytes()),
+        # Micro-steps add up in a staged parameter's own gradient.
+        staged_grad_bytes=4 if offload.accumulation_steps > 1 else 0,
+        other_trainable=int(trainable_outside), update_transfer=tuple(update_transfer))
+    actions = PlanActions(
+        stream_weights=lambda blocks: stream_weights(offload, pager, blocks),
+        unstream_weights=lambda blocks: unstream_weights(offload, pager, blocks),
+        plan_host=plan_host, note=session.note,
+        set_gpu_state=lambda blocks, staged: gpu_state(model, paging.blocks, offload, blocks,
+                                                       staged))
+    readings = PlanReadings(host_free=host_free, transfer_bytes=transfers, host_pass=host_pass,
+                            updates_after_backward=offload.updates_after_backward)
+    plan = AdaptivePlan(paging.blocks, pager, session.recompute, settings, actions, readings)
     handle = _room_for_probe(model, plan, loss_bytes)
     if handle is not None:
         offload.add_hook(handle)  # unwrap() before any step removes it

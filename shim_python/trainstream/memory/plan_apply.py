@@ -21,24 +21,26 @@ class PlanApplication:
                             trained_share=f.trained_share, trainable=f.trainable)
                  for b, f in enumerate(self._facts_cache)]
         own = self.host_activation_bytes
-        host = max(0, self._host_free()) + own
-        if self._host_cap:
-            host = min(host, self._host_cap)
-        trainable = self._other_trainable + sum(f.trainable for f in facts)
+        host = max(0, self.readings.host_free()) + own
+        if self.settings.host_cap:
+            host = min(host, self.settings.host_cap)
+        trainable = self.settings.other_trainable + sum(f.trainable for f in facts)
         inputs = PlanInputs(
-            blocks=tuple(facts), other_weight_bytes=self._other_weights,
-            other_trainable=self._other_trainable, host_state_planned=True,
+            blocks=tuple(facts), other_weight_bytes=self.settings.other_weight_bytes,
+            other_trainable=self.settings.other_trainable, host_state_planned=True,
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
-            host_after_backward=bool(self._updates_after_backward()),
-            gpu_state=self._gpu_state_option, update_transfer=self._update_transfer,
+            host_after_backward=bool(self.readings.updates_after_backward()),
+            gpu_state=self._gpu_state_option, update_transfer=self.settings.update_transfer,
             staged_state=self._staged_option,
-            staged_vram=self._staged_vram, staged_grad_bytes=self._staged_grad_bytes,
+            staged_vram=self.settings.staged_vram,
+            staged_grad_bytes=self.settings.staged_grad_bytes,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
             host_budget=host, grad_bytes=0, moment_dtype="float32",
             param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
-            activation_offload="auto", prefetch_depth=self._depth,
-            block_forward_s=self.measured["forward_s"], link_bytes_per_s=self._link,
-            transfer_bytes=self._transfer_bytes(),
+            activation_offload="auto", prefetch_depth=self.settings.prefetch_depth,
+            block_forward_s=self.measured["forward_s"],
+            link_bytes_per_s=self.settings.link_bytes_per_s,
+            transfer_bytes=self.readings.transfer_bytes(),
             # Settling and the watchdog only add streamed blocks; the probe's plan (and the
             # staging trial's, ``fresh``) may also take back those streamed before.
             paged_already=(tuple(self.pager.paged) if self.steps_since_plan >= 0 and not fresh
@@ -63,7 +65,7 @@ class PlanApplication:
             host_bytes = sum(facts[b].activation_bytes
                              for b, p in enumerate(plan.activation_policy) if p == "offload")
             if host_bytes != self.host_activation_bytes:
-                self._plan_host(host_bytes)
+                self.actions.plan_host(host_bytes)
                 self.host_activation_bytes = host_bytes
             self.plan = plan  # its estimates are the new measurements'
             self._say("plan.kept", f"the plan stands: the measurements move none of its "
@@ -86,10 +88,10 @@ class PlanApplication:
         # the activations' bytes, then the activation policy, whose arena is taken at the next
         # forward.
         if removed:
-            self._unstream_weights(removed)
+            self.actions.unstream_weights(removed)
         if added:
-            self._stream_weights(added)
-        self._plan_host(host_bytes)
+            self.actions.stream_weights(added)
+        self.actions.plan_host(host_bytes)
         self.host_activation_bytes = host_bytes
         self.recompute.set(again)
         self.pager.set_activation_blocks(offload)
@@ -127,7 +129,7 @@ class PlanApplication:
 
     def _apply_gpu_state(self, plan: MemoryPlan) -> None:
         before, staged_before = self.gpu_state_blocks, self.staged_blocks
-        self.gpu_state_elements, self.staged_elements = self._set_gpu_state(
+        self.gpu_state_elements, self.staged_elements = self.actions.set_gpu_state(
             plan.gpu_state_blocks, plan.staged_blocks)
         self.gpu_state_blocks, self.staged_blocks = plan.gpu_state_blocks, plan.staged_blocks
         held = 12 * self.gpu_state_elements  # fp32 moments, and the gradient until step()

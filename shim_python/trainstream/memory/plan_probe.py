@@ -78,13 +78,14 @@ class ProbeStep:
         grads = 2 * max(int(trained_share(self.blocks[b]) * w) for b, w in enumerate(sizes))
         working = loss + activations + grads
         streamed = set(self.pager.paged)
-        resident = self._other_weights + sum(w for b, w in enumerate(sizes) if b not in streamed)
-        paging = (self._depth + 1) * max(sizes) + in_flight if streamed else 0
+        depth, other = self.settings.prefetch_depth, self.settings.other_weight_bytes
+        resident = other + sum(w for b, w in enumerate(sizes) if b not in streamed)
+        paging = (depth + 1) * max(sizes) + in_flight if streamed else 0
         if resident + paging + working <= self.budget:
             return
 
         working += in_flight
-        need = self._other_weights + (self._depth + 1) * max(sizes) + working
+        need = other + (depth + 1) * max(sizes) + working
         if self.weights_fixed:
             self._say("plan.probe_tight",
                       f"the first step trains on {tokens} positions: its loss ({size(loss)}) and "
@@ -102,16 +103,16 @@ class ProbeStep:
                                           if grads else "")
                 + (f", those crossing to host memory up to {size(in_flight)}"
                    if in_flight else "")
-                + f", and the weights outside the blocks with {self._depth + 1} device slots "
+                + f", and the weights outside the blocks with {depth + 1} device slots "
                 f"take {size(need - working)}. Train on fewer positions a step (a smaller "
                 "batch with accumulation_steps, shorter sequences) or give the process more "
                 "VRAM (vram_budget, vram_headroom)")
-        paged = weight_plan_for_sizes(sizes, self._other_weights, self.budget, self._depth,
-                                      probe=False, working=working)
+        paged = weight_plan_for_sizes(sizes, other, self.budget, depth, probe=False,
+                                      working=working)
         added = [b for b in paged if b not in streamed]
         if not added:
             return
-        self._stream_weights(added)
+        self.actions.stream_weights(added)
         offload, again = self._probe_policy()
         self._say("plan.probe_room",
                   f"the first step trains on {tokens} positions: its loss works on "
