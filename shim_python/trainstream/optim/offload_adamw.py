@@ -359,9 +359,9 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
             placement.step_on_device(coef)
         if result["skipped"] and self.rules.nonfinite == "guard":
             placement.say_guarded("in trainstreamd's pass (tsctl events has the count),")
-        # Every update of this step is on its way back (the router enqueued each copy before
-        # passing its notice on; without it, the copies start here): the next forward of each
-        # module waits again.
+        # Every update of this step is on its way back (the session's pump started each copy
+        # before queueing its notice; without device returns, the copies start here): the next
+        # forward of each module waits again.
         self.traffic.to_device += self.returns.updates_sent(result["updated"])
         self._iteration.updates_returned()
         if self._pager is not None:
