@@ -244,17 +244,20 @@ HostOptimizer::~HostOptimizer() {
     sender_.reset();
   }
   // The pump copies returned updates through device_return_: it stops before that goes.
-  if (device_return_ != nullptr) session_.impl_->SetDispatcher(nullptr);
+  if (device_return_ != nullptr) session_.impl_->ClearDispatcher(this);
 }
 
 absl::StatusOr<Notice> HostOptimizer::NextNotice(int timeout_ms) {
-  absl::StatusOr<Notice> next = session_.Wait(timeout_ms);
-  {
-    // A notice is dispatched before it is queued: a copy that failed for the notice just
-    // taken is known here already.
+  // A failed copy back fails every wait until SetStep or Load starts over: at once, and for
+  // the notice just taken too (it is dispatched before it is queued, so its copy's failure is
+  // known by the time it is read).
+  auto failed_return = [this]() -> absl::Status {
     absl::MutexLock lock(&return_mu_);
-    if (!return_error_.ok()) return return_error_;
-  }
+    return return_error_;
+  };
+  RETURN_IF_ERROR(failed_return());
+  absl::StatusOr<Notice> next = session_.Wait(timeout_ms);
+  RETURN_IF_ERROR(failed_return());
   ASSIGN_OR_RETURN(Notice notice, std::move(next));
   if (notice.kind == Kind(ipc::DoorbellKind::kError)) return ExplainFailure();
   return notice;
@@ -265,6 +268,9 @@ void HostOptimizer::ReturnUpdate(const Notice& notice) {
       (notice.flags & (ipc::kFlagSkipped | ipc::kFlagNoGradient))) {
     return;
   }
+  // An asynchronous copy on the return stream: the pump is held only while it is queued (or
+  // while SynchronizeDeviceReturns holds the stream), and the daemon's ring keeps many steps
+  // of notices meanwhile.
   absl::Status copied = device_return_->Copy(static_cast<uint32_t>(notice.id));
   if (!copied.ok()) {
     // Kept for the waits (until SetStep or Load starts over); later notices and copies still
@@ -282,8 +288,10 @@ absl::Status HostOptimizer::ReturnUpdatesToDevice(int device, std::vector<Device
   for (const ParameterBuffers& b : params_) sources.push_back(b.param ? b.param : b.master);
   ASSIGN_OR_RETURN(device_return_,
                    DeviceReturn::Create(device, std::move(sources), std::move(targets)));
-  session_.impl_->SetDispatcher([this](const Notice& notice) { ReturnUpdate(notice); });
-  return absl::OkStatus();
+  absl::Status dispatching =
+      session_.impl_->SetDispatcher(this, [this](const Notice& notice) { ReturnUpdate(notice); });
+  if (!dispatching.ok()) device_return_.reset();
+  return dispatching;
 }
 
 absl::Status HostOptimizer::RetargetDevice(uint32_t index, DeviceTarget target) {

@@ -217,12 +217,25 @@ class Session::Impl {
   }
 
   // Runs on the pump thread for each notice before it is queued, so whatever it starts (a
-  // returned update's copy) is under way before any Wait() sees the notice. Setting another
-  // (nullptr: none) waits for a dispatch in progress, so what the old one touched may go then.
+  // returned update's copy, asynchronous) is under way before any Wait() sees the notice. One
+  // owner at a time; its ClearDispatcher waits for a dispatch in progress, so what the
+  // dispatcher touched may go once it returns.
   using Dispatcher = std::function<void(const Notice&)>;
-  void SetDispatcher(Dispatcher dispatcher) {
+  absl::Status SetDispatcher(const void* owner, Dispatcher dispatcher) {
     absl::MutexLock lock(&dispatch_mu_);
+    if (dispatcher_owner_ != nullptr && dispatcher_owner_ != owner) {
+      return absl::FailedPreconditionError(
+          "another optimizer of this session already returns updates to the device");
+    }
+    dispatcher_owner_ = owner;
     dispatcher_ = std::move(dispatcher);
+    return absl::OkStatus();
+  }
+  void ClearDispatcher(const void* owner) {
+    absl::MutexLock lock(&dispatch_mu_);
+    if (dispatcher_owner_ != owner) return;
+    dispatcher_owner_ = nullptr;
+    dispatcher_ = nullptr;
   }
 
   absl::StatusOr<absl::Duration> Ping() {
@@ -564,6 +577,7 @@ class Session::Impl {
   absl::Mutex ring_mu_;
   std::thread pump_;
   absl::Mutex dispatch_mu_;
+  const void* dispatcher_owner_ ABSL_GUARDED_BY(dispatch_mu_) = nullptr;
   Dispatcher dispatcher_ ABSL_GUARDED_BY(dispatch_mu_);
   absl::Mutex notices_mu_;
   std::deque<Notice> notices_ ABSL_GUARDED_BY(notices_mu_);

@@ -146,11 +146,11 @@ class HostOptimizer {
   absl::StatusOr<bool> WaitReduceReady(uint32_t index, uint64_t iteration, int timeout_ms);
   absl::Status PostReduced(uint32_t index, uint64_t iteration, bool any_gradient);
 
-  // From now on, a thread of this object takes the daemon's notices as they arrive (so
-  // Session::Wait and Ping must not be used on this session any more) and copies
-  // each updated parameter (its model-dtype copy, or the master for float32) to `targets[i]`
-  // on CUDA device `device` the moment its update is announced, during backward, instead of
-  // after the whole step. The waits above then read the notices that thread passes on.
+  // From now on, each updated parameter (its model-dtype copy, or the master for float32) is
+  // copied to `targets[i]` on CUDA device `device` the moment its update is announced, during
+  // backward, instead of after the whole step: the session's thread that takes the daemon's
+  // notices starts the copy before the waits above can see the notice. One optimizer of a
+  // session may do this (FailedPrecondition for a second).
   absl::Status ReturnUpdatesToDevice(int device, std::vector<DeviceTarget> targets);
   // The device tensor of parameter `index` moved.
   absl::Status RetargetDevice(uint32_t index, DeviceTarget target);

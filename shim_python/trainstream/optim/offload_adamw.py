@@ -359,10 +359,6 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
             placement.step_on_device(coef)
         if result["skipped"] and self.rules.nonfinite == "guard":
             placement.say_guarded("in trainstreamd's pass (tsctl events has the count),")
-        # Every update of this step is on its way back (the session's pump started each copy
-        # before queueing its notice; without device returns, the copies start here): the next
-        # forward of each module waits again.
-        self.traffic.to_device += self.returns.updates_sent(result["updated"])
         self._iteration.updates_returned()
         if self._pager is not None:
             self._pager.weights_changed()
@@ -370,6 +366,10 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         if self.rules.reports_norm:
             last = self._host.info().last_step
             self.last_grad_norm = last.grad_norm if last is not None else 0.0
+        # Every update of this step is on its way back (the session's pump started each copy
+        # before queueing its notice; without device returns, the copies start here, last):
+        # the next forward of each module waits again.
+        self.traffic.to_device += self.returns.updates_sent(result["updated"])
 
     def _iteration_begins(self) -> None:
         """The iteration's first gradient is about to leave: updates start now, so a scheduler's
