@@ -12,6 +12,8 @@
 #                                                  side, then each CMD with HEAD, then with the
 #                                                  before tree from inside it; {which} in a CMD
 #                                                  reads after or before
+# More than 7 files under $OUT are packed into $OUT/all.tar.gz at the end (the device tool
+# brings back 8 at most).
 # Build: with .devdeps carried, `source .devdeps/prelude.sh`, then
 # `pip install --no-build-isolation --no-deps --no-index .`. With --wheel, no build: the newest
 # wheel for this Python in dist/ (scripts/wheel.sh makes it) goes into python3 instead.
@@ -127,6 +129,7 @@ deps() {  # the carried Debian packages unpacked, once (a second unpacking rewri
 
 prepare() {  # build (or install the carried wheel), once
   mkdir -p "$OUT"
+  trap pack_out EXIT
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
   [[ -d .peers/cache ]] && export TRAINSTREAM_CACHE_DIR=${TRAINSTREAM_CACHE_DIR:-$PWD/.peers/cache}
@@ -150,6 +153,21 @@ prepare() {  # build (or install the carried wheel), once
 
 status=0
 step=0
+
+# The device tool brings back at most 8 files from $OUT: past 7, everything there (logs, JSON)
+# goes into one $OUT/all.tar.gz instead, beside the list of what it holds.
+pack_out() {
+  [[ -d $OUT ]] || return 0
+  local count
+  count=$(find "$OUT" -type f | wc -l)
+  (( count > 7 )) || return 0
+  tar -czf /tmp/ts-gpu-all.tar.gz -C "$OUT" . \
+    && find "$OUT" -mindepth 1 -delete \
+    && mv /tmp/ts-gpu-all.tar.gz "$OUT/all.tar.gz" \
+    && tar -tzf "$OUT/all.tar.gz" > "$OUT/all.txt" \
+    && echo "$count files packed into \$OUT/all.tar.gz (tar -xzf it here)"
+  return 0
+}
 run() {  # run NAME CMD...: one logged step
   step=$((step + 1))
   local log="$OUT/${step}_$1.log"; shift
