@@ -62,7 +62,7 @@ def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) 
     return max(int(grew), int(peak - budget), 1 << 20)
 
 
-class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
+class AdaptivePlan(ProbeStep, PlanApplication):
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
 
@@ -91,14 +91,13 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         self.gpu_state_elements = 0
         self.staged_blocks = 0
         self.staged_elements = 0
-        self._staged_option = settings.staged_state if movable else 0
-        # Staging the planner chose ("auto") is kept only if it measures faster: the settled
-        # steps are timed with it, then without, and the faster plan stays (the planner's model
-        # of a step cannot see how the staged copies and backward slow each other).
+        # "auto", or a number of blocks staged through the GPU (planner.PlanInputs).
+        self.staged_option = settings.staged_state if movable else 0
         self._fragmentation_kept_said = False  # _correction_streams said so once
-        self._trial: dict | None = None  # the side being timed, and each side's step time
-        self._trial_done = False
-        self._plans_applied = 0  # a plan applied mid-window restarts that side's timing
+        # Staging the planner chose ("auto") is kept only if it measures faster
+        # (staging_trial.py).
+        self.staging = StagingTrial(self)
+        self.plans_applied = 0  # a plan applied mid-window restarts a trial's timing
         # The whole-plan trial (plan_trial.py): how blocks VRAM cannot keep are handled now
         # (planner.ACTIVATION_CHOICES), the trial under way, and the plan each choice ran.
         self._activation_choice = "model"
@@ -110,7 +109,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         self.trial_result: dict = {}
         self.cuda = pager.cuda
         self.device = pager.device
-        self.meter = StepMeter(self.device, pager.timing, self.others, self._say)
+        self.meter = StepMeter(self.device, pager.timing, self.others, self.say)
         self.probe_block = len(blocks) - 1
         self.plan: MemoryPlan | None = None
         self.history: list[str] = []
@@ -153,9 +152,9 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                 self._end_whole_trial(trial, trial.winner if trial.seconds else "")
             self.adapting = False
             self.steps_since_plan = max(self.steps_since_plan, 0)
-            self._trial, self._trial_done = None, True  # no trial of a plan that failed
+            self.staging.stop()  # no trial of a plan that failed
             self._whole_trial, self._whole_trial_done = None, True
-            self._say("plan.limit", f"the plan stays as it runs now: {e}")
+            self.say("plan.limit", f"the plan stays as it runs now: {e}")
             if self.cuda:
                 self.meter.reset_peak()
 
@@ -179,7 +178,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         more = sorted(streamed - set(self.pager.paged))
         if more and not self._fragmentation_kept_said:
             self._fragmentation_kept_said = True
-            self._say("plan.settling", f"the allocator's reserved peak came within "
+            self.say("plan.settling", f"the allocator's reserved peak came within "
                       f"{100 * RESERVED_MARGIN:.0f}% of the process's limit while the step's "
                       f"peak ({size(peak)}) fit the {size(self.budget)} budget; planning for "
                       f"{size(grew)} more working memory would stream the weights of "
@@ -238,14 +237,14 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                    f"the allocator reserved {size(fragmented)} more than this plan may "
                    f"(within {100 * RESERVED_MARGIN:.0f}% of the process's limit; "
                    f"{size(free_reserved)} of it free but reserved)")
-            self._say("plan.settling", f"{why}: planning again with {size(grew)} more working "
+            self.say("plan.settling", f"{why}: planning again with {size(grew)} more working "
                       f"memory (correction {self.corrections} of at most "
                       f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,
                       fragmented_bytes=fragmented, correction=self.corrections)
             # The peak that was read is accounted for: the next one is read from here.
             self.meter.reset_peak()
             try:
-                self._replan()
+                self.replan()
             except Exception:
                 # No plan fits that much more: the next step's peak is read against the same
                 # working memory, not one grown again by the same overshoot.
@@ -257,9 +256,9 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                     # Only the plan before the trial takes this many corrections (one on trial
                     # is left out sooner): it runs on, and no other is timed.
                     self._whole_trial, self._whole_trial_done = None, True
-                    self._say("plan.trial", "the trial of whole plans stops: the plan it "
+                    self.say("plan.trial", "the trial of whole plans stops: the plan it "
                               "started from took its last settling correction")
-                self._say("plan.settled", f"plan settled after {self.corrections} corrections, "
+                self.say("plan.settled", f"plan settled after {self.corrections} corrections, "
                           f"with {size(self.extra_working)} more working memory than measured "
                           "(the watchdog still re-plans if a later step grows)",
                           peak_bytes=peak, budget_bytes=self.budget,
@@ -270,7 +269,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
             # blocks went back (_reserved_over); said on the first time and every 100th.
             self._fragmented_steps += 1
             if self._fragmented_steps % 100 == 1:
-                self._say("plan.fragmentation", f"the allocator's reserved peak came within "
+                self.say("plan.fragmentation", f"the allocator's reserved peak came within "
                           f"{100 * RESERVED_MARGIN:.0f}% of the process's limit "
                           f"({size(self.meter.process_limit())}) while the step's peak was "
                           f"{size(peak)} of the {size(self.budget)} budget: its cached blocks "
@@ -280,17 +279,17 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         elif needed > limit and needed > self._unfixable_peak * (1 + _WATCHDOG_SLACK):
             # A settled run grew (a longer sequence, a larger batch): what grew is measured in
             # the next step, with the plan as it is, rather than guessed from the peak alone.
-            self._say("plan.watchdog", f"step peak {size(peak)} is over the "
+            self.say("plan.watchdog", f"step peak {size(peak)} is over the "
                       f"{size(self.budget)} budget by {size(peak - self.budget)}: measuring "
                       "a block again in the next step to plan again", peak_bytes=peak,
                       budget_bytes=self.budget)
             self._start_measuring("watchdog")
         elif (self.adapting and self.steps_since_plan >= _SETTLE_STEPS
-              and not self._staging_trial() and not self._whole_plan_trial()):
+              and not self.staging.step() and not self._whole_plan_trial()):
             self.adapting = False
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
-            self._say("plan.settled", f"plan settled: {measured}", peak_bytes=peak,
+            self.say("plan.settled", f"plan settled: {measured}", peak_bytes=peak,
                       budget_bytes=self.budget)
         if self.cuda and self.adapting:
             # Each settling step is read alone; once settled the counter is the user's again
@@ -338,13 +337,13 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                 self._whole_trial_done = True
                 return False
             trial = self._whole_trial = WholePlanTrial(choices)
-            self._say("plan.trial", f"timing {len(choices)} whole plans, {TRIAL_STEPS} settled "
+            self.say("plan.trial", f"timing {len(choices)} whole plans, {TRIAL_STEPS} settled "
                       f"steps each: {', '.join(choices)} (the first runs now)",
                       plans=len(choices))
         torch.cuda.synchronize(self.device)
         self._whole_trial_plans[trial.current] = (self.plan, self.extra_working,
                                                   self.corrections)
-        return self._trial_went_on(trial, trial.settled_step(self._plans_applied))
+        return self._trial_went_on(trial, trial.settled_step(self.plans_applied))
 
     def _trial_went_on(self, trial: WholePlanTrial, step: Any) -> bool:
         """Applies the plans ``step`` asks for until one runs (True) or the trial ends."""
@@ -369,7 +368,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                                       f"than the {1e3 * best:.0f} ms step measured already")
                     continue
                 applying = True
-                if self._replan(fresh=True):
+                if self.replan(fresh=True):
                     return True
                 self._restore_trial_working()
                 step = trial.skip("the same decisions as the plan timed before it")
@@ -378,7 +377,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                 if applying:
                     # Part of it may be in place (streamed weights): the plan that ran before
                     # it is applied again whole.
-                    self._apply_plan(self.plan)
+                    self.apply_plan(self.plan)
                 step = trial.skip(f"could not be planned or applied: {e}")
         if step.action == "time":
             return True
@@ -401,12 +400,12 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         why = (f"its step peak {size(peak)} went over the {size(self.budget)} budget"
                if peak > self.budget else
                f"the allocator reserved {size(fragmented)} more than it may")
-        self._say("plan.trial", f"{trial.current}: {why}; left out of the trial",
+        self.say("plan.trial", f"{trial.current}: {why}; left out of the trial",
                   peak_bytes=peak)
         if not self._trial_went_on(trial, trial.skip(why)):
             # The trial ended with the plan in place (it was timed already): settled.
             self.adapting = False
-            self._say("plan.settled", "plan settled after the trial of whole plans",
+            self.say("plan.settled", "plan settled after the trial of whole plans",
                       budget_bytes=self.budget)
 
     def _end_whole_trial(self, trial: WholePlanTrial, winner: str) -> bool:
@@ -425,10 +424,10 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
             try:
                 self._activation_choice = winner
                 self.extra_working, self.corrections = extra, corrections
-                self._apply_plan(plan)
+                self.apply_plan(plan)
             except Exception as e:  # noqa: BLE001 - the plan that runs now goes on
                 self._activation_choice = running
-                self._say("plan.trial", f"{winner} measured fastest ({trial.summary()}) but "
+                self.say("plan.trial", f"{winner} measured fastest ({trial.summary()}) but "
                           f"could not be applied again ({e}): {running} runs on",
                           **numbers)
                 self.trial_result["winner"] = running
@@ -437,7 +436,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         else:
             applied = False
             self._activation_choice = winner
-        self._say("plan.trial", f"{winner} runs on, the fastest of the whole plans timed: "
+        self.say("plan.trial", f"{winner} runs on, the fastest of the whole plans timed: "
                   f"{trial.summary()}", **numbers)
         return applied
 
@@ -455,14 +454,14 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         self._working = self._working_from_peak(facts)
         self.measured["working_bytes"] = self._working
         self._measure_host_pass()
-        self._say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
+        self.say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
                   f"input is {size(facts[0].input_bytes)}, its forward takes "
                   f"{1e3 * forward_s:.2f} ms; working memory {size(self._working)}",
                   activation_bytes=act, input_bytes=facts[0].input_bytes,
                   forward_ms=1e3 * forward_s, working_bytes=self._working)
         self._facts_cache = facts
         try:
-            self._replan()
+            self.replan()
         finally:
             # Measured again in the next step, warm; its peak is read alone, not with the
             # probe's.
@@ -502,7 +501,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
                              forward_s=forward_s, working_bytes=working)
         self._facts_cache = facts
         self._working, self.extra_working = working, 0
-        self._say("plan.remeasured", f"measured again ({reason} step): a block saves "
+        self.say("plan.remeasured", f"measured again ({reason} step): a block saves "
                   f"{size(act)} for backward, its forward takes {1e3 * forward_s:.2f} ms, "
                   f"working memory {size(working)} (the {'probe' if reason == 'warm' else 'plan'}"
                   f" had {size(before['activation_bytes'])}, {1e3 * before['forward_s']:.2f} ms, "
@@ -514,7 +513,7 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
         if reason == "watchdog":
             # Until a plan holds it, a peak this high is not measured again every other step.
             self._unfixable_peak = peak
-        if self._replan() or reason != "watchdog":
+        if self.replan() or reason != "watchdog":
             self._unfixable_peak = 0
         return True
 
@@ -531,10 +530,10 @@ class AdaptivePlan(ProbeStep, StagingTrial, PlanApplication):
     def _measure_host_pass(self) -> float:
         """The host pass per element (0 where no state may move: it decides nothing)."""
         moves = self.readings.host_pass is not None and not (
-            self._gpu_state_option == self._staged_option == 0)
+            self._gpu_state_option == self.staged_option == 0)
         return host_pass_rate(self.readings.host_pass, self.measured) if moves else 0.0
 
-    def _say(self, kind: str, message: str, **numbers: float) -> None:
+    def say(self, kind: str, message: str, **numbers: float) -> None:
         self.history.append(message)
         self.actions.note(kind, message, **numbers)
 

@@ -15,7 +15,7 @@ class PlanApplication:
     """AdaptivePlan's planning and applying (a part of the class: it reads the plan's state)."""
 
     def _plan_inputs(self, fresh: bool = False) -> PlanInputs:
-        """The planner's inputs from the measurements (see _replan for ``fresh``)."""
+        """The planner's inputs from the measurements (see replan for ``fresh``)."""
         facts = [BlockFacts(weight_bytes=streamed_weight_bytes(self.pager, self.blocks, b),
                             activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
                             trained_share=f.trained_share, trainable=f.trainable)
@@ -31,7 +31,7 @@ class PlanApplication:
             host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
             host_after_backward=bool(self.readings.updates_after_backward()),
             gpu_state=self._gpu_state_option, update_transfer=self.settings.update_transfer,
-            staged_state=self._staged_option,
+            staged_state=self.staged_option,
             staged_vram=self.settings.staged_vram,
             staged_grad_bytes=self.settings.staged_grad_bytes,
             working_bytes=self._working + self.extra_working, vram_budget=self.budget,
@@ -48,7 +48,7 @@ class PlanApplication:
             activation_choice=self._activation_choice)
         return inputs
 
-    def _replan(self, fresh: bool = False) -> bool:
+    def replan(self, fresh: bool = False) -> bool:
         """Plans from the measurements and applies the plan when it differs from the one that
         runs; returns whether it did. The same plan again leaves the settling count as it is:
         a measurement that moves no decision is no reason to watch more steps."""
@@ -68,15 +68,15 @@ class PlanApplication:
                 self.actions.plan_host(host_bytes)
                 self.host_activation_bytes = host_bytes
             self.plan = plan  # its estimates are the new measurements'
-            self._say("plan.kept", f"the plan stands: the measurements move none of its "
+            self.say("plan.kept", f"the plan stands: the measurements move none of its "
                       f"decisions (estimated peak {size(plan.vram_bytes)} of "
                       f"{size(self.budget)})", vram_bytes=plan.vram_bytes,
                       budget_bytes=self.budget)
             return False
-        self._apply_plan(plan)
+        self.apply_plan(plan)
         return True
 
-    def _apply_plan(self, plan: MemoryPlan) -> None:
+    def apply_plan(self, plan: MemoryPlan) -> None:
         """Applies ``plan`` (streamed weights, the job's host plan, activations, the optimizer
         state's place) and starts settling it."""
         offload = [b for b, p in enumerate(plan.activation_policy) if p == "offload"]
@@ -101,9 +101,9 @@ class PlanApplication:
             # Last: a move that fails leaves the rest of the plan applied (after_step says why).
             self._apply_gpu_state(plan)
         for line in plan.history:
-            self._say("plan.decision", line)
+            self.say("plan.decision", line)
         keep = plan.activation_policy.count("keep")
-        self._say("plan.applied",
+        self.say("plan.applied",
                   f"{len(plan.paged_blocks)} of {len(self.blocks)} blocks stream their weights; "
                   f"activations: {keep} kept, {len(offload)} paged, {len(again)} recomputed; "
                   f"estimated peak {size(plan.vram_bytes)} of {size(self.budget)}, "
@@ -113,7 +113,7 @@ class PlanApplication:
                   offloaded_blocks=len(offload), recomputed_blocks=len(again))
         self.steps_since_plan = 0
         self.adapting = True
-        self._plans_applied += 1
+        self.plans_applied += 1
         self.meter.plan_changed()
         if self.cuda:
             # What the old plan's steps left cached (another layout of activations, weights and
@@ -123,7 +123,7 @@ class PlanApplication:
     def state_left_vram(self) -> None:
         """The optimizer moved whole to the GPU (offload='auto'): no state moves any more, and
         none is held here to take off the peaks."""
-        self._gpu_state_option = self._staged_option = 0
+        self._gpu_state_option = self.staged_option = 0
         self.gpu_state_blocks = self.gpu_state_elements = 0
         self.staged_blocks = self.staged_elements = 0
 
@@ -153,7 +153,7 @@ class PlanApplication:
         elif staged_before:
             message += "; no block's moments are staged through the GPU any more"
         estimate = {f"estimated_{k}_ms": 1e3 * v for k, v in plan.step_s.items()}
-        self._say("plan.gpu_state", message, gpu_state_blocks=plan.gpu_state_blocks,
+        self.say("plan.gpu_state", message, gpu_state_blocks=plan.gpu_state_blocks,
                   gpu_state_elements=self.gpu_state_elements, vram_bytes=held,
                   staged_blocks=plan.staged_blocks, staged_elements=self.staged_elements,
                   **estimate)

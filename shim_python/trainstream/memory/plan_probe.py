@@ -22,7 +22,7 @@ class ProbeStep:
         offload, again = self._probe_policy()
         if self.cuda:
             self.meter.reset_peak()
-        self._say("plan.probe", f"probe step: block {self.probe_block} is measured, "
+        self.say("plan.probe", f"probe step: block {self.probe_block} is measured, "
                   f"{len(again)} blocks recompute and {len(offload)} page their activations "
                   "meanwhile")
 
@@ -59,7 +59,7 @@ class ProbeStep:
                       "torch's allocator would hand a piece of it to cudaFree under a lower "
                       "limit)") if wanted else ""
             if limit:
-                self._say("plan.allocator",
+                self.say("plan.allocator",
                           f"the caching allocator no longer splits blocks of {limit} MiB or more"
                           f"{raised} (max_split_size_mb, process-wide until unwrap()): the "
                           f"step's logits ({size(loss // 2)}, and as much for their gradient) "
@@ -87,7 +87,7 @@ class ProbeStep:
         working += in_flight
         need = other + (depth + 1) * max(sizes) + working
         if self.weights_fixed:
-            self._say("plan.probe_tight",
+            self.say("plan.probe_tight",
                       f"the first step trains on {tokens} positions: its loss ({size(loss)}) and "
                       f"a block's activations ({size(activations)}) beside the weights kept in "
                       f"VRAM ({size(resident)}) may not fit in the {size(self.budget)} budget; "
@@ -114,7 +114,7 @@ class ProbeStep:
             return
         self.actions.stream_weights(added)
         offload, again = self._probe_policy()
-        self._say("plan.probe_room",
+        self.say("plan.probe_room",
                   f"the first step trains on {tokens} positions: its loss works on "
                   f"{tokens} x {vocab} logits (about {size(loss)} with their gradients) and "
                   f"a block's activations on about {size(activations)}, more than wrap() left "
