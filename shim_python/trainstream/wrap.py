@@ -521,7 +521,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if session.loss_switch is not None:
         session.loss_switch.restore()
     if getattr(session, "plan", None) is not None:
-        session.plan.large_blocks.restore()
+        session.plan.probe.large_blocks.restore()
     if session.transfer_report is not None:
         session.transfer_report.remove()
     attach(model, None, retire=session_transfers)

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from .allocator_split import LargeBlocksWhole
 from .plan_apply import PlanApplication
 from .plan_probe import ProbeStep
 from .plan_setup import PlanActions, PlanReadings, PlanSettings
@@ -62,7 +61,7 @@ def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) 
     return max(int(grew), int(peak - budget), 1 << 20)
 
 
-class AdaptivePlan(ProbeStep, PlanApplication):
+class AdaptivePlan(PlanApplication):
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
 
@@ -110,7 +109,6 @@ class AdaptivePlan(ProbeStep, PlanApplication):
         self.cuda = pager.cuda
         self.device = pager.device
         self.meter = StepMeter(self.device, pager.timing, self.others, self.say)
-        self.probe_block = len(blocks) - 1
         self.plan: MemoryPlan | None = None
         self.history: list[str] = []
         self.measured: dict = {}
@@ -127,13 +125,9 @@ class AdaptivePlan(ProbeStep, PlanApplication):
         self._measure_next: str | None = None
         self._unfixable_peak = 0  # a watchdog peak no plan could hold: not measured again
         self._release_cache_after_step = False
-        # The loss's working memory for the step's logits (make_room_for_probe): its logits and
-        # their gradient live together with every kept activation as backward starts, so no
-        # working memory read off a peak is less (a probe whose peak came elsewhere read less,
-        # and the plan's first step ran out of memory: small Phi-3 LoRA, 2026-12-02).
-        self.loss_floor = 0
-        self.large_blocks = LargeBlocksWhole()  # taken back by unwrap()
-        self._start_probe()
+        # The first step: the last block measured while the others recompute or page.
+        self.probe = ProbeStep(self)
+        self.probe.start()
 
     # -- after every step -----------------------------------------------------------------------
 
@@ -179,12 +173,12 @@ class AdaptivePlan(ProbeStep, PlanApplication):
         if more and not self._fragmentation_kept_said:
             self._fragmentation_kept_said = True
             self.say("plan.settling", f"the allocator's reserved peak came within "
-                      f"{100 * RESERVED_MARGIN:.0f}% of the process's limit while the step's "
-                      f"peak ({size(peak)}) fit the {size(self.budget)} budget; planning for "
-                      f"{size(grew)} more working memory would stream the weights of "
-                      f"{len(more)} more block(s), so the plan stays and the allocator's cached "
-                      "blocks go back after such steps", peak_bytes=peak,
-                      fragmented_bytes=fragmented, blocks=len(more))
+                     f"{100 * RESERVED_MARGIN:.0f}% of the process's limit while the step's "
+                     f"peak ({size(peak)}) fit the {size(self.budget)} budget; planning for "
+                     f"{size(grew)} more working memory would stream the weights of "
+                     f"{len(more)} more block(s), so the plan stays and the allocator's cached "
+                     "blocks go back after such steps", peak_bytes=peak,
+                     fragmented_bytes=fragmented, blocks=len(more))
         return bool(more)
 
     def _after_step(self) -> None:
@@ -238,9 +232,9 @@ class AdaptivePlan(ProbeStep, PlanApplication):
                    f"(within {100 * RESERVED_MARGIN:.0f}% of the process's limit; "
                    f"{size(free_reserved)} of it free but reserved)")
             self.say("plan.settling", f"{why}: planning again with {size(grew)} more working "
-                      f"memory (correction {self.corrections} of at most "
-                      f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,
-                      fragmented_bytes=fragmented, correction=self.corrections)
+                     f"memory (correction {self.corrections} of at most "
+                     f"{_MAX_CORRECTIONS + 1})", peak_bytes=peak, budget_bytes=self.budget,
+                     fragmented_bytes=fragmented, correction=self.corrections)
             # The peak that was read is accounted for: the next one is read from here.
             self.meter.reset_peak()
             try:
@@ -257,12 +251,12 @@ class AdaptivePlan(ProbeStep, PlanApplication):
                     # is left out sooner): it runs on, and no other is timed.
                     self._whole_trial, self._whole_trial_done = None, True
                     self.say("plan.trial", "the trial of whole plans stops: the plan it "
-                              "started from took its last settling correction")
+                             "started from took its last settling correction")
                 self.say("plan.settled", f"plan settled after {self.corrections} corrections, "
-                          f"with {size(self.extra_working)} more working memory than measured "
-                          "(the watchdog still re-plans if a later step grows)",
-                          peak_bytes=peak, budget_bytes=self.budget,
-                          extra_working_bytes=self.extra_working)
+                         f"with {size(self.extra_working)} more working memory than measured "
+                         "(the watchdog still re-plans if a later step grows)",
+                         peak_bytes=peak, budget_bytes=self.budget,
+                         extra_working_bytes=self.extra_working)
                 self.meter.reset_peak()
         elif fragmented and peak <= limit and not self.adapting:
             # Settled, within the budget, but reserved memory crowded the limit: the cached
@@ -270,19 +264,19 @@ class AdaptivePlan(ProbeStep, PlanApplication):
             self._fragmented_steps += 1
             if self._fragmented_steps % 100 == 1:
                 self.say("plan.fragmentation", f"the allocator's reserved peak came within "
-                          f"{100 * RESERVED_MARGIN:.0f}% of the process's limit "
-                          f"({size(self.meter.process_limit())}) while the step's peak was "
-                          f"{size(peak)} of the {size(self.budget)} budget: its cached blocks "
-                          f"were released ({self._fragmented_steps} such steps so far)",
-                          peak_bytes=peak, fragmented_bytes=fragmented,
-                          steps=self._fragmented_steps)
+                         f"{100 * RESERVED_MARGIN:.0f}% of the process's limit "
+                         f"({size(self.meter.process_limit())}) while the step's peak was "
+                         f"{size(peak)} of the {size(self.budget)} budget: its cached blocks "
+                         f"were released ({self._fragmented_steps} such steps so far)",
+                         peak_bytes=peak, fragmented_bytes=fragmented,
+                         steps=self._fragmented_steps)
         elif needed > limit and needed > self._unfixable_peak * (1 + _WATCHDOG_SLACK):
             # A settled run grew (a longer sequence, a larger batch): what grew is measured in
             # the next step, with the plan as it is, rather than guessed from the peak alone.
             self.say("plan.watchdog", f"step peak {size(peak)} is over the "
-                      f"{size(self.budget)} budget by {size(peak - self.budget)}: measuring "
-                      "a block again in the next step to plan again", peak_bytes=peak,
-                      budget_bytes=self.budget)
+                     f"{size(self.budget)} budget by {size(peak - self.budget)}: measuring "
+                     "a block again in the next step to plan again", peak_bytes=peak,
+                     budget_bytes=self.budget)
             self._start_measuring("watchdog")
         elif (self.adapting and self.steps_since_plan >= _SETTLE_STEPS
               and not self.staging.step() and not self._whole_plan_trial()):
@@ -290,7 +284,7 @@ class AdaptivePlan(ProbeStep, PlanApplication):
             measured = (f"step peak {size(peak)} of the {size(self.budget)} "
                         "budget" if self.cuda else "no VRAM peak to read off a CPU device")
             self.say("plan.settled", f"plan settled: {measured}", peak_bytes=peak,
-                      budget_bytes=self.budget)
+                     budget_bytes=self.budget)
         if self.cuda and self.adapting:
             # Each settling step is read alone; once settled the counter is the user's again
             # and the watchdog reads the peak since then (it only grows).
@@ -338,8 +332,8 @@ class AdaptivePlan(ProbeStep, PlanApplication):
                 return False
             trial = self._whole_trial = WholePlanTrial(choices)
             self.say("plan.trial", f"timing {len(choices)} whole plans, {TRIAL_STEPS} settled "
-                      f"steps each: {', '.join(choices)} (the first runs now)",
-                      plans=len(choices))
+                     f"steps each: {', '.join(choices)} (the first runs now)",
+                     plans=len(choices))
         torch.cuda.synchronize(self.device)
         self._whole_trial_plans[trial.current] = (self.plan, self.extra_working,
                                                   self.corrections)
@@ -401,12 +395,12 @@ class AdaptivePlan(ProbeStep, PlanApplication):
                if peak > self.budget else
                f"the allocator reserved {size(fragmented)} more than it may")
         self.say("plan.trial", f"{trial.current}: {why}; left out of the trial",
-                  peak_bytes=peak)
+                 peak_bytes=peak)
         if not self._trial_went_on(trial, trial.skip(why)):
             # The trial ended with the plan in place (it was timed already): settled.
             self.adapting = False
             self.say("plan.settled", "plan settled after the trial of whole plans",
-                      budget_bytes=self.budget)
+                     budget_bytes=self.budget)
 
     def _end_whole_trial(self, trial: WholePlanTrial, winner: str) -> bool:
         """The fastest plan timed runs on (applied again unless it is the one running); with
@@ -428,8 +422,8 @@ class AdaptivePlan(ProbeStep, PlanApplication):
             except Exception as e:  # noqa: BLE001 - the plan that runs now goes on
                 self._activation_choice = running
                 self.say("plan.trial", f"{winner} measured fastest ({trial.summary()}) but "
-                          f"could not be applied again ({e}): {running} runs on",
-                          **numbers)
+                         f"could not be applied again ({e}): {running} runs on",
+                         **numbers)
                 self.trial_result["winner"] = running
                 return False
             applied = True
@@ -437,28 +431,28 @@ class AdaptivePlan(ProbeStep, PlanApplication):
             applied = False
             self._activation_choice = winner
         self.say("plan.trial", f"{winner} runs on, the fastest of the whole plans timed: "
-                  f"{trial.summary()}", **numbers)
+                 f"{trial.summary()}", **numbers)
         return applied
 
     def _start_measuring(self, reason: str) -> None:
-        self.pager.timing.measured.pop(self.probe_block, None)
-        self.pager.measure = {self.probe_block}
+        self.pager.timing.measured.pop(self.probe.block, None)
+        self.pager.measure = {self.probe.block}
         self._measure_next = reason
         if self.cuda:
             self.meter.reset_peak()
 
     def _plan_from_probe(self) -> None:
-        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe_block)
+        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe.block)
         self.measured = {"activation_bytes": act, "input_bytes": facts[0].input_bytes,
                          "forward_s": forward_s}
         self._working = self._working_from_peak(facts)
         self.measured["working_bytes"] = self._working
         self._measure_host_pass()
         self.say("plan.measured", f"probe: a block saves {size(act)} for backward, its "
-                  f"input is {size(facts[0].input_bytes)}, its forward takes "
-                  f"{1e3 * forward_s:.2f} ms; working memory {size(self._working)}",
-                  activation_bytes=act, input_bytes=facts[0].input_bytes,
-                  forward_ms=1e3 * forward_s, working_bytes=self._working)
+                 f"input is {size(facts[0].input_bytes)}, its forward takes "
+                 f"{1e3 * forward_s:.2f} ms; working memory {size(self._working)}",
+                 activation_bytes=act, input_bytes=facts[0].input_bytes,
+                 forward_ms=1e3 * forward_s, working_bytes=self._working)
         self._facts_cache = facts
         try:
             self.replan()
@@ -473,11 +467,11 @@ class AdaptivePlan(ProbeStep, PlanApplication):
         from the probe's by more than a quarter; after the watchdog, always plans again."""
         reason, self._measure_next = self._measure_next, None
         self.pager.measure = set()
-        if self.probe_block not in self.pager.timing.measured:
+        if self.probe.block not in self.pager.timing.measured:
             return False  # the step did not run the block with gradients: nothing to read
         peak = self.meter.peak() - self.others if self.cuda else 0
-        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe_block)
-        self.pager.timing.measured.pop(self.probe_block)
+        facts, act, forward_s = measured_block_facts(self.pager, self.blocks, self.probe.block)
+        self.pager.timing.measured.pop(self.probe.block)
         working = self._working_from_peak(facts)
         before = dict(self.measured)
 
@@ -502,12 +496,12 @@ class AdaptivePlan(ProbeStep, PlanApplication):
         self._facts_cache = facts
         self._working, self.extra_working = working, 0
         self.say("plan.remeasured", f"measured again ({reason} step): a block saves "
-                  f"{size(act)} for backward, its forward takes {1e3 * forward_s:.2f} ms, "
-                  f"working memory {size(working)} (the {'probe' if reason == 'warm' else 'plan'}"
-                  f" had {size(before['activation_bytes'])}, {1e3 * before['forward_s']:.2f} ms, "
-                  f"{size(before['working_bytes'])}): planning again for the "
-                  f"{' and '.join(changed)}", activation_bytes=act, forward_ms=1e3 * forward_s,
-                  working_bytes=working, probe_forward_ms=1e3 * before["forward_s"])
+                 f"{size(act)} for backward, its forward takes {1e3 * forward_s:.2f} ms, "
+                 f"working memory {size(working)} (the {'probe' if reason == 'warm' else 'plan'}"
+                 f" had {size(before['activation_bytes'])}, {1e3 * before['forward_s']:.2f} ms, "
+                 f"{size(before['working_bytes'])}): planning again for the "
+                 f"{' and '.join(changed)}", activation_bytes=act, forward_ms=1e3 * forward_s,
+                 working_bytes=working, probe_forward_ms=1e3 * before["forward_s"])
         if self.cuda:
             self.meter.reset_peak()
         if reason == "watchdog":
@@ -525,7 +519,7 @@ class AdaptivePlan(ProbeStep, PlanApplication):
                                                 if self.staged_elements else 0)
         return working_from_peak(self.meter.peak() - self.others, facts, self.pager,
                                  self.recompute.indices, self.settings.other_weight_bytes, state,
-                                 self.loss_floor)
+                                 self.probe.loss_floor)
 
     def _measure_host_pass(self) -> float:
         """The host pass per element (0 where no state may move: it decides nothing)."""

@@ -465,7 +465,7 @@ def _room_for_probe(model: torch.nn.Module, plan: Any,
                     loss_bytes: Callable[[torch.Tensor, int], int]) -> Any:
     """For a model with an output head (a language model's logits), the probe step's size is
     read as its forward starts and the plan makes room for its loss (see
-    AdaptivePlan.make_room_for_probe). Once, at the first forward with gradients."""
+    ProbeStep.make_room). Once, at the first forward with gradients."""
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
     weight = getattr(head, "weight", None)
@@ -484,8 +484,8 @@ def _room_for_probe(model: torch.nn.Module, plan: Any,
             tokens = embeds.numel() // embeds.shape[-1]
         else:
             tokens = 0
-        plan.make_room_for_probe(tokens, int(vocab), int(hidden),  # may refuse the step
-                                 loss_bytes(weight, tokens))
+        plan.probe.make_room(tokens, int(vocab), int(hidden),  # may refuse the step
+                             loss_bytes(weight, tokens))
         handle.remove()
 
     handle = model.register_forward_pre_hook(before_forward, with_kwargs=True)

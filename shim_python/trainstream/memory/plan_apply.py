@@ -69,9 +69,9 @@ class PlanApplication:
                 self.host_activation_bytes = host_bytes
             self.plan = plan  # its estimates are the new measurements'
             self.say("plan.kept", f"the plan stands: the measurements move none of its "
-                      f"decisions (estimated peak {size(plan.vram_bytes)} of "
-                      f"{size(self.budget)})", vram_bytes=plan.vram_bytes,
-                      budget_bytes=self.budget)
+                     f"decisions (estimated peak {size(plan.vram_bytes)} of "
+                     f"{size(self.budget)})", vram_bytes=plan.vram_bytes,
+                     budget_bytes=self.budget)
             return False
         self.apply_plan(plan)
         return True
@@ -104,13 +104,13 @@ class PlanApplication:
             self.say("plan.decision", line)
         keep = plan.activation_policy.count("keep")
         self.say("plan.applied",
-                  f"{len(plan.paged_blocks)} of {len(self.blocks)} blocks stream their weights; "
-                  f"activations: {keep} kept, {len(offload)} paged, {len(again)} recomputed; "
-                  f"estimated peak {size(plan.vram_bytes)} of {size(self.budget)}, "
-                  f"{size(plan.pcie_bytes_per_step)} over PCIe a step for paging",
-                  vram_bytes=plan.vram_bytes, budget_bytes=self.budget,
-                  pcie_bytes=plan.pcie_bytes_per_step, paged_blocks=len(plan.paged_blocks),
-                  offloaded_blocks=len(offload), recomputed_blocks=len(again))
+                 f"{len(plan.paged_blocks)} of {len(self.blocks)} blocks stream their weights; "
+                 f"activations: {keep} kept, {len(offload)} paged, {len(again)} recomputed; "
+                 f"estimated peak {size(plan.vram_bytes)} of {size(self.budget)}, "
+                 f"{size(plan.pcie_bytes_per_step)} over PCIe a step for paging",
+                 vram_bytes=plan.vram_bytes, budget_bytes=self.budget,
+                 pcie_bytes=plan.pcie_bytes_per_step, paged_blocks=len(plan.paged_blocks),
+                 offloaded_blocks=len(offload), recomputed_blocks=len(again))
         self.steps_since_plan = 0
         self.adapting = True
         self.plans_applied += 1
@@ -154,6 +154,6 @@ class PlanApplication:
             message += "; no block's moments are staged through the GPU any more"
         estimate = {f"estimated_{k}_ms": 1e3 * v for k, v in plan.step_s.items()}
         self.say("plan.gpu_state", message, gpu_state_blocks=plan.gpu_state_blocks,
-                  gpu_state_elements=self.gpu_state_elements, vram_bytes=held,
-                  staged_blocks=plan.staged_blocks, staged_elements=self.staged_elements,
-                  **estimate)
+                 gpu_state_elements=self.gpu_state_elements, vram_bytes=held,
+                 staged_blocks=plan.staged_blocks, staged_elements=self.staged_elements,
+                 **estimate)
