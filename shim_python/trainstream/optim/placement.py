@@ -75,15 +75,7 @@ class StatePlacement:
                  device_index: int, groups: Callable[[], list],
                  synchronize: Callable[[], None], say: Callable[..., None],
                  steps: Callable[[], int]) -> None:
-        self._cuda = rules.cuda
-        self._kind = rules.kind
-        self._world_size = rules.world_size
-        self._machines = rules.machines
-        self._nonfinite = rules.nonfinite
-        self._moment_dtype = rules.moment_dtype
-        self._max_grad_norm = rules.max_grad_norm
-        self._reports_norm = rules.reports_norm
-        self._eager = rules.eager
+        self._rules = rules
         self._host = host
         self._table = table
         self._gradients = gradients
@@ -115,14 +107,14 @@ class StatePlacement:
 
     def gpu_state_refusal(self) -> str | None:
         """Why no parameter's AdamW state may move to VRAM in this job (None: it may)."""
-        if not self._cuda:
+        if not self._rules.cuda:
             return "a CPU model's updates land in place in the daemon's shared memory"
-        if self._world_size > 1 or self._machines > 1:
+        if self._rules.world_size > 1 or self._rules.machines > 1:
             return "a data-parallel job keeps one state in trainstreamd for every rank"
-        if self._nonfinite in ("skip", "error"):
-            return (f"nonfinite={self._nonfinite!r} checks every gradient in the daemon "
+        if self._rules.nonfinite in ("skip", "error"):
+            return (f"nonfinite={self._rules.nonfinite!r} checks every gradient in the daemon "
                     "before any update")
-        if self._moment_dtype != torch.float32:
+        if self._rules.moment_dtype != torch.float32:
             return BF16_MOMENTS_REFUSAL
         if self.switched_to_gpu:
             return "the whole optimizer runs on the GPU already (offload='auto')"
@@ -134,7 +126,7 @@ class StatePlacement:
     def staged_state_refusal(self) -> str | None:
         """Why no parameter may be updated on the GPU from staged moments (None: it may)."""
         reason = self.gpu_state_refusal()
-        if reason is None and self._reports_norm:
+        if reason is None and self._rules.reports_norm:
             # Held state is updated at step(), after the daemon has the whole norm; staged
             # updates run during backward, before it exists.
             reason = ("max_grad_norm and compute_grad_norm need the global gradient norm, "
@@ -147,9 +139,9 @@ class StatePlacement:
         scaled or skipped. The daemon then waits for the norm (by default it speculates only
         after a step that needed no scaling), or with ``eager=True`` redoes what it
         speculated: either way the host's pass follows backward instead of overlapping it."""
-        if self._eager is False:
+        if self._rules.eager is False:
             return True
-        if not (self._max_grad_norm > 0 or self._nonfinite in ("skip", "error")):
+        if not (self._rules.max_grad_norm > 0 or self._rules.nonfinite in ("skip", "error")):
             return False
         last = self._host.info().last_step
         return last is not None and (last.clip_coef < 1.0 or last.skipped)
@@ -158,7 +150,8 @@ class StatePlacement:
         """Why optimizer_mode="gpu" cannot update this job's parameters on the GPU."""
         if self.switched_to_gpu:
             return "the whole optimizer runs on the GPU already (offload='auto')"
-        return gpu_update_refusal(self._cuda, self._world_size, self._machines, self._nonfinite,
+        rules = self._rules
+        return gpu_update_refusal(rules.cuda, rules.world_size, rules.machines, rules.nonfinite,
                                   self._table.params)
 
     def mapped_candidates(self, excluded: set) -> list[int]:
@@ -252,9 +245,10 @@ class StatePlacement:
         if staged and self.engine is None:
             guard = self.device_guard()
             if self.update_on_gpu:
-                self.engine = MappedAdamW(self._table.params[0].device, self._kind, guard=guard)
+                self.engine = MappedAdamW(self._table.params[0].device, self._rules.kind,
+                                          guard=guard)
             else:
-                self.engine = StagedAdamW(self._table.params[0].device, self._kind,
+                self.engine = StagedAdamW(self._table.params[0].device, self._rules.kind,
                                           found_inf=guard.found if guard is not None else None)
         for i in sorted(staged - self._table.staged):
             self.engine.set_steps(i, self._table.params[i].numel(), steps[i])
@@ -311,12 +305,12 @@ class StatePlacement:
             if params:
                 groups.append(dict(params=params, **torch_group(g)))
                 self._device_groups.append(k)
-        cls = torch.optim.AdamW if self._kind == "adamw" else torch.optim.Adam
+        cls = torch.optim.AdamW if self._rules.kind == "adamw" else torch.optim.Adam
         return cls(groups, fused=True)
 
     def device_guard(self) -> DeviceGuard | None:
         """nonfinite="guard" on the GPU (nonfinite_guard.py): made at the first update there."""
-        if self._nonfinite != "guard" or not self._cuda:
+        if self._rules.nonfinite != "guard" or not self._rules.cuda:
             return None
         if self._guard is None:
             self._guard = DeviceGuard(self._table.params[0].device)
@@ -337,7 +331,7 @@ class StatePlacement:
         which adds it to its own for the step's global norm."""
         held = sorted(self._table.state_in_vram()
                       if not self.update_on_gpu else self._table.on_device)
-        if not self._reports_norm or not held:
+        if not self._rules.reports_norm or not held:
             return
         params = self._table.params
         grads = [params[i].grad for i in held if params[i].grad is not None]
@@ -356,7 +350,7 @@ class StatePlacement:
             return
         current = cuda_device.current(self._device_index)
         if self.update_on_gpu:
-            if not self._reports_norm:
+            if not self._rules.reports_norm:
                 self._start_mapped([i], current)
             return
         self.engine.add(i, p, p.grad, self._host.exp_avg(i), self._host.exp_avg_sq(i),
@@ -406,7 +400,7 @@ class StatePlacement:
             self.say_guarded("among the parameters updated on the GPU,")
         if self.engine is not None:
             current = cuda_device.current(self._device_index)
-            if self.update_on_gpu and self._reports_norm:
+            if self.update_on_gpu and self._rules.reports_norm:
                 self._start_mapped(sorted(self._table.staged), current, clip_coef)
             self.engine.flush(current)
             self.engine.join(current)  # the next forward reads their new weights
@@ -419,7 +413,7 @@ class StatePlacement:
                 guard.check([self._table.params[i].grad for i in
                              self._table.state_in_vram()])
                 optimizer.found_inf = guard.found  # torch's fused AdamW reads it
-            # A forward under inference_mode may complete the iteration (_settle_updates): the
+            # A forward under inference_mode may complete the iteration (settle_updates): the
             # moments torch creates on a first update must still be ordinary tensors.
             with torch.inference_mode(False):
                 optimizer.step()
