@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import trainstream
-from trainstream.memory.adaptive import settling_correction
+from trainstream.memory.step_measures import settling_correction
 from trainstream.memory.planner import BlockFacts, fetch_bytes, spread_order
 from trainstream.memory.step_measures import host_pass_rate, working_from_peak
 

@@ -234,7 +234,7 @@ def test_load_state_dict_reaches_the_daemons_weights(daemon_socket, paged):
     train(model, opt, 3, start=2)
     model.load_state_dict(saved)
     for i, (name, p) in enumerate((n, p) for n, p in model.named_parameters() if p.requires_grad):
-        assert torch.equal(opt._host.master(i).cpu(), saved[name].cpu().float()), name
+        assert torch.equal(opt.host.master(i).cpu(), saved[name].cpu().float()), name
     assert all(torch.equal(v.cpu(), saved[k].cpu()) for k, v in model.state_dict().items())
     train(model, opt, 1, start=5)  # and training goes on from there
     trainstream.unwrap(model)

@@ -463,7 +463,7 @@ def test_bf16_gradients_and_moments_stay_close_to_fp32_adamw(daemon_socket):
     ref, ref_opt, ours, opt = stock_and_wrapped(6, "cuda", gradient_dtype="bfloat16",
                                                 moment_dtype="bfloat16")
     # The daemon's gradient slots are bf16: half the bytes cross PCIe.
-    assert all(opt._host.grad(i).dtype == torch.bfloat16 for i in range(len(opt.table)))
+    assert all(opt.host.grad(i).dtype == torch.bfloat16 for i in range(len(opt.table)))
     train(ref, ref_opt, 20)
     train(ours, opt, 20)
     # bf16 keeps 8 bits of mantissa: each update is off by about 2^-9 of its size.
@@ -786,7 +786,7 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
 
     def decisions():
         plan = session.plan
-        return (plan.gpu_state_blocks, plan.staged_blocks, tuple(plan.plan.paged_blocks),
+        return (plan.state.blocks, plan.state.staged_blocks, tuple(plan.plan.paged_blocks),
                 tuple(plan.plan.activation_policy))
 
     staged_at, chunks_at, plans_at, plan_objects, decided_at = [], [], [], [], []
@@ -794,7 +794,7 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
         train(ref, ref_opt, 1, start=step)
         train(ours, opt, 1, start=step)
         decided_at.append(sum(e["kind"] == "plan.staging_trial" for e in session.events))
-        staged_at.append(session.plan.staged_blocks)
+        staged_at.append(session.plan.state.staged_blocks)
         plans_at.append(decisions())
         plan_objects.append(session.plan.plan)
         chunks_at.append(opt.stats()["staged_state"]["chunks"])
@@ -815,13 +815,13 @@ def test_staging_the_plan_chose_is_timed_against_the_plan_without_it(start_daemo
     assert trial[0]["numbers"]["step_ms"] == pytest.approx(staged_ms)
     kept = staged_ms < unstaged_ms
     assert trial[1]["message"].startswith("staging kept" if kept else "staging dropped")
-    assert (session.plan.staged_blocks > 0) == kept
+    assert (session.plan.state.staged_blocks > 0) == kept
     # Either way the plan that runs was timed, its peaks read: it settles on the deciding step.
     assert decided_at[-1] == 2 and decided_at[-2] == 1, decided_at
     if kept:  # the plan timed, not one made again with as many staged blocks
         assert session.plan.plan is plan_objects[unstaged[0] - 1]
         assert decisions() == plans_at[unstaged[0] - 1]
-        assert session.plan.staged_blocks == trial[0]["numbers"]["staged_blocks"]
+        assert session.plan.state.staged_blocks == trial[0]["numbers"]["staged_blocks"]
     assert (opt.stats()["staged_state"]["tensors"] > 0) == kept
     assert max_diff(ref, ours) <= 1e-5
     # Decided once: later steps neither time nor switch again.

@@ -21,14 +21,16 @@ from typing import Any
 
 import torch
 
-from .plan_apply import PlanApplication
+from .plan_apply import AppliedPlan
 from .plan_probe import ProbeStep
 from .plan_setup import PlanActions, PlanReadings, PlanSettings
 from .plan_trial import TRIAL_STEPS, WholePlanTrial
-from .planner import ACTIVATION_CHOICES, MemoryPlan, MemoryPlanError, plan_memory, size
+from .planner import (ACTIVATION_CHOICES, BlockFacts, MemoryPlan, MemoryPlanError, PlanInputs,
+                      plan_memory, size)
 from .staging_trial import StagingTrial
+from .state_share import OptimizerStateShare
 from .step_measures import (RESERVED_MARGIN, StepMeter, host_pass_rate, measured_block_facts,
-                            working_from_peak)
+                            settling_correction, streamed_weight_bytes, working_from_peak)
 
 # Steps after the plan is applied whose peaks may still correct it; later, only the watchdog.
 _SETTLE_STEPS = 2
@@ -42,26 +44,7 @@ _MAX_CORRECTIONS = 4
 _TRIAL_CORRECTIONS = 2
 
 
-def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) -> int:
-    """The working memory settling adds after a step over the budget so that the next step,
-    under the plan made with it, fits: its peak within ``budget`` and its reserved peak within
-    the margin of the process's limit (``fragmented``: how far past that margin it came).
-
-    The plan's ``estimate`` (with the working memory added so far) missed the measured
-    ``peak`` by ``peak - estimate``, and the next plan's step misses its own estimate by as
-    much while the planner holds that estimate to the budget: the peak fits with
-    ``peak - estimate`` more, and the reserved peak (the peak plus what was reserved but free,
-    taken to be the same next step) comes down by ``fragmented`` with
-    ``budget - estimate + fragmented`` more. Adding only the overshoot past the budget left a
-    plan estimated under the budget unmoved while its steps' reserved peaks stayed at the
-    limit, and a later step ran out of memory (the GPU model matrix, 2026-12-02)."""
-    grew = peak - estimate
-    if fragmented:
-        grew = max(grew, budget - estimate + fragmented)
-    return max(int(grew), int(peak - budget), 1 << 20)
-
-
-class AdaptivePlan(PlanApplication):
+class AdaptivePlan:
     """Owns the activation policy of ``blocks`` (and may stream more of their weights) for a
     wrapped model.
 
@@ -69,6 +52,10 @@ class AdaptivePlan(PlanApplication):
     figures fixed for the run, ``actions`` what the plan may do to the job (stream weights,
     re-declare its host memory, move optimizer state, say a decision), ``readings`` what it
     reads of the job as it runs (memory/plan_setup.py).
+
+    It decides when to plan again (the probe, settling, the trials, the watchdog) and from what
+    (the measurements); ``applied`` holds the plan that runs and applies new ones, ``state``
+    the plan's share of the optimizer state on the GPU.
     """
 
     def __init__(self, blocks: list, pager: Any, recompute: Any, settings: PlanSettings,
@@ -82,21 +69,13 @@ class AdaptivePlan(PlanApplication):
         self.budget = int(settings.budget)
         self.weights_fixed = settings.weights_fixed  # offload="auto" fixes them later too
         self.others = int(settings.others_bytes)
-        # Where optimizer state may move: the options as they stand now (the staging trial
-        # and a switch of the whole optimizer to the GPU change them).
-        movable = actions.set_gpu_state is not None
-        self._gpu_state_option = settings.gpu_state if movable else 0
-        self.gpu_state_blocks = 0
-        self.gpu_state_elements = 0
-        self.staged_blocks = 0
-        self.staged_elements = 0
-        # "auto", or a number of blocks staged through the GPU (planner.PlanInputs).
-        self.staged_option = settings.staged_state if movable else 0
+        self.state = OptimizerStateShare(actions.set_gpu_state, settings.gpu_state,
+                                         settings.staged_state, len(blocks), self.say)
+        self.applied = AppliedPlan(pager, recompute, actions, self.state, self.budget, self.say)
         self._fragmentation_kept_said = False  # _correction_streams said so once
         # Staging the planner chose ("auto") is kept only if it measures faster
         # (staging_trial.py).
         self.staging = StagingTrial(self)
-        self.plans_applied = 0  # a plan applied mid-window restarts a trial's timing
         # The whole-plan trial (plan_trial.py): how blocks VRAM cannot keep are handled now
         # (planner.ACTIVATION_CHOICES), the trial under way, and the plan each choice ran.
         self._activation_choice = "model"
@@ -109,7 +88,6 @@ class AdaptivePlan(PlanApplication):
         self.cuda = pager.cuda
         self.device = pager.device
         self.meter = StepMeter(self.device, pager.timing, self.others, self.say)
-        self.plan: MemoryPlan | None = None
         self.history: list[str] = []
         self.measured: dict = {}
         self.extra_working = 0         # what the settling steps and the watchdog added
@@ -118,7 +96,6 @@ class AdaptivePlan(PlanApplication):
         self._fragmented_steps = 0
         self.steps_since_plan = -1     # -1: the probe has not run
         self.adapting = True
-        self.host_activation_bytes = 0
         # "warm": the first step after the probe's plan measures the block again (the probe is a
         # first step: the allocator grows, libraries pick kernels); "watchdog": a later step
         # grew past the budget, and the next one measures what grew.
@@ -128,6 +105,73 @@ class AdaptivePlan(PlanApplication):
         # The first step: the last block measured while the others recompute or page.
         self.probe = ProbeStep(self)
         self.probe.start()
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        """The plan that runs (None before the probe's)."""
+        return self.applied.plan
+
+    @property
+    def plans_applied(self) -> int:
+        return self.applied.count
+
+    # -- planning and applying ---------------------------------------------------------------
+
+    def _plan_inputs(self, fresh: bool = False) -> PlanInputs:
+        """The planner's inputs from the measurements (see replan for ``fresh``)."""
+        facts = [BlockFacts(weight_bytes=streamed_weight_bytes(self.pager, self.blocks, b),
+                            activation_bytes=f.activation_bytes, input_bytes=f.input_bytes,
+                            trained_share=f.trained_share, trainable=f.trainable)
+                 for b, f in enumerate(self._facts_cache)]
+        host = max(0, self.readings.host_free()) + self.applied.host_activation_bytes
+        if self.settings.host_cap:
+            host = min(host, self.settings.host_cap)
+        trainable = self.settings.other_trainable + sum(f.trainable for f in facts)
+        return PlanInputs(
+            blocks=tuple(facts), other_weight_bytes=self.settings.other_weight_bytes,
+            other_trainable=self.settings.other_trainable, host_state_planned=True,
+            host_update_s=self.measured.get("host_s_per_element", 0.0) * trainable,
+            host_after_backward=bool(self.readings.updates_after_backward()),
+            gpu_state=self.state.option, update_transfer=self.settings.update_transfer,
+            staged_state=self.state.staged_option,
+            staged_vram=self.settings.staged_vram,
+            staged_grad_bytes=self.settings.staged_grad_bytes,
+            working_bytes=self._working + self.extra_working, vram_budget=self.budget,
+            host_budget=host, grad_bytes=0, moment_dtype="float32",
+            param_offload=list(self.pager.paged) if self.weights_fixed else "auto",
+            activation_offload="auto", prefetch_depth=self.settings.prefetch_depth,
+            block_forward_s=self.measured["forward_s"],
+            link_bytes_per_s=self.settings.link_bytes_per_s,
+            transfer_bytes=self.readings.transfer_bytes(),
+            # Settling and the watchdog only add streamed blocks; the probe's plan (and the
+            # trials', ``fresh``) may also take back those streamed before.
+            paged_already=(tuple(self.pager.paged) if self.steps_since_plan >= 0 and not fresh
+                           else ()),
+            activation_choice=self._activation_choice)
+
+    def replan(self, fresh: bool = False) -> bool:
+        """Plans from the measurements and applies the plan when it decides otherwise than
+        the one that runs; returns whether it did. The same decisions again leave the settling
+        count as it is: a measurement that moves no decision is no reason to watch more
+        steps."""
+        inputs = self._plan_inputs(fresh)
+        plan = plan_memory(inputs)
+        if self.applied.decides_the_same(plan):
+            self.applied.keep(plan, list(inputs.blocks))
+            return False
+        self.apply_plan(plan)
+        return True
+
+    def apply_plan(self, plan: MemoryPlan) -> None:
+        """Applies ``plan`` and starts settling it."""
+        self.applied.apply(plan, self._facts_cache)
+        self.steps_since_plan = 0
+        self.adapting = True
+        self.meter.plan_changed()
+        if self.cuda:
+            # What the old plan's steps left cached (another layout of activations, weights and
+            # state) goes back, so that it cannot fragment the new plan's steps.
+            torch.cuda.empty_cache()
 
     # -- after every step -----------------------------------------------------------------------
 
@@ -515,16 +559,14 @@ class AdaptivePlan(PlanApplication):
         """The step's working memory read off its peak (0 off CUDA: no peak to read)."""
         if not self.cuda:
             return 0
-        state = 8 * self.gpu_state_elements + (self.settings.staged_vram
-                                                if self.staged_elements else 0)
+        state = self.state.vram_bytes(self.settings.staged_vram)
         return working_from_peak(self.meter.peak() - self.others, facts, self.pager,
                                  self.recompute.indices, self.settings.other_weight_bytes, state,
                                  self.probe.loss_floor)
 
     def _measure_host_pass(self) -> float:
         """The host pass per element (0 where no state may move: it decides nothing)."""
-        moves = self.readings.host_pass is not None and not (
-            self._gpu_state_option == self.staged_option == 0)
+        moves = self.readings.host_pass is not None and self.state.may_move()
         return host_pass_rate(self.readings.host_pass, self.measured) if moves else 0.0
 
     def say(self, kind: str, message: str, **numbers: float) -> None:
@@ -537,11 +579,11 @@ class AdaptivePlan(PlanApplication):
                 "measured": dict(self.measured),
                 "estimated_vram_bytes": plan.vram_bytes if plan else None,
                 "pcie_bytes_per_step": plan.pcie_bytes_per_step if plan else None,
-                "host_activation_bytes": self.host_activation_bytes,
-                "gpu_state_blocks": self.gpu_state_blocks,
-                "gpu_state_elements": self.gpu_state_elements,
-                "staged_blocks": self.staged_blocks,
-                "staged_elements": self.staged_elements,
+                "host_activation_bytes": self.applied.host_activation_bytes,
+                "gpu_state_blocks": self.state.blocks,
+                "gpu_state_elements": self.state.elements,
+                "staged_blocks": self.state.staged_blocks,
+                "staged_elements": self.state.staged_elements,
                 "estimated_step_s": dict(plan.step_s) if plan else None,
                 # Settling's corrections, the extra working memory they added, the steps whose
                 # reserved memory crowded the process's limit, VRAM held after the last step.

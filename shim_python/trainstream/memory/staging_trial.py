@@ -20,8 +20,9 @@ class TrialledPlan(Protocol):
     device: Any
     adapting: bool           # still settling
     plan: Any                # the MemoryPlan that runs now
-    staged_blocks: int       # blocks whose moments it stages through the GPU
-    staged_option: Any       # "auto", or a number of staged blocks asked for
+    # Its share of the optimizer state on the GPU (state_share.py): staged_blocks, whose
+    # moments are staged through the GPU, and staged_option, "auto" or a number asked for.
+    state: Any
     plans_applied: int       # plans applied so far: one applied mid-window restarts a side
 
     def apply_plan(self, plan: Any) -> None: ...
@@ -48,7 +49,8 @@ class StagingTrial:
     def due(self) -> bool:
         plan = self._plan
         return plan.cuda and plan.adapting and not self._done and (
-            self._trial is not None or (plan.staged_option == "auto" and plan.staged_blocks > 0))
+            self._trial is not None
+            or (plan.state.staged_option == "auto" and plan.state.staged_blocks > 0))
 
     def step(self) -> bool:
         """Called on each settled step; runs the trial of the staging "auto" chose and returns
@@ -62,13 +64,13 @@ class StagingTrial:
         trial = self._trial
         if trial is None:
             trial = self._trial = {"side": "staged", "start": None}
-        if trial["side"] == "staged" and not plan.staged_blocks:
+        if trial["side"] == "staged" and not plan.state.staged_blocks:
             # A settling re-plan staged nothing after all: there is nothing to compare.
             self.stop()
             return False
         if trial["side"] == "staged":
             # The plan being timed (a re-plan of the same decisions renews its estimates).
-            trial.update(blocks=plan.staged_blocks, plan=plan.plan)
+            trial.update(blocks=plan.state.staged_blocks, plan=plan.plan)
         if trial["start"] is None or trial["serial"] != plan.plans_applied:
             torch.cuda.synchronize(plan.device)
             trial.update(start=time.perf_counter(), steps=0, serial=plan.plans_applied)
@@ -110,7 +112,7 @@ class StagingTrial:
                      f"plan could not be applied again ({e}): the plan without staging runs",
                      kept=0.0, **numbers)
             return True
-        plan.staged_option = "auto"
+        plan.state.staged_option = "auto"
         plan.say("plan.staging_trial", f"staging kept: {times}; the plan timed with it runs "
                  "again", kept=1.0, **numbers)
         # Its peaks were read on every step it was timed: it settles now rather than after
@@ -122,11 +124,11 @@ class StagingTrial:
         back), and applies the plan. A plan that cannot be made or applied ends the trial with
         the plan that runs now."""
         plan = self._plan
-        before = plan.staged_option
-        plan.staged_option = 0
+        before = plan.state.staged_option
+        plan.state.staged_option = 0
         try:
             plan.replan(fresh=True)
         except Exception:
-            plan.staged_option = before if plan.staged_blocks else 0
+            plan.state.staged_option = before if plan.state.staged_blocks else 0
             self.stop()
             raise

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the run-time plan (memory/adaptive.py) reads off a step: the VRAM peak and what was
 reserved past the process's limit, VRAM held between steps growing (``StepMeter``), each block's
-facts for the planner, and the step's working memory left once weights and saved activations
-are taken off its peak."""
+facts for the planner, the step's working memory left once weights and saved activations
+are taken off its peak, and what settling adds to it after a step over the budget."""
 
 from __future__ import annotations
 
@@ -158,3 +158,22 @@ def host_pass_rate(host_pass: Callable[[], tuple], measured: dict) -> float:
     measured["host_s_per_element"] = rate
     measured["host_pass_s"] = seconds
     return rate
+
+
+def settling_correction(peak: int, estimate: int, budget: int, fragmented: int) -> int:
+    """The working memory settling adds after a step over the budget so that the next step,
+    under the plan made with it, fits: its peak within ``budget`` and its reserved peak within
+    the margin of the process's limit (``fragmented``: how far past that margin it came).
+
+    The plan's ``estimate`` (with the working memory added so far) missed the measured
+    ``peak`` by ``peak - estimate``, and the next plan's step misses its own estimate by as
+    much while the planner holds that estimate to the budget: the peak fits with
+    ``peak - estimate`` more, and the reserved peak (the peak plus what was reserved but free,
+    taken to be the same next step) comes down by ``fragmented`` with
+    ``budget - estimate + fragmented`` more. Adding only the overshoot past the budget left a
+    plan estimated under the budget unmoved while its steps' reserved peaks stayed at the
+    limit, and a later step ran out of memory (the GPU model matrix, 2026-12-02)."""
+    grew = peak - estimate
+    if fragmented:
+        grew = max(grew, budget - estimate + fragmented)
+    return max(int(grew), int(peak - budget), 1 << 20)

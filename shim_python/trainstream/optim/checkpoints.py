@@ -14,12 +14,12 @@ class Checkpoints:
 
     def state_dict(self) -> dict:
         """``torch.optim.AdamW``-compatible, plus ``"master"``: the fp32 master weights."""
-        if self._gpu_optimizer is not None:
-            return self._gpu_optimizer.state_dict()
-        self._settle_updates()  # between the last backward and step(): the updated state
+        if self.auto.optimizer is not None:
+            return self.auto.optimizer.state_dict()
+        self.settle_updates()  # between the last backward and step(): the updated state
         if self.placement.engine is not None:
             self.placement.engine.synchronize()  # the daemon's moments of staged ones are current
-        ours = self._host.state_dict()
+        ours = self.host.state_dict()
         for i in self.table.on_device:  # the VRAM-held state, as it is now
             p = self.table.params[i]
             if i in self.table.staged:
@@ -27,8 +27,8 @@ class Checkpoints:
                 steps = self.placement.engine.steps_of(i)
                 if steps:
                     entry = {"step": torch.tensor(float(steps)),
-                             "exp_avg": self._host.exp_avg(i),
-                             "exp_avg_sq": self._host.exp_avg_sq(i)}
+                             "exp_avg": self.host.exp_avg(i),
+                             "exp_avg_sq": self.host.exp_avg_sq(i)}
             else:
                 entry = self.placement.device_optimizer.state.get(p)
             ours["state"].pop(i, None)
@@ -53,18 +53,18 @@ class Checkpoints:
                 "iteration": ours["iteration"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._settle_updates()  # the updates landing now would write over what is loaded
+        self.settle_updates()  # the updates landing now would write over what is loaded
         self.synchronize()  # and so would copies still in flight (staged moments, weights)
         if "master" not in state_dict:
             # The weights stay as they are: the daemon's master of the VRAM-held ones first
             # catches up, since the load copies every master back to the model.
             self.placement.state_to_daemon()
-        if self._gpu_optimizer is not None:
+        if self.auto.optimizer is not None:
             if "master" in state_dict:
                 with torch.no_grad():
                     for p, master in zip(self.table.params, state_dict["master"]):
                         p.copy_(master.reshape(p.shape))
-            self._gpu_optimizer.load_state_dict(
+            self.auto.optimizer.load_state_dict(
                 {k: v for k, v in state_dict.items() if k in ("state", "param_groups")})
             return
         position = {id(p): n for n, p in enumerate(self.table.all)}
@@ -81,7 +81,7 @@ class Checkpoints:
             converted["master"] = state_dict["master"]
         if "iteration" in state_dict:
             converted["iteration"] = state_dict["iteration"]
-        self._host.load_state_dict(converted)
+        self.host.load_state_dict(converted)
         for g, loaded in zip(self.param_groups, state_dict["param_groups"]):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 g[key] = loaded[key]
@@ -91,24 +91,20 @@ class Checkpoints:
 
     def save(self, path: str) -> int:
         """Checkpoints the optimizer state by the daemon (atomic rename)."""
-        self._settle_updates()  # between the last backward and step(): the updated state
-        if self._gpu_optimizer is not None:
+        self.settle_updates()  # between the last backward and step(): the updated state
+        if self.auto.optimizer is not None:
             # The state lives in VRAM now: hand the daemon a copy, then let it write the file.
-            param_steps = self.placement.moments_to_daemon(self._gpu_optimizer,
-                                                           range(len(self.table)))
-            self._host.set_groups([daemon_group(g) for g in self.param_groups])
-            self._host.set_step(self.steps, param_steps)
-            self._steps_at_switch, self._steps_on_gpu = self.steps, 0
+            self.auto.state_to_daemon(daemon_group(g) for g in self.param_groups)
         self.placement.state_to_daemon()
-        return self._host.save(path)
+        return self.host.save(path)
 
     def load(self, path: str) -> None:
-        self._settle_updates()  # the updates landing now would write over what is loaded
+        self.settle_updates()  # the updates landing now would write over what is loaded
         self.synchronize()  # and so would copies still in flight (staged moments, weights)
-        self._host.load(path)
+        self.host.load(path)
         self.refresh_weights()
         self.placement.state_from_daemon()
-        if self._gpu_optimizer is not None:
+        if self.auto.optimizer is not None:
             # The GPU optimizer continues from the checkpoint's moments and steps.
-            self._load_gpu_state_from_daemon()
-            self._steps_at_switch, self._steps_on_gpu = self._host.iteration, 0
+            self.auto.state_from_daemon()
+            self.auto.count_from(self.host.iteration)

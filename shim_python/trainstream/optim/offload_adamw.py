@@ -13,7 +13,6 @@ parameters' copies.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 import warnings
 from typing import Any, Iterable
@@ -27,7 +26,7 @@ from ..hooks import HookClock, weak_hook
 from ..transport.host_optimizer import HostOptimizer, ParameterSpec
 from ..transport.launcher import this_machines_ranks
 from .checkpoints import Checkpoints
-from .gpu_switch import AUTO_STEPS, GpuSwitch
+from .gpu_switch import AutoOffload
 from .gradients import GradientRouter, Traffic, in_backward, reduce_across_machines
 from .groups import daemon_group, safe_name
 from .iteration import Iteration
@@ -50,7 +49,7 @@ GRADIENT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": 
 __all__ = ["BF16_MOMENTS_REFUSAL", "GRADIENT_DTYPES", "MOMENT_DTYPES", "NONFINITE", "OffloadAdamW"]
 
 
-class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
+class OffloadAdamW(LayerSurface, Checkpoints, torch.optim.Optimizer):
     """AdamW (``kind="adam"``: Adam) with fp32 master weights and moments in trainstreamd.
 
     ``params``, ``lr``, ``betas``, ``eps`` and ``weight_decay`` as for ``torch.optim.AdamW``.
@@ -133,9 +132,10 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
             # name theirs (wrap() derives it from the launcher).
             job_id = f"adamw-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.client = client or _client.connect(job_id=job_id, rank=rank, world_size=world_size)
+        # The daemon's side (its master weights, moments and gradient slots per parameter).
         # CUDA gradients leave VRAM at every backward, so the daemon sums the micro-steps; CPU
         # gradients accumulate in place in their shared slots and the daemon sees one.
-        self._host = HostOptimizer(
+        self.host = HostOptimizer(
             self.client, specs, groups=[daemon_group(g) for g in self.param_groups], kind=kind,
             moment_dtype=MOMENT_DTYPES[moment_dtype], max_grad_norm=max_grad_norm or 0.0,
             report_grad_norm=compute_grad_norm, nonfinite=nonfinite,
@@ -151,14 +151,14 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         # parameters hold device placeholders), and no update is ever copied to them.
         initial = initial or {}
         # Whether this process made the job's state (wrap() ends such a job if it is refused).
-        self.client.made_job = bool(self._host.initialize)
-        if self._host.initialize:
-            self._host.load_weights([initial.get(id(p), p).detach().float().cpu()
+        self.client.made_job = bool(self.host.initialize)
+        if self.host.initialize:
+            self.host.load_weights([initial.get(id(p), p).detach().float().cpu()
                                      for p in self.table.params])
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
-            info = self._host.info()
+            info = self.host.info()
             # Tensors whose state is older than the job's step: kept in VRAM by a process that
             # ended without unwrap() or a checkpoint since (or without gradients since).
             self.behind_on_resume = [i for i, steps in enumerate(info.param_steps)
@@ -176,7 +176,7 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         self.traffic = Traffic()            # bytes over PCIe each way, since construction
         self._iteration = Iteration()
         self.gradients = GradientRouter(
-            host=self._host, table=self.table, iteration=self._iteration,
+            host=self.host, table=self.table, iteration=self._iteration,
             accumulation_steps=self.accumulation_steps, device_index=self._device_index,
             copy_stream=copy_stream, traffic=self.traffic, clock=self.clock,
             first_gradient=self._iteration_begins,
@@ -185,33 +185,30 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._pager: Any = None             # weight paging (trainstream.memory.pager.BlockPager)
         self._adaptive: Any = None          # the run-time memory plan (memory/adaptive.py)
-        # offload="auto": after AUTO_STEPS steps, decide whether torch's fused GPU AdamW could
-        # hold everything in VRAM instead (see _decide_offload).
         self._world_size = world_size
-        self._switch_when_fits = switch_when_fits
-        self._vram_headroom = float(vram_headroom)
         self._on_decision = on_decision or (lambda kind, message, **numbers: None)
-        self._gpu_optimizer: torch.optim.Optimizer | None = None
-        self._steps_at_switch = 0
-        self._steps_on_gpu = 0
-        self._step_times: list[float] = []
-        self._last_step_end: float | None = None
         # CUDA: each updated parameter is copied back by the native side the moment the daemon
         # announces it (during backward and the rest of the update), not after the whole step.
         self.table.paged = {i for i, p in enumerate(self.table.params) if id(p) in initial}
         self.returns = DeviceReturns(
-            host=self._host, table=self.table, iteration=self._iteration,
+            host=self.host, table=self.table, iteration=self._iteration,
             device_index=self._device_index, copy_stream=copy_stream, clock=self.clock,
             placeholders=set(initial),
-            settle=self._settle_updates, synchronize=self.synchronize,
+            settle=self.settle_updates, synchronize=self.synchronize,
             add_hook=self._hooks.append)
         # Where each parameter's state lives and is updated (the daemon, VRAM, staged, mapped).
         self.placement = StatePlacement(
-            rules=self.rules, host=self._host, table=self.table, gradients=self.gradients,
+            rules=self.rules, host=self.host, table=self.table, gradients=self.gradients,
             returns=self.returns, traffic=self.traffic, device_index=self._device_index,
             groups=lambda: self.param_groups, synchronize=self.synchronize,
             say=lambda kind, message, **numbers: self._on_decision(kind, message, **numbers),
             steps=lambda: self.steps)
+        # offload="auto": after a few offloaded steps, whether torch's fused GPU AdamW could
+        # hold everything in VRAM instead; once it does, ``auto.optimizer`` runs every step.
+        self.auto = AutoOffload(
+            rules=self.rules, table=self.table, placement=self.placement, host=self.host,
+            enabled=bool(switch_when_fits), vram_headroom=float(vram_headroom),
+            say=lambda kind, message, **numbers: self._on_decision(kind, message, **numbers))
         for i, p in enumerate(self.table.params):
             self._take_over(i, p)
         if getattr(self, "_resumed", False):
@@ -228,11 +225,15 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         """Routes parameter ``i``'s gradients to the daemon (and, on a CPU, its storage)."""
         if not self._cuda:
             # The weights live in the daemon's shared memory: its updates land in place.
-            p.data = self._host.param(i)
-            p.grad = self._host.grad(i)
+            p.data = self.host.param(i)
+            p.grad = self.host.grad(i)
             p.grad.zero_()
         self._hooks.append(p.register_post_accumulate_grad_hook(
             weak_hook(self.gradients, "on_gradient_timed")))
+
+    def add_hook(self, handle: Any) -> None:
+        """A hook someone installed for it, removed with it at detach()."""
+        self._hooks.append(handle)
 
     def synchronize(self) -> None:
         """Blocks until every queued copy in either direction has landed."""
@@ -260,7 +261,7 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         self._hooks.clear()
         if not self._cuda:
             for i, p in enumerate(self.table.params):
-                p.data = self._host.param(i).clone()
+                p.data = self.host.param(i).clone()
                 p.grad = None
 
     # -- torch.optim.Optimizer ----------------------------------------------------------------
@@ -273,7 +274,8 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
     def step(self, closure: Any = None, grad_scaler: Any = None, **kwargs: Any) -> Any:
         """Waits for every parameter's update (most finished during backward) and starts the
         copies of the new weights back to the GPU."""
-        if self._gpu_optimizer is not None:
+        gpu_optimizer = self.auto.optimizer
+        if gpu_optimizer is not None:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -288,11 +290,11 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
                 if guard.last_step_found():
                     self.placement.say_guarded("")
                 guard.check([p.grad for p in self.table.params])
-                self._gpu_optimizer.found_inf = guard.found  # torch's fused AdamW reads it
-            self._gpu_optimizer.step()
+                gpu_optimizer.found_inf = guard.found  # torch's fused AdamW reads it
+            gpu_optimizer.step()
             if guard is not None:
                 guard.end_step()
-            self._steps_on_gpu += 1
+            self.auto.stepped_on_gpu()
             if self._adaptive is not None:
                 self._adaptive.after_step()  # the watchdog still reads every step's peak
             return loss
@@ -313,18 +315,37 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         if not self._iteration.completed_early:
             self._complete_iteration()
         self._iteration.stepped()
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._step_times.append(now - self._last_step_end)
-        self._last_step_end = now
+        self.auto.offloaded_step_ended()
         if self._adaptive is not None:
             self._adaptive.after_step()
-        # Decided once the memory plan has settled: its peaks are what the choice compares.
-        if (self._switch_when_fits and self._host.iteration >= AUTO_STEPS
-                and (self._adaptive is None or not self._adaptive.adapting)):
-            self._switch_when_fits = False
-            self._decide_offload()
+        if self.auto.due(self._adaptive):
+            switch = self.auto.decide(self._pager is not None and bool(self._pager.paged),
+                                      self._adaptive)
+            if switch is not None:
+                self._switch_to_gpu()
+                self._on_decision("wrap.offload", switch.message, **switch.numbers)
         return loss
+
+    def _switch_to_gpu(self) -> None:
+        """Moves every parameter's state to torch's fused AdamW on the GPU (offload="auto")."""
+        self.synchronize()
+        self.placement.all_state_to_daemon()  # the daemon's state is whole, then all moves
+        if self._adaptive is not None:
+            self._adaptive.state.left_vram()
+            self._adaptive.weights_fixed = True  # nothing left in the daemon to stream from
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        gpu = self.auto.switch(self.param_groups)
+        for p in self.table.params:
+            p.grad = None
+        self.state = gpu.state
+        self.param_groups = gpu.param_groups  # one list: groups added later reach both
+
+    @property
+    def on_gpu(self) -> bool:
+        """True once offload='auto' moved the optimizer to torch's fused GPU AdamW."""
+        return self.auto.optimizer is not None
 
     def _complete_iteration(self) -> None:
         """Waits for every update of the iteration (most finished during backward) and starts
@@ -340,20 +361,20 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
             # No gradient this step: left alone, as torch does; one updated in VRAM: by the
             # GPU, below.
             if self.gradients.backwards_of(i) == 0 or i in self.table.on_device:
-                for micro in range(self._host.accumulation_steps):
-                    self._host.post(i, micro, no_grad=True)
+                for micro in range(self.host.accumulation_steps):
+                    self.host.post(i, micro, no_grad=True)
         if self._leader:
-            reduce_across_machines(self._host, len(self.table), self._machine_group)
+            reduce_across_machines(self.host, len(self.table), self._machine_group)
         # Queued on the GPU before waiting for the host's updates, so that the two overlap;
         # clipping state held in VRAM waits for the daemon's coefficient instead.
         clip_on_device = self.rules.max_grad_norm > 0 and bool(self.table.on_device)
         if not clip_on_device:
             placement.step_on_device()
-        result = self._host.wait()
+        result = self.host.wait()
         if clip_on_device:
             coef = 1.0
             if not result["skipped"]:
-                last = self._host.info().last_step
+                last = self.host.info().last_step
                 coef = last.clip_coef if last is not None else 1.0
                 placement.clip_on_device(coef)
             placement.step_on_device(coef)
@@ -364,7 +385,7 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
             self._pager.weights_changed()
         self.gradients.iteration_done()
         if self.rules.reports_norm:
-            last = self._host.info().last_step
+            last = self.host.info().last_step
             self.last_grad_norm = last.grad_norm if last is not None else 0.0
         # Every update of this step is on its way back (the session's pump started each copy
         # before queueing its notice; without device returns, the copies start here, last):
@@ -384,12 +405,12 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         if engine is not None:
             engine.flush(cuda_device.current(self._device_index))
 
-    def _settle_updates(self) -> None:
+    def settle_updates(self) -> None:
         """Between the last backward and step(), updates are still landing: a forward, or a
         checkpoint, completes the iteration first and reads the new values, all of them. Not
         in a data-parallel job, where completing waits for every rank's gradients and joins
         the machines' all-reduce, which the other ranks reach only from their step()."""
-        if (self._gpu_optimizer is None and self._world_size == 1 and self._machines == 1
+        if (self.auto.optimizer is None and self._world_size == 1 and self._machines == 1
                 and not in_backward() and self._iteration.start_early_completion()):
             self._complete_iteration()
             self._iteration.completed_before_step()
@@ -398,29 +419,29 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
         # A scheduler changes lr between steps: the daemon gets it before the next updates.
         current = [daemon_group(g) for g in self.param_groups]
         if current != self._pushed:
-            self._host.set_groups(current)
+            self.host.set_groups(current)
             self._pushed = current
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._gpu_optimizer is not None:
-            self._gpu_optimizer.zero_grad(set_to_none)
+        if self.auto.optimizer is not None:
+            self.auto.optimizer.zero_grad(set_to_none)
             return
         if self._cuda:
             for p in self.table.params:
                 p.grad = None
         else:
             for i, p in enumerate(self.table.params):
-                self._host.grad(i).zero_()
-                p.grad = self._host.grad(i)  # backward accumulates into the shared slot
+                self.host.grad(i).zero_()
+                p.grad = self.host.grad(i)  # backward accumulates into the shared slot
 
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group between steps (a layer unfrozen mid-run): its parameters get their state
         in the daemon, starting from their current values, and train from the next step."""
-        if getattr(self, "_host", None) is None:  # torch's constructor adds the first groups
+        if getattr(self, "host", None) is None:  # torch's constructor adds the first groups
             super().add_param_group(param_group)
             return
-        if self._gpu_optimizer is not None:
-            self._gpu_optimizer.add_param_group(param_group)
+        if self.auto.optimizer is not None:
+            self.auto.optimizer.add_param_group(param_group)
             return
         if self._world_size > 1 or self._machines > 1:
             raise FailedPreconditionError(
@@ -445,21 +466,21 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
                  for k, (i, p) in enumerate(zip(range(start, start + len(new)), new))]
         groups = [daemon_group(g) for g in self.param_groups]
         if not new:  # only frozen parameters: the daemon just learns the group
-            self._host.set_groups(groups)
+            self.host.set_groups(groups)
             self._pushed = groups
             self.table.extend(group["params"])
             return
         try:
-            first = self._host.add_parameters(specs, groups)
+            first = self.host.add_parameters(specs, groups)
         except BaseException:
             # Back to the groups the daemon had (it drops a group no parameter is in).
             self.param_groups.pop()
-            self._host.set_groups(self._pushed)
+            self.host.set_groups(self._pushed)
             raise
         self._pushed = groups
         self.table.extend(group["params"])
         if first <= start:
-            self._host.load_weights([p.detach().float().cpu() for p in new], first=start)
+            self.host.load_weights([p.detach().float().cpu() for p in new], first=start)
         self.gradients.extend(len(new))
         self.returns.extend(new)
         for i, p in enumerate(new, start=start):
@@ -545,14 +566,14 @@ class OffloadAdamW(LayerSurface, GpuSwitch, Checkpoints, torch.optim.Optimizer):
 
     @property
     def steps(self) -> int:
-        if self._gpu_optimizer is not None:
-            return self._steps_at_switch + self._steps_on_gpu
-        return self._host.iteration
+        if self.auto.optimizer is not None:
+            return self.auto.steps
+        return self.host.iteration
 
     def stats(self) -> dict:
         """The daemon's figures for this job's optimizer (and where the optimizer runs now)."""
-        info = _client.reply_dict(self._host.info())
-        info["runs_on"] = "gpu" if self._gpu_optimizer is not None else "trainstreamd"
+        info = _client.reply_dict(self.host.info())
+        info["runs_on"] = "gpu" if self.auto.optimizer is not None else "trainstreamd"
         # Parameters updated in VRAM by torch's fused AdamW (keep_state_on_device).
         info["gpu_state"] = {"tensors": len(self.table.state_in_vram()),
                              "elements": self.device_state_elements,

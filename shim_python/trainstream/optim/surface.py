@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ..transport.host_optimizer import HostOptimizer
 
 
 class LayerSurface:
@@ -24,14 +23,9 @@ class LayerSurface:
         return self.table.index.get(id(p))
 
     @property
-    def host(self) -> HostOptimizer:
-        """The daemon's side: its master weights, moments and gradient slots per parameter."""
-        return self._host
-
-    @property
     def is_cuda(self) -> bool:
         """Whether the model's parameters are on a CUDA device."""
-        return self._cuda
+        return self.rules.cuda
 
     @property
     def resumed(self) -> bool:
@@ -89,11 +83,7 @@ class LayerSurface:
     @property
     def switch_pending(self) -> bool:
         """offload="auto" has not decided yet."""
-        return bool(self._switch_when_fits)
-
-    def add_hook(self, handle: Any) -> None:
-        """A hook someone installed for it, removed with it at detach()."""
-        self._hooks.append(handle)
+        return self.auto.enabled
 
     def weights_to_daemon(self, i: int) -> None:
         """Parameter ``i``'s current value into the daemon's master (and model-dtype) copy."""
@@ -117,8 +107,8 @@ class LayerSurface:
         if on_decision is not None:
             self._on_decision = on_decision
         if vram_headroom is not None:
-            self._vram_headroom = float(vram_headroom)
+            self.auto.vram_headroom = float(vram_headroom)
         if switch_when_fits is not None:
-            self._switch_when_fits = bool(switch_when_fits)
+            self.auto.enabled = bool(switch_when_fits)
         if memory_plan is not None:
             self._adaptive = memory_plan
