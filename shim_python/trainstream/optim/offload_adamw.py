@@ -154,7 +154,7 @@ class OffloadAdamW(LayerSurface, Checkpoints, torch.optim.Optimizer):
         self.client.made_job = bool(self.host.initialize)
         if self.host.initialize:
             self.host.load_weights([initial.get(id(p), p).detach().float().cpu()
-                                     for p in self.table.params])
+                                    for p in self.table.params])
         elif world_size == 1:
             # Re-attaching to a job's state (a restarted process): the daemon's weights win.
             self._resumed = True
