@@ -113,6 +113,7 @@ class AdaptivePlan:
 
     @property
     def plans_applied(self) -> int:
+        """Plans applied so far (the trials restart their timing when it moves)."""
         return self.applied.count
 
     # -- planning and applying ---------------------------------------------------------------
@@ -154,10 +155,9 @@ class AdaptivePlan:
         the one that runs; returns whether it did. The same decisions again leave the settling
         count as it is: a measurement that moves no decision is no reason to watch more
         steps."""
-        inputs = self._plan_inputs(fresh)
-        plan = plan_memory(inputs)
+        plan = plan_memory(self._plan_inputs(fresh))
         if self.applied.decides_the_same(plan):
-            self.applied.keep(plan, list(inputs.blocks))
+            self.applied.keep(plan, self._facts_cache)
             return False
         self.apply_plan(plan)
         return True

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .state_share import OptimizerStateShare
+
 # Settled steps timed together on each side of the staging trial.
 _TRIAL_STEPS = 3
 
@@ -20,9 +22,9 @@ class TrialledPlan(Protocol):
     device: Any
     adapting: bool           # still settling
     plan: Any                # the MemoryPlan that runs now
-    # Its share of the optimizer state on the GPU (state_share.py): staged_blocks, whose
-    # moments are staged through the GPU, and staged_option, "auto" or a number asked for.
-    state: Any
+    # Its share of the optimizer state on the GPU: staged_blocks, whose moments are staged
+    # through the GPU, and staged_option, "auto" or a number asked for.
+    state: OptimizerStateShare
     plans_applied: int       # plans applied so far: one applied mid-window restarts a side
 
     def apply_plan(self, plan: Any) -> None: ...
